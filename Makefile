@@ -1,0 +1,20 @@
+# The two commands of the README. Both create or reuse .venv and install what is needed.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: run test setup lint proto bench
+setup:
+	@bash scripts/setup.sh
+
+run: setup
+	$(VENV)/bin/pdcluster demo
+
+test: setup
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q
+
+lint: setup
+	$(PY) -m ruff check .
+
+proto: setup
+	$(PY) scripts/gen_proto.py

@@ -1,0 +1,230 @@
+"""Engine configuration: frozen, validated dataclasses.
+
+Users fill `EngineArgs` (mutable, every field may be "auto"); `EngineArgs.create_engine_config()`
+resolves every "auto" (dtype from the checkpoint, backends from the device, number of KV blocks
+from the memory budget) and returns a frozen `EngineConfig`. Nothing downstream sees "auto".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+BACKENDS = ("auto", "torch", "triton")
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture facts read from a HF `config.json` (see pdcluster/models/hf_config.py)."""
+
+    model_path: str
+    architecture: str  # e.g. "LlamaForCausalLM"
+    model_type: str  # e.g. "llama"
+    dtype: str  # resolved: one of SUPPORTED_DTYPES
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    max_model_len: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None  # frozen items of the HF dict
+    partial_rotary_factor: float = 1.0
+    rope_is_neox_style: bool = True
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    sliding_window: int | None = None
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any] | None:
+        return dict(self.rope_scaling) if self.rope_scaling is not None else None
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int
+    num_blocks: int
+    kv_cache_memory_bytes: int
+    kv_cache_dtype: str  # resolved dtype name
+    enable_prefix_caching: bool
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    device: str  # "cpu" | "cuda"
+    attention_backend: str  # "torch" | "triton"
+    ops_backend: str  # "torch" | "triton"
+    seed: int
+    tokenizer_path: str
+
+
+@dataclass
+class EngineArgs:
+    """User-facing engine options (the keyword arguments of `LLM(...)`)."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    block_size: int = 16
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    kv_cache_memory_bytes: int | None = None
+    num_kv_blocks: int | None = None  # overrides the memory budget (tests force tiny caches)
+    kv_cache_dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    device: str = "auto"
+    attention_backend: str = "auto"
+    ops_backend: str = "auto"
+    seed: int = 0
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
+        unknown = sorted(set(kwargs) - cls.field_names())
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown}; known options: {sorted(cls.field_names())}")
+        return cls(**kwargs)
+
+    def create_engine_config(self) -> EngineConfig:
+        from pdcluster.models.hf_config import load_model_config  # lazy: pulls json/safetensors only
+        from pdcluster.models.registry import resolve_model_path
+
+        model_path = resolve_model_path(self.model)
+        device = _resolve_device(self.device)
+        model_cfg = load_model_config(model_path, dtype=self.dtype, max_model_len=self.max_model_len)
+        if not (isinstance(self.block_size, int) and 1 <= self.block_size <= 1024):
+            raise ValueError(f"block_size must be an integer in [1, 1024], got {self.block_size!r}")
+        if not (isinstance(self.max_num_seqs, int) and 1 <= self.max_num_seqs <= 4096):
+            raise ValueError(f"max_num_seqs must be in [1, 4096], got {self.max_num_seqs!r}")
+        tp = self.tensor_parallel_size
+        if not (isinstance(tp, int) and tp >= 1):
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+        max_len = model_cfg.max_model_len
+        mnbt = self.max_num_batched_tokens
+        if mnbt is None:
+            mnbt = max(2048, self.max_num_seqs) if self.enable_chunked_prefill else max(max_len, self.max_num_seqs)
+        if not isinstance(mnbt, int) or mnbt < 1:
+            raise ValueError(f"max_num_batched_tokens must be a positive integer, got {mnbt!r}")
+        if not self.enable_chunked_prefill and mnbt < max_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({mnbt}) must be >= max_model_len ({max_len}) without chunked prefill")
+        kv_dtype = model_cfg.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+        if kv_dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be 'auto' or one of {SUPPORTED_DTYPES}, got {kv_dtype!r}")
+        cache_cfg = _resolve_cache(self, model_cfg, kv_dtype, device, tp)
+        for name in ("attention_backend", "ops_backend"):
+            if getattr(self, name) not in BACKENDS:
+                raise ValueError(f"{name} must be one of {BACKENDS}, got {getattr(self, name)!r}")
+        # "auto": Triton on CUDA, the torch reference kernels on CPU.
+        auto_backend = "triton" if device == "cuda" else "torch"
+        return EngineConfig(
+            model=model_cfg,
+            cache=cache_cfg,
+            scheduler=SchedulerConfig(self.max_num_seqs, mnbt, max_len, self.enable_chunked_prefill),
+            parallel=ParallelConfig(tp),
+            device=device,
+            attention_backend=auto_backend if self.attention_backend == "auto" else self.attention_backend,
+            ops_backend=auto_backend if self.ops_backend == "auto" else self.ops_backend,
+            seed=self.seed,
+            tokenizer_path=self.tokenizer or model_path,
+        )
+
+
+def kv_bytes_per_block(model: ModelConfig, block_size: int, kv_dtype: str, tp: int = 1) -> int:
+    """Bytes of one KV block on one TP rank (K and V, every layer). KV heads are split across
+    ranks, or replicated when there are fewer KV heads than ranks."""
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[kv_dtype]
+    local_kv_heads = max(1, model.num_key_value_heads // tp)
+    return 2 * model.num_hidden_layers * block_size * local_kv_heads * model.head_dim * itemsize
+
+
+def _resolve_device(device: str) -> str:
+    if device == "auto":
+        if os.environ.get("PDCLUSTER_DEVICE"):
+            return os.environ["PDCLUSTER_DEVICE"]
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    return device
+
+
+def _resolve_cache(args: EngineArgs, model: ModelConfig, kv_dtype: str, device: str, tp: int) -> CacheConfig:
+    per_block = kv_bytes_per_block(model, args.block_size, kv_dtype, tp)
+    if args.num_kv_blocks is not None:
+        if not isinstance(args.num_kv_blocks, int) or args.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be a positive integer, got {args.num_kv_blocks!r}")
+        num_blocks = args.num_kv_blocks
+        budget = num_blocks * per_block
+    else:
+        budget = args.kv_cache_memory_bytes
+        if budget is None:
+            budget = DEFAULT_CPU_KV_CACHE_BYTES if device == "cpu" else _cuda_kv_budget()
+        if not isinstance(budget, int) or budget < per_block:
+            raise ValueError(
+                f"kv_cache_memory_bytes must hold at least one block ({per_block} bytes), got {budget!r}")
+        num_blocks = budget // per_block
+    blocks_per_seq = -(-model.max_model_len // args.block_size)
+    if num_blocks < blocks_per_seq:
+        raise ValueError(
+            f"KV cache of {num_blocks} blocks cannot hold one sequence of max_model_len={model.max_model_len} "
+            f"({blocks_per_seq} blocks of {args.block_size} tokens); raise kv_cache_memory_bytes or lower "
+            f"max_model_len")
+    return CacheConfig(args.block_size, num_blocks, budget, kv_dtype, args.enable_prefix_caching)
+
+
+def _cuda_kv_budget() -> int:
+    import torch
+
+    free, _total = torch.cuda.mem_get_info()
+    return int(free * 0.5)
+
+
+def engine_args_from_dict(d: dict[str, Any]) -> EngineArgs:
+    return EngineArgs.from_kwargs(**d)
+
+
+__all__ = [
+    "CacheConfig", "EngineArgs", "EngineConfig", "ModelConfig", "ParallelConfig", "SchedulerConfig",
+    "kv_bytes_per_block",
+]

@@ -1,0 +1,131 @@
+"""The dataclasses at the engine's internal boundaries, one per direction:
+
+    Scheduler.schedule() -> SchedulerOutput -> ModelRunner.execute() -> ModelRunnerOutput
+        -> Scheduler.update() -> list[EngineCoreOutput] -> OutputProcessor -> RequestOutput
+
+SchedulerOutput must stay plain data (ints, lists, strings, SamplingParams): with tensor
+parallelism rank 0 serialises it (msgpack) and broadcasts it to the other ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdcluster.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the model runner has no state for: first scheduled, or resumed after preemption
+    (then output_token_ids is not empty and everything is recomputed from num_computed_tokens)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class CachedRequestData:
+    """A request the model runner already holds; only its new blocks and progress are sent."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    # req_id -> number of tokens computed for it this step (prefill chunk or 1 for decode)
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests whose runner-side state must be dropped (finished, aborted or preempted).
+    finished_req_ids: set[str] = field(default_factory=set)
+    # Opaque per-step metadata built by the KV connector's scheduler side.
+    kv_connector_metadata: Any = None
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class Logprob:
+    token_id: int
+    logprob: float
+    rank: int  # 1 = most likely
+
+
+@dataclass
+class SampleLogprobs:
+    """Logprob of the sampled token plus the top-n alternatives (n = SamplingParams.logprobs)."""
+
+    sampled: Logprob
+    top: list[Logprob]
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]
+    # One list per request in req_ids order; empty for a request whose prompt chunk did not
+    # reach the end of its known tokens this step (nothing sampled).
+    sampled_token_ids: list[list[int]]
+    logprobs: list[SampleLogprobs | None] = field(default_factory=list)
+    # Filled by the worker side of a KV connector.
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    invalid_block_ids: set[int] = field(default_factory=set)
+
+
+@dataclass
+class EngineCoreOutput:
+    """Per-request token-level delta from one engine step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[SampleLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+    error: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[SampleLogprobs] | None = None
+    cumulative_logprob: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    """What `LLM.generate` returns per prompt and `AsyncEngine.generate` yields per step.
+
+    From AsyncEngine each yield is a delta: `outputs[0].text` / `token_ids` hold only what is new
+    since the previous yield. From LLM.generate it is the whole result.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
+    error: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)

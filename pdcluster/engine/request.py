@@ -1,0 +1,100 @@
+"""Request: the engine-side state of one generation request (owned by the scheduler)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+from pdcluster.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    # Blocks are allocated and a connector is loading their KV from a remote producer; the
+    # request is not scheduled until the connector reports the load finished (or failed).
+    WAITING_FOR_REMOTE_KV = 1
+    RUNNING = 2
+    PREEMPTED = 3
+    # Everything above PREEMPTED is finished.
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7
+
+    @property
+    def finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """vLLM/OpenAI finish_reason string, or None while unfinished."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+class Request:
+    """Token-level state of a request. Text-level state (detokenizer, stop strings) lives in the
+    output processor; block-level state lives in the KV cache manager, keyed by request_id."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: tuple[int, ...] = (),
+        arrival_time: float | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.output_token_ids: list[int] = []
+        self.status = RequestStatus.WAITING
+        # Tokens whose KV is in the cache (computed locally, hit in the prefix cache, or loaded).
+        self.num_computed_tokens = 0
+        # Prompt tokens served from the local prefix cache or a connector when first scheduled.
+        self.num_cached_tokens = -1
+        self.num_preemptions = 0
+        # Chained hashes of the request's full blocks (filled by the KV cache manager).
+        self.block_hashes: list[bytes] = []
+        self.kv_transfer_params = kv_transfer_params
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None
+        self.first_token_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "
+                f"output={self.num_output_tokens}, computed={self.num_computed_tokens})")

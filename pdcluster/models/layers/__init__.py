@@ -1,0 +1,1 @@
+"""pdcluster/models/layers"""

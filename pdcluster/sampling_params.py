@@ -1,0 +1,137 @@
+"""SamplingParams: the per-request generation controls, validated at construction.
+
+Field names and defaults follow vLLM's `SamplingParams`, which users already know.
+Every invalid value raises ValueError naming the field and the limit; services map it to
+INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_LEN = 1024
+MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True, init=False)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1, normalised to 0) disables top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    max_tokens: int = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs to return besides the sampled token
+    skip_special_tokens: bool = True
+    detokenize: bool = True
+    extra: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __init__(self, **kwargs: Any) -> None:
+        names = {f.name for f in dataclasses.fields(self)} - {"extra"}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ValueError(f"SamplingParams: unknown field(s) {unknown}; known fields: {sorted(names)}")
+        for f in dataclasses.fields(self):
+            if f.name == "extra":
+                value: Any = {}
+            elif f.name in kwargs:
+                value = kwargs[f.name]
+            else:
+                value = f.default
+            object.__setattr__(self, f.name, value)
+        self._normalise_and_validate()
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
+        return cls(**{k: v for k, v in d.items() if v is not None})
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (lists instead of tuples) for msgpack/protobuf transport."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        out["stop"] = list(self.stop)
+        out["stop_token_ids"] = list(self.stop_token_ids)
+        return out
+
+    def replace(self, **changes: Any) -> SamplingParams:
+        d = self.to_dict()
+        d.update(changes)
+        return SamplingParams(**d)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    # -- validation ---------------------------------------------------------------------------
+    def _set(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+
+    def _normalise_and_validate(self) -> None:
+        def num(name: str, kinds: tuple[type, ...] = (int, float)) -> Any:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, kinds):
+                raise ValueError(f"{name} must be a number, got {type(v).__name__}")
+            if isinstance(v, float) and v != v:
+                raise ValueError(f"{name} must not be NaN")
+            return v
+
+        def integer(name: str) -> int:
+            return num(name, (int,))
+
+        if integer("n") != 1:
+            raise ValueError(f"n must be 1 (got {self.n}); parallel sampling is not supported")
+        if not 0.0 <= num("temperature") <= 100.0:
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not 0.0 < num("top_p") <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        top_k = integer("top_k")
+        if top_k == -1:
+            self._set("top_k", 0)
+        elif top_k < 0:
+            raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {top_k}")
+        if not 0.0 <= num("min_p") <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None and not 0 <= integer("seed") <= MAX_SEED:
+            raise ValueError(f"seed must be in [0, 2**63 - 1], got {self.seed}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= num(name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < num("repetition_penalty") <= 10.0:
+            raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        if integer("max_tokens") < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not 0 <= integer("min_tokens") <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if self.logprobs is not None and not 0 <= integer("logprobs") <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        stop = self.stop
+        if isinstance(stop, str):
+            stop = (stop,)
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            raise ValueError("stop must be a string or a list of strings")
+        if len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop has {len(stop)} strings; at most {MAX_STOP_STRINGS} allowed")
+        if any(not s or len(s) > MAX_STOP_STRING_LEN for s in stop):
+            raise ValueError(f"stop strings must be non-empty and at most {MAX_STOP_STRING_LEN} characters")
+        self._set("stop", tuple(stop))
+        ids = self.stop_token_ids
+        if not isinstance(ids, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
+        ):
+            raise ValueError("stop_token_ids must be a list of non-negative integers")
+        self._set("stop_token_ids", tuple(ids))
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean")
