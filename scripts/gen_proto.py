@@ -21,8 +21,9 @@ def generate(out_dir: pathlib.Path) -> list[pathlib.Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     protos = sorted(PROTO_DIR.glob("pdcluster/v1/*.proto"))
     include = pathlib.Path(grpc_tools.__file__).parent / "_proto"
-    tmp = out_dir / "_gen"
-    tmp.mkdir(exist_ok=True)
+    import tempfile
+
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="pdcluster-proto-"))  # private: safe to run concurrently
     args = ["protoc", f"-I{PROTO_DIR}", f"-I{include}", f"--python_out={tmp}", f"--pyi_out={tmp}",
             f"--grpc_python_out={tmp}"] + [str(p) for p in protos]
     if protos and protoc.main(args) != 0:
@@ -38,7 +39,7 @@ def generate(out_dir: pathlib.Path) -> list[pathlib.Path]:
         written.append(dst)
     import shutil
 
-    shutil.rmtree(tmp)
+    shutil.rmtree(tmp, ignore_errors=True)
     return written
 
 
