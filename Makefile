@@ -7,7 +7,7 @@ setup:
 	@bash scripts/setup.sh
 
 run: setup
-	$(VENV)/bin/pdcluster demo
+	$(VENV)/bin/pdcluster generate --max-tokens 48
 
 test: setup
 	$(PY) -m ruff check .

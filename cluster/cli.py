@@ -1,0 +1,71 @@
+"""The `pdcluster` command line. Every subcommand imports its implementation lazily so that
+`pdcluster --help`, the router and the client never pay for torch or triton."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+DEFAULT_PROMPT = "The prefill pool reads the whole prompt"
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from pdcluster.cluster.generate_cmd import run_generate
+
+    return run_generate(args)
+
+
+def _cmd_demo_model(args: argparse.Namespace) -> int:
+    from pdcluster.models.demo import ensure_demo_model
+
+    print(ensure_demo_model(args.path))
+    return 0
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text (locally, or through a router with --router)")
+    p.add_argument("--model", default=None, help="local HF model directory (default: the built-in demo model)")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--router", default=None, help="HOST:PORT of a pdcluster router (gRPC)")
+    p.set_defaults(func=_cmd_generate)
+
+
+def _add_demo_model(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo-model", help="write the built-in demo model (HF format) and print its path")
+    p.add_argument("path", nargs="?", default=None)
+    p.set_defaults(func=_cmd_demo_model)
+
+
+_BUILDERS: list[Callable[[argparse._SubParsersAction], None]] = [_add_generate, _add_demo_model]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdcluster", description="Disaggregated prefill/decode LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for build in _BUILDERS:
+        build(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, FileNotFoundError) as e:
+        print(f"pdcluster {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,204 @@
+"""AsyncEngine: the services' view of the engine.
+
+One background thread owns the LLMEngine and steps it; asyncio callers talk to it through a
+command queue and get their per-request deltas through an asyncio.Queue each. torch releases the
+GIL inside its ops, so the event loop stays responsive while a step runs.
+
+    caller (event loop)                      engine thread
+    generate() --("add", req)--> cmds -----> add_prepared(); step(); ... --call_soon_threadsafe--> stream queue
+    abort() / cancelled --("abort")--> cmds -> abort() (frees blocks)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdcluster.config import EngineArgs
+from pdcluster.engine.llm_engine import LLMEngine
+from pdcluster.engine.outputs import CompletionOutput, RequestOutput
+from pdcluster.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+_IDLE_WAIT_S = 0.05
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped; no request can be served."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()  # guards _streams (both threads touch it)
+        self._stop = threading.Event()
+        self._dead: BaseException | None = None
+        self.stats: dict[str, Any] = engine.get_stats()  # snapshot swapped after every step
+        self.last_step_time = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="pdcluster-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, connector: Any = None) -> AsyncEngine:
+        return cls(LLMEngine.from_engine_args(args, connector=connector))
+
+    # -- caller side ---------------------------------------------------------------------------
+    @property
+    def is_healthy(self) -> bool:
+        return self._dead is None and self._thread.is_alive()
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield RequestOutput deltas until one with finished=True. ValueError for bad input;
+        cancelling the iteration (or the task consuming it) aborts the request and frees its blocks."""
+        if self._dead is not None:
+            raise EngineDeadError(f"engine is not running: {self._dead!r}")
+        req, text = self.engine.prepare_request(prompt, sampling_params, request_id, kv_transfer_params)
+        rid = req.request_id
+        stream = _Stream(asyncio.get_running_loop())
+        with self._lock:
+            if rid in self._streams:
+                raise ValueError(f"request_id {rid!r} is already in flight")
+            self._streams[rid] = stream
+        self._cmds.put(("add", req, text))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(rid, None)
+            if not finished:
+                self._cmds.put(("abort", [rid]))
+
+    async def abort(self, request_id: str) -> None:
+        self._cmds.put(("abort", [request_id]))
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run fn(engine) on the engine thread (for connectors and introspection)."""
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._cmds.put(("call", fn, fut))
+        return await fut
+
+    def get_stats(self) -> dict[str, Any]:
+        return self.stats
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._cmds.put(("stop",))
+        self._thread.join(timeout)
+
+    # -- engine thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain(block=not self.engine.has_unfinished_requests())
+                if self._stop.is_set():
+                    break
+                if self.engine.has_unfinished_requests():
+                    self._step()
+        except BaseException as e:  # a bug in the loop itself: fail everyone, loudly
+            logger.exception("engine thread crashed")
+            self._dead = e
+            self._fail_all(EngineDeadError(f"engine crashed: {e!r}"))
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd = self._cmds.get(timeout=_IDLE_WAIT_S) if block else self._cmds.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(cmd)
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            _, req, text = cmd
+            with self._lock:
+                alive = req.request_id in self._streams
+            if alive:  # the caller may have gone away before we got here
+                self.engine.add_prepared(req, text)
+        elif kind == "abort":
+            self.engine.abort(cmd[1])
+        elif kind == "call":
+            _, fn, fut = cmd
+            try:
+                res, err = fn(self.engine), None
+            except Exception as e:
+                res, err = None, e
+            loop = fut.get_loop()
+            loop.call_soon_threadsafe(_settle, fut, res, err)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            # A failed step must not take the service down: fail the requests in flight, free
+            # their blocks, keep serving new ones.
+            logger.exception("engine step failed; aborting the requests in flight")
+            self._fail_all(RuntimeError(f"engine step failed: {e!r}"))
+            return
+        self.last_step_time = time.monotonic()
+        self.stats = self.engine.get_stats()
+        with self._lock:
+            targets = [(self._streams.get(o.request_id), o) for o in outputs]
+        for stream, out in targets:
+            if stream is not None:
+                stream.put(out)
+
+    def _fail_all(self, err: BaseException) -> None:
+        with self._lock:
+            streams = dict(self._streams)
+        try:
+            self.engine.abort(list(streams))
+        except Exception:
+            logger.exception("abort after failure also failed")
+        for rid, stream in streams.items():
+            stream.put(_error_output(rid, str(err)))
+
+
+def _settle(fut: asyncio.Future, res: Any, err: BaseException | None) -> None:
+    if fut.done():
+        return
+    if err is not None:
+        fut.set_exception(err)
+    else:
+        fut.set_result(res)
+
+
+def _error_output(request_id: str, message: str) -> RequestOutput:
+    return RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=[],
+                         outputs=[CompletionOutput(0, "", [], finish_reason="error")], finished=True,
+                         error=message)

@@ -1,0 +1,67 @@
+"""The offline API, shaped like vLLM's `LLM` because that is what users know."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from pdcluster.config import EngineArgs
+from pdcluster.engine.llm_engine import LLMEngine
+from pdcluster.engine.outputs import RequestOutput
+from pdcluster.sampling_params import SamplingParams
+
+PromptType = str | Sequence[int]
+
+
+class LLM:
+    """`LLM(model=PATH, dtype="auto", block_size=16, max_model_len=None, max_num_seqs=64,
+    max_num_batched_tokens=None, enable_prefix_caching=True, kv_cache_memory_bytes=None, ...)`.
+    `model=None` uses the built-in demo model. Unknown options raise ValueError."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(model=model, **kwargs))
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (strings or lists of token ids); outputs in prompt order.
+        Every prompt is validated before any is scheduled, so a bad one rejects the batch early."""
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(f"sampling_params has {len(params_list)} entries for {len(prompt_list)} prompts")
+        prepared = [self.engine.prepare_request(p, sp) for p, sp in zip(prompt_list, params_list)]
+        for req, text in prepared:
+            self.engine.add_prepared(req, text)
+        ids = [req.request_id for req, _ in prepared]
+        pending = set(ids)
+        while pending:
+            for out in self.engine.step():
+                if out.finished:
+                    pending.discard(out.request_id)
+        return [self.engine.get_final(rid) for rid in ids]
+
+    def chat(self, messages: list[dict[str, str]], sampling_params: SamplingParams | None = None) -> RequestOutput:
+        prompt = self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = self.engine.tokenizer.encode(prompt, add_special_tokens=False)
+        return self.generate([ids], sampling_params)[0]
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]  # one prompt given as token ids
+    return list(prompts)
