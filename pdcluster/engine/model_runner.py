@@ -1,0 +1,178 @@
+"""ModelRunner: turns a SchedulerOutput into one forward pass and the sampled tokens.
+
+It keeps its own per-request state (token ids, block ids, progress), updated from the deltas the
+scheduler sends each step, and owns the paged KV cache: ONE tensor
+
+    kv_caches: (num_layers, 2, num_blocks, block_size, num_kv_heads_local, head_dim)   [.., 0]=K, [.., 1]=V
+
+so a KV connector can register a single memory region. A request is sampled only when its
+scheduled tokens reach the end of its known tokens (num_computed + num_scheduled == len(token_ids));
+an intermediate prefill chunk gets an empty list.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pdcluster.config import EngineConfig
+from pdcluster.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from pdcluster.models.decoder import DTYPES
+from pdcluster.models.layers.attention_backend import AttentionBackend, AttentionMetadata
+from pdcluster.models.loader import load_model
+from pdcluster.sampling_params import SamplingParams
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    token_ids: list[int]  # prompt + every output token known to the runner
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+
+
+def make_attention_backend(name: str) -> AttentionBackend:
+    if name == "torch":
+        from pdcluster.models.layers.torch_attention import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    if name == "triton":
+        from pdcluster.models.layers.triton_attention import TritonAttentionBackend  # lazy: imports triton
+
+        return TritonAttentionBackend()
+    raise ValueError(f"attention_backend must be 'torch' or 'triton', got {name!r}")
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+        if os.environ.get("PDCLUSTER_NUM_THREADS"):
+            torch.set_num_threads(int(os.environ["PDCLUSTER_NUM_THREADS"]))
+        self.config = config
+        self.rank = rank
+        self.device = torch.device(config.device)
+        self.block_size = config.cache.block_size
+        self.attn_backend = make_attention_backend(config.attention_backend)
+        self.model = load_model(config.model, self.attn_backend, config.ops_backend, self.device,
+                                tp_rank=rank, tp_size=config.parallel.tensor_parallel_size)
+        self.kv_caches = self._allocate_kv_cache()
+        # Per-layer views (2, num_blocks, block_size, Hk, D) into the one tensor.
+        self.layer_kv_caches: list[torch.Tensor] = list(self.kv_caches.unbind(0))
+        self.requests: dict[str, CachedRequestState] = {}
+        self.sampler: Any = None  # built on first use (pdcluster.engine.sampler)
+
+    def _allocate_kv_cache(self) -> torch.Tensor:
+        m, c = self.config.model, self.config.cache
+        tp = self.config.parallel.tensor_parallel_size
+        num_kv_heads = max(1, m.num_key_value_heads // tp)  # replicated when fewer heads than ranks
+        shape = (m.num_hidden_layers, 2, c.num_blocks, c.block_size, num_kv_heads, m.head_dim)
+        return torch.zeros(shape, dtype=DTYPES[c.kv_cache_dtype], device=self.device)
+
+    def _get_sampler(self) -> Any:
+        if self.sampler is None:
+            from pdcluster.engine.sampler import Sampler  # lazy: written alongside, imports torch only
+
+            # A fixed seed: every TP rank must draw the same noise for unseeded random requests.
+            self.sampler = Sampler(self.config.model.vocab_size, self.device, seed=self.config.seed)
+        return self.sampler
+
+    # -- state ------------------------------------------------------------------------------------
+    def update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            self.requests[new.req_id] = CachedRequestState(
+                new.req_id, list(new.prompt_token_ids) + list(new.output_token_ids), len(new.prompt_token_ids),
+                list(new.block_ids), new.num_computed_tokens, new.sampling_params, tuple(new.eos_token_ids))
+        for cached in so.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    # -- step -------------------------------------------------------------------------------------
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self.update_states(so)
+        reqs = [self.requests[r] for r, n in so.num_scheduled_tokens.items() if n > 0]
+        if not reqs:
+            return ModelRunnerOutput([], [])
+        query_lens = [so.num_scheduled_tokens[r.req_id] for r in reqs]
+        input_ids, positions, meta = self.prepare_inputs(reqs, query_lens)
+        # Sample where the chunk ends at the last known token; index of that token in the batch.
+        do_sample = [r.num_computed_tokens + n == len(r.token_ids) for r, n in zip(reqs, query_lens)]
+        last_token = [e - 1 for e, ok in zip(itertools.accumulate(query_lens), do_sample) if ok]
+        with torch.inference_mode():
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)  # (T, H)
+            sampled: list[int] = []
+            logprobs: list[Any] = []
+            if last_token:
+                logits = self.model.compute_logits(hidden[torch.tensor(last_token, device=self.device)])
+                states = [self._sampling_state(r) for r, ok in zip(reqs, do_sample) if ok]
+                sampled, logprobs = self._get_sampler()(logits, states)
+        out = ModelRunnerOutput([r.req_id for r in reqs], [], [])
+        it = iter(zip(sampled, logprobs))
+        for r, n, ok in zip(reqs, query_lens, do_sample):
+            r.num_computed_tokens += n
+            if ok:
+                token, lp = next(it)
+                r.token_ids.append(token)  # our copy; the scheduler appends to its Request itself
+                out.sampled_token_ids.append([token])
+                out.logprobs.append(lp)
+            else:
+                out.sampled_token_ids.append([])
+                out.logprobs.append(None)
+        return out
+
+    def _sampling_state(self, r: CachedRequestState) -> Any:
+        from pdcluster.engine.sampler import SamplingState
+
+        return SamplingState(r.sampling_params, r.token_ids[: r.num_prompt_tokens],
+                             r.token_ids[r.num_prompt_tokens:], r.eos_token_ids)
+
+    def prepare_inputs(self, reqs: list[CachedRequestState], query_lens: list[int]
+                       ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Flatten the scheduled tokens of every request into (T,) ids and positions, and build the
+        attention metadata. Index math (see attention_backend.py):
+
+            token t of request i: position = context_lens[i] + (t - query_start_loc[i])
+            slot_mapping[t] = block_tables[i, position // block_size] * block_size + position % block_size
+        """
+        dev, bs = self.device, self.block_size
+        context_lens = [r.num_computed_tokens for r in reqs]
+        seq_lens = [c + n for c, n in zip(context_lens, query_lens)]
+        ids: list[int] = []
+        for r, c, s in zip(reqs, context_lens, seq_lens):
+            if s > len(r.token_ids) or s > len(r.block_ids) * bs:
+                raise RuntimeError(f"request {r.req_id!r}: {s} tokens scheduled through but it has "
+                                   f"{len(r.token_ids)} tokens and {len(r.block_ids)} blocks of {bs}")
+            ids.extend(r.token_ids[c:s])
+        num_blocks = -(-max(seq_lens) // bs)  # block-table columns needed this step
+        table = [r.block_ids[:num_blocks] + [0] * (num_blocks - len(r.block_ids[:num_blocks])) for r in reqs]
+        block_tables = torch.tensor(table, dtype=torch.int32)  # (B, num_blocks)
+        q_lens = torch.tensor(query_lens, dtype=torch.int64)
+        query_start_loc = torch.zeros(len(reqs) + 1, dtype=torch.int64)
+        torch.cumsum(q_lens, 0, out=query_start_loc[1:])
+        req_of_token = torch.repeat_interleave(torch.arange(len(reqs)), q_lens)  # (T,)
+        positions = (torch.arange(len(ids)) - query_start_loc[req_of_token]
+                     + torch.tensor(context_lens, dtype=torch.int64)[req_of_token])  # (T,)
+        slot_mapping = block_tables[req_of_token, positions // bs].long() * bs + positions % bs  # (T,)
+        meta = AttentionMetadata(
+            num_reqs=len(reqs),
+            num_tokens=len(ids),
+            query_start_loc=query_start_loc.to(dev, torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
+            block_tables=block_tables.to(dev),
+            slot_mapping=slot_mapping.to(dev),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+            context_lens_cpu=context_lens,
+        )
+        return torch.tensor(ids, dtype=torch.int64, device=dev), positions.to(dev), meta

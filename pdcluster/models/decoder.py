@@ -1,0 +1,134 @@
+"""The pre-norm decoder-only transformer shared by Llama, Mistral, Qwen2 and Qwen3.
+
+The architectures differ only in flags: bias on q/k/v (Qwen2), bias on o_proj (Llama with
+attention_bias), RMSNorm on q and k per head (Qwen3), tied embeddings (small Qwen). Parameter
+names mirror the HF checkpoints except for the two fused projections (see `STACKED_PARAMS`).
+
+Numerics follow transformers: residual adds in the model dtype, norm statistics in float32. The
+residual stream is carried as (hidden, residual) so each norm fuses the preceding add:
+
+    layer i:  hidden, residual = input_norm(hidden + residual)   # add of layer i-1's MLP output
+              hidden           = attn(hidden)
+              hidden, residual = post_attn_norm(hidden + residual)
+              hidden           = mlp(hidden)
+    final:    hidden, _        = norm(hidden + residual)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pdcluster.config import ModelConfig
+from pdcluster.kernels.ops import Ops, get_ops
+from pdcluster.models.layers.activation import SiluAndMul
+from pdcluster.models.layers.attention import Attention
+from pdcluster.models.layers.attention_backend import AttentionBackend, AttentionMetadata
+from pdcluster.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pdcluster.models.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from pdcluster.models.layers.norm import RMSNorm
+from pdcluster.models.layers.rotary import RotaryEmbedding
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# (fused parameter name part, checkpoint name part, shard id): q/k/v and gate/up are fused at load.
+STACKED_PARAMS: tuple[tuple[str, str, str | int], ...] = (
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, ops: Ops,
+                 tp: dict[str, Any]) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, False, dtype, **tp)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, False, dtype, **tp)
+        self.act_fn = SiluAndMul(ops)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, ops: Ops,
+                 dtype: torch.dtype, o_bias: bool, tp: dict[str, Any]) -> None:
+        super().__init__()
+        self.self_attn = Attention(
+            cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, rotary, backend,
+            ops, dtype, qkv_bias=cfg.attention_bias, o_bias=o_bias,
+            qk_norm_eps=cfg.rms_norm_eps if cfg.qk_norm else None, **tp)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, ops, tp)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:  # first layer: the embedding output is the residual stream
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: Ops, dtype: torch.dtype,
+                 o_bias: bool, tp: dict[str, Any]) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, **tp)
+        # One rope table shared by every layer (it is position-only).
+        rotary = RotaryEmbedding(cfg.rotary_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                 cfg.rope_scaling_dict, ops.rotary_embedding, cfg.rope_is_neox_style)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, rotary, backend, ops, dtype, o_bias, tp) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Any,
+                meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            # kv_caches[i]: (2, num_blocks, block_size, Hk, D), from the runner's one 6-D tensor.
+            hidden, residual = layer(positions, hidden, residual, kv_caches[i], meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class DecoderForCausalLM(nn.Module):
+    """Base of every supported architecture; subclasses only set the class flags."""
+
+    # Llama and Qwen3 put `attention_bias` on o_proj too; Qwen2 has q/k/v bias only.
+    O_PROJ_FOLLOWS_ATTENTION_BIAS = True
+
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, ops_backend: str = "torch",
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.config = config
+        ops = get_ops(ops_backend)
+        dtype = DTYPES[config.dtype]
+        tp = {"tp_rank": tp_rank, "tp_size": tp_size}
+        o_bias = config.attention_bias and self.O_PROJ_FOLLOWS_ATTENTION_BIAS
+        self.model = DecoderModel(config, attn_backend, ops, dtype, o_bias, tp)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype, **tp)
+        if config.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Any,
+                attn_meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: (T,) -> hidden states (T, H) in the model dtype."""
+        return self.model(input_ids, positions, kv_caches, attn_meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: (N, H) -> logits (N, V) float32."""
+        return self.lm_head(hidden)
+
+    def stacked_params(self) -> tuple[tuple[str, str, str | int], ...]:
+        return STACKED_PARAMS

@@ -1,0 +1,172 @@
+"""Read a local HF checkpoint's config.json into a frozen `ModelConfig`.
+
+Pure Python (json only, no torch): `EngineArgs.create_engine_config()` calls it in processes that
+must start fast. Both rope spellings are accepted:
+
+    transformers < 5:  "rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", "factor": 8, ...}
+    transformers >= 5: "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8, ...}
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+from typing import Any
+
+from pdcluster.config import SUPPORTED_DTYPES, ModelConfig
+
+logger = logging.getLogger(__name__)
+
+# architecture -> (model_type, qkv bias forced on, q/k norm per head)
+SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
+    "LlamaForCausalLM": ("llama", False, False),
+    "MistralForCausalLM": ("mistral", False, False),
+    "Qwen2ForCausalLM": ("qwen2", True, False),
+    "Qwen3ForCausalLM": ("qwen3", False, True),
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def load_model_config(path: str, dtype: str = "auto", max_model_len: int | None = None) -> ModelConfig:
+    """Parse `path/config.json` (+ generation_config.json) and validate what the engine supports."""
+    root = pathlib.Path(path)
+    cfg_file = root / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"config.json not found in model directory {str(root)!r}")
+    raw: dict[str, Any] = json.loads(cfg_file.read_text())
+    check_weights_exist(root)
+    arch = _architecture(raw)
+    model_type, force_qkv_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
+    if raw.get("mlp_bias"):
+        raise ValueError(f"{arch} with mlp_bias=true is not supported")
+    hidden_act = raw.get("hidden_act", "silu")
+    if hidden_act != "silu":
+        raise ValueError(f"hidden_act {hidden_act!r} is not supported; supported: ['silu']")
+    num_heads = _required_int(raw, "num_attention_heads")
+    hidden = _required_int(raw, "hidden_size")
+    max_pos = int(raw.get("max_position_embeddings", 2048))
+    rope_theta, rope_scaling, partial = _rope(raw, max_pos)
+    sliding_window = _sliding_window(raw, model_type)
+    return ModelConfig(
+        model_path=str(root),
+        architecture=arch,
+        model_type=model_type,
+        dtype=_resolve_dtype(raw, dtype),
+        vocab_size=_required_int(raw, "vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=_required_int(raw, "intermediate_size"),
+        num_hidden_layers=_required_int(raw, "num_hidden_layers"),
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(raw.get("num_key_value_heads") or num_heads),
+        head_dim=int(raw.get("head_dim") or hidden // num_heads),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        max_position_embeddings=max_pos,
+        max_model_len=_resolve_max_model_len(max_model_len, max_pos, sliding_window),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=force_qkv_bias or bool(raw.get("attention_bias", False)),
+        qk_norm=qk_norm,
+        rope_scaling=rope_scaling,
+        partial_rotary_factor=partial,
+        hidden_act=hidden_act,
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=_eos_token_ids(raw, root),
+        sliding_window=sliding_window,
+    )
+
+
+def _required_int(raw: dict[str, Any], key: str) -> int:
+    if key not in raw:
+        raise ValueError(f"config.json is missing required field {key!r}")
+    return int(raw[key])
+
+
+def check_weights_exist(root: pathlib.Path) -> None:
+    if (root / "model.safetensors.index.json").is_file() or any(root.glob("*.safetensors")):
+        return
+    raise FileNotFoundError(
+        f"no safetensors weights in {str(root)!r}: expected model.safetensors, "
+        f"model.safetensors.index.json or *.safetensors (other weight formats are not supported)")
+
+
+def _architecture(raw: dict[str, Any]) -> str:
+    archs = raw.get("architectures") or []
+    for arch in archs:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return arch
+    raise ValueError(f"unsupported architecture {archs!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+
+
+def _resolve_dtype(raw: dict[str, Any], dtype: str) -> str:
+    if dtype == "auto":
+        found = raw.get("torch_dtype") or raw.get("dtype") or "float32"
+        if found not in SUPPORTED_DTYPES:
+            raise ValueError(f"checkpoint dtype {found!r} is not supported; pass dtype= one of {SUPPORTED_DTYPES}")
+        return found
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {SUPPORTED_DTYPES}, got {dtype!r}")
+    return dtype
+
+
+def _rope(raw: dict[str, Any], max_pos: int) -> tuple[float, tuple[tuple[str, Any], ...] | None, float]:
+    """-> (rope_theta, frozen scaling items or None for plain rope, partial_rotary_factor)."""
+    params = dict(raw.get("rope_scaling") or {})
+    params.update(raw.get("rope_parameters") or {})  # the transformers 5 spelling wins
+    theta = float(params.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+    partial = float(params.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported rope type {rope_type!r}; supported: {list(SUPPORTED_ROPE_TYPES)}")
+    if rope_type == "default":
+        return theta, None, partial
+    if rope_type == "llama3":
+        params.setdefault("original_max_position_embeddings", max_pos)
+        missing = [k for k in _LLAMA3_KEYS if k not in params]
+        if missing:
+            raise ValueError(f"llama3 rope scaling is missing {missing}")
+    elif "factor" not in params:
+        raise ValueError(f"{rope_type} rope scaling is missing 'factor'")
+    items = {"rope_type": rope_type, **{k: params[k] for k in params if k in _LLAMA3_KEYS}}
+    return theta, tuple(sorted(items.items())), partial
+
+
+def _sliding_window(raw: dict[str, Any], model_type: str) -> int | None:
+    window = raw.get("sliding_window")
+    if model_type in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+        return None  # Qwen configs carry a window that is only active with use_sliding_window
+    return int(window) if window else None
+
+
+def _resolve_max_model_len(requested: int | None, max_pos: int, sliding_window: int | None) -> int:
+    if requested is None:
+        max_len = max_pos
+    else:
+        if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+            raise ValueError(f"max_model_len must be a positive integer, got {requested!r}")
+        if requested > max_pos:
+            raise ValueError(
+                f"max_model_len ({requested}) exceeds the model's max_position_embeddings ({max_pos})")
+        max_len = requested
+    if sliding_window is not None and sliding_window < max_len:
+        # We only implement full causal attention. It equals sliding-window attention as long as no
+        # sequence is longer than the window, so the window bounds the sequence length.
+        logger.warning("max_model_len capped from %d to the model's sliding_window %d", max_len, sliding_window)
+        max_len = sliding_window
+    return max_len
+
+
+def _eos_token_ids(raw: dict[str, Any], root: pathlib.Path) -> tuple[int, ...]:
+    ids: list[int] = []
+    sources = [raw]
+    gen_file = root / "generation_config.json"
+    if gen_file.is_file():
+        sources.append(json.loads(gen_file.read_text()))
+    for src in sources:
+        eos = src.get("eos_token_id")
+        for tok in eos if isinstance(eos, list) else [eos]:
+            if isinstance(tok, int) and tok not in ids:
+                ids.append(tok)
+    return tuple(ids)

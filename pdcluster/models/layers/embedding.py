@@ -1,0 +1,64 @@
+"""Vocab-parallel token embedding and LM head.
+
+The vocabulary is split into tp_size contiguous ranges of `ceil(V / tp_size)` rows (the last range
+padded with zero rows). The embedding looks up ids of its range and zeros the rest, then the ranks
+sum (all-reduce); the LM head computes the logits of its range and the ranks concatenate
+(all-gather). With tp_size 1 both are a plain lookup / matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.num_local = -(-vocab_size // tp_size)
+        self.vocab_start = tp_rank * self.num_local
+        self.weight = nn.Parameter(torch.zeros(self.num_local, hidden_size, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        # The TP communication hook; None means no reduce (tp_size 1), set by pdcluster.distributed.
+        self.tp_group: object | None = None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        if loaded.shape[0] != self.vocab_size or loaded.shape[1] != param.shape[1]:
+            raise ValueError(f"embedding tensor has shape {tuple(loaded.shape)}, expected "
+                             f"({self.vocab_size}, {param.shape[1]})")
+        rows = min(self.num_local, self.vocab_size - self.vocab_start)
+        param.data[:rows].copy_(loaded.narrow(0, self.vocab_start, rows))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        if self.tp_group is None:
+            raise RuntimeError("VocabParallelEmbedding with tp_size > 1 needs tp_group set before forward")
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.num_local)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0)
+        torch.distributed.all_reduce(out, group=self.tp_group)
+        return out
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """hidden (N, H) -> logits (N, V) float32. Shares its weight with the embedding when tied."""
+
+    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
+        self.weight = embedding.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)  # (N, num_local)
+        if self.tp_size > 1:
+            if self.tp_group is None:
+                raise RuntimeError("ParallelLMHead with tp_size > 1 needs tp_group set before forward")
+            parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
+            torch.distributed.all_gather(parts, logits, group=self.tp_group)
+            logits = torch.cat(parts, dim=-1)
+        # Cast after the matmul (not before) to match transformers, which upcasts the logits.
+        return logits[:, : self.vocab_size].float()

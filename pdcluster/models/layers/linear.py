@@ -1,0 +1,149 @@
+"""Tensor-parallel linear layers (Megatron style).
+
+Column parallel splits the output features across ranks (no communication); row parallel splits
+the input features and sums the partial outputs with one all-reduce. Every parameter carries a
+`weight_loader(param, loaded, shard_id=None)` that copies only this rank's slice of a full
+checkpoint tensor, converting dtype on the way, so loading is identical for any TP size.
+
+    QKV fused output rows (one rank):  [ q heads of rank | k heads of rank | v heads of rank ]
+    gate_up fused output rows:         [ gate slice of rank | up slice of rank ]
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _divide(n: int, d: int, what: str) -> int:
+    if n % d:
+        raise ValueError(f"{what} ({n}) is not divisible by tensor_parallel_size ({d})")
+    return n // d
+
+
+def _copy_into(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"checkpoint tensor for {name} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+    dst.copy_(src)  # copy_ converts to the parameter's dtype and device
+
+
+class LinearBase(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features  # local (this rank's) sizes
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        _copy_into(param.data, loaded, type(self).__name__)
+
+
+class ColumnParallelLinear(LinearBase):
+    """y[:, rank's rows] = x @ W[rank's rows].T; the output stays sharded."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__(in_features, _divide(out_features, tp_size, "output features"), bias, dtype,
+                         tp_rank, tp_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        rows = param.shape[0]
+        _copy_into(param.data, loaded.narrow(0, self.tp_rank * rows, rows), type(self).__name__)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input in one matmul (gate_up_proj);
+    shard_id is the index of the projection in `output_sizes`."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, dtype: torch.dtype,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        self.output_sizes = [_divide(s, tp_size, "output features") for s in output_sizes]  # local
+        super().__init__(in_features, sum(output_sizes), bias, dtype, tp_rank, tp_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        assert isinstance(shard_id, int), "merged linear needs the index of the projection"
+        size = self.output_sizes[shard_id]
+        dst = param.data.narrow(0, sum(self.output_sizes[:shard_id]), size)
+        _copy_into(dst, loaded.narrow(0, self.tp_rank * size, size), f"gate_up shard {shard_id}")
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections fused; heads are split across ranks. With fewer KV heads than
+    ranks each KV head is replicated on tp_size // num_kv_heads consecutive ranks."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
+                 dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1) -> None:
+        self.head_dim = head_dim
+        self.num_heads = _divide(num_heads, tp_size, "num_attention_heads")  # local
+        if num_kv_heads >= tp_size:
+            self.num_kv_heads = _divide(num_kv_heads, tp_size, "num_key_value_heads")
+            self._kv_shard = tp_rank
+        else:
+            _divide(tp_size, num_kv_heads, "replicated KV heads")
+            self.num_kv_heads = 1
+            self._kv_shard = tp_rank // (tp_size // num_kv_heads)
+        out_local = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        super().__init__(hidden_size, out_local * tp_size, bias, dtype, tp_rank, tp_size)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        if shard_id == "q":
+            offset, size, shard = 0, self.q_size, self.tp_rank
+        elif shard_id in ("k", "v"):
+            offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
+            size, shard = self.kv_size, self._kv_shard
+        else:
+            raise ValueError(f"QKV shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+        dst = param.data.narrow(0, offset, size)
+        _copy_into(dst, loaded.narrow(0, shard * size, size), f"qkv shard {shard_id}")
+
+
+class RowParallelLinear(LinearBase):
+    """y = sum over ranks of x[:, rank's cols] @ W[:, rank's cols].T (+ bias once)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__(_divide(in_features, tp_size, "input features"), out_features, bias, dtype,
+                         tp_rank, tp_size)
+        # The single TP communication hook: the process group the partial outputs are summed over.
+        # None means no reduce (tp_size 1); pdcluster.distributed sets it when it starts TP.
+        self.tp_group: object | None = None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        if param.dim() == 1:  # the bias is not split: added once, after the reduce
+            _copy_into(param.data, loaded, "row-parallel bias")
+            return
+        cols = param.shape[1]
+        _copy_into(param.data, loaded.narrow(1, self.tp_rank * cols, cols), type(self).__name__)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        if self.tp_group is None:
+            raise RuntimeError("RowParallelLinear with tp_size > 1 needs tp_group set before forward")
+        out = F.linear(x, self.weight)
+        torch.distributed.all_reduce(out, group=self.tp_group)
+        return out if self.bias is None else out + self.bias

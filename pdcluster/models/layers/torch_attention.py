@@ -1,0 +1,94 @@
+"""Paged attention in plain torch: the CPU backend and the reference the Triton backend is tested
+against.
+
+Per step: write the new K/V into the paged cache, then
+  - requests with several new tokens (prefill chunks) run one SDPA each: straight on the new
+    k/v with a causal mask when nothing is cached before them, otherwise over the context gathered
+    from the cache through the block table with a bottom-right-aligned causal mask;
+  - requests with one new token (decode) run as ONE batched SDPA over their gathered contexts,
+    with a padding mask, so a decode step costs one call per layer whatever the batch size.
+Softmax runs in float32 inside SDPA for every input dtype (as in transformers' sdpa path).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+from pdcluster.kernels.cache_write import reshape_and_cache_torch
+from pdcluster.models.layers.attention_backend import AttentionBackend, AttentionMetadata
+
+
+def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """cache: (num_blocks, block_size, Hk, D); block_tables: (B, max_blocks) ->
+    (B, seq_len, Hk, D): the first seq_len cached tokens of each request (padding where shorter)."""
+    block_size = cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    blocks = cache[block_tables[:, :num_blocks]]  # (B, num_blocks, block_size, Hk, D)
+    return blocks.flatten(1, 2)[:, :seq_len]  # (B, num_blocks * block_size, Hk, D) -> (B, S, Hk, D)
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        reshape_and_cache_torch(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.is_decode_only:
+            return self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale)
+        out = torch.empty_like(q)
+        starts = list(itertools.accumulate(meta.query_lens_cpu, initial=0))
+        decode_idx = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
+        for i, query_len in enumerate(meta.query_lens_cpu):
+            if query_len > 1:
+                s, e = starts[i], starts[i + 1]
+                out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], k_cache, v_cache, meta.block_tables[i],
+                                         meta.context_lens_cpu[i], scale)
+        if decode_idx:
+            rows = torch.tensor(decode_idx, device=q.device)
+            tokens = torch.tensor([starts[i] for i in decode_idx], device=q.device)
+            max_seq_len = max(meta.seq_lens_cpu[i] for i in decode_idx)
+            out[tokens] = self._decode(q[tokens], k_cache, v_cache, meta.block_tables[rows], meta.seq_lens[rows],
+                                       max_seq_len, scale)
+        return out
+
+    @staticmethod
+    def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, block_table: torch.Tensor, context_len: int, scale: float) -> torch.Tensor:
+        """One request's chunk: q (n, Hq, D), k/v (n, Hk, D) -> (n, Hq, D)."""
+        query_len = q.shape[0]
+        qh = q.transpose(0, 1)  # (Hq, n, D)
+        if context_len == 0:
+            # Nothing cached before the chunk: attend over the new k/v, top-left causal.
+            out = F.scaled_dot_product_attention(qh, k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
+                                                 scale=scale, enable_gqa=True)
+            return out.transpose(0, 1)
+        seq_len = context_len + query_len
+        kc = gather_context(k_cache, block_table[None], seq_len)[0].to(q.dtype)  # (S, Hk, D)
+        vc = gather_context(v_cache, block_table[None], seq_len)[0].to(q.dtype)
+        # Query j sits at position context_len + j and sees positions [0, context_len + j].
+        key_pos = torch.arange(seq_len, device=q.device)
+        query_pos = torch.arange(context_len, seq_len, device=q.device)
+        mask = key_pos[None, :] <= query_pos[:, None]  # (n, S)
+        out = F.scaled_dot_product_attention(qh, kc.transpose(0, 1), vc.transpose(0, 1), attn_mask=mask,
+                                             scale=scale, enable_gqa=True)
+        return out.transpose(0, 1)
+
+    @staticmethod
+    def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                seq_lens: torch.Tensor, max_seq_len: int, scale: float) -> torch.Tensor:
+        """One new token per request: q (B, Hq, D) -> (B, Hq, D), all requests in one SDPA call."""
+        kc = gather_context(k_cache, block_tables, max_seq_len).to(q.dtype)  # (B, S, Hk, D)
+        vc = gather_context(v_cache, block_tables, max_seq_len).to(q.dtype)
+        valid = torch.arange(max_seq_len, device=q.device)[None, :] < seq_lens[:, None]  # (B, S)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2),  # (B, Hq, 1, D)
+            kc.transpose(1, 2),  # (B, Hk, S, D)
+            vc.transpose(1, 2),
+            attn_mask=valid[:, None, None, :],  # (B, 1, 1, S)
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out.squeeze(2)  # (B, Hq, D)

@@ -1,0 +1,111 @@
+"""Build a model and fill it from a safetensors checkpoint (single file or sharded).
+
+Every checkpoint tensor goes through its parameter's `weight_loader`, which copies this TP rank's
+slice and converts the dtype. q/k/v and gate/up are fused here, at load time, so the forward pass
+runs one matmul for each. Tensors the model has no parameter for (e.g. rotary `inv_freq`) are
+ignored; parameters no tensor filled are an error that names them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+from collections.abc import Iterator
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from pdcluster.config import ModelConfig
+from pdcluster.models.decoder import STACKED_PARAMS
+from pdcluster.models.hf_config import check_weights_exist
+from pdcluster.models.layers.attention_backend import AttentionBackend
+from pdcluster.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+_INDEX_FILE = "model.safetensors.index.json"
+_EMBED, _LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def load_model(config: ModelConfig, attn_backend: AttentionBackend, ops_backend: str = "torch",
+               device: str | torch.device = "cpu", tp_rank: int = 0, tp_size: int = 1) -> nn.Module:
+    """Instantiate `config.architecture` directly on `device` and load its weights."""
+    cls = get_model_class(config.architecture)
+    with torch.device(device):
+        model = cls(config, attn_backend, ops_backend=ops_backend, tp_rank=tp_rank, tp_size=tp_size)
+    load_weights(model, config.model_path)
+    return model.eval()
+
+
+def checkpoint_files(path: str | pathlib.Path) -> list[pathlib.Path]:
+    root = pathlib.Path(path)
+    check_weights_exist(root)
+    index = root / _INDEX_FILE
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        files = [root / f for f in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{_INDEX_FILE} lists shard(s) that do not exist: {missing}")
+        return files
+    return sorted(root.glob("*.safetensors"))
+
+
+def iter_checkpoint(path: str | pathlib.Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) one at a time, so peak host memory stays ~one tensor above the model."""
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, f.get_tensor(name)
+
+
+def _map_name(name: str) -> tuple[str, str | int | None]:
+    """Checkpoint name -> (our parameter name, shard id) using the fused projection table."""
+    for fused, part, shard_id in STACKED_PARAMS:
+        if f".{part}." in name:
+            return name.replace(f".{part}.", f".{fused}."), shard_id
+    return name, None
+
+
+def _unmap_name(param_name: str, shard_id: str | int | None) -> str:
+    for fused, part, sid in STACKED_PARAMS:
+        if sid == shard_id and f".{fused}." in param_name:
+            return param_name.replace(f".{fused}.", f".{part}.")
+    return param_name
+
+
+def _required_shards(params: dict[str, nn.Parameter]) -> set[tuple[str, str | int | None]]:
+    required: set[tuple[str, str | int | None]] = set()
+    for name in params:
+        shards = [sid for fused, _, sid in STACKED_PARAMS if f".{fused}." in name] or [None]
+        required.update((name, sid) for sid in shards)
+    return required
+
+
+def load_weights(model: nn.Module, path: str | pathlib.Path) -> None:
+    # named_parameters() lists a tied lm_head weight once, under the embedding's name.
+    params = dict(model.named_parameters())
+    loaded: set[tuple[str, str | int | None]] = set()
+    ignored: list[str] = []
+    for ckpt_name, tensor in iter_checkpoint(path):
+        name, shard_id = _map_name(ckpt_name)
+        param = params.get(name)
+        if param is None:
+            ignored.append(ckpt_name)
+            continue
+        param.weight_loader(param, tensor, shard_id)
+        loaded.add((name, shard_id))
+    if _LM_HEAD in params and (_LM_HEAD, None) not in loaded:
+        # No lm_head in the checkpoint although tie_word_embeddings is false: tie it by copying.
+        for ckpt_name, tensor in iter_checkpoint(path):
+            if ckpt_name == _EMBED:
+                params[_LM_HEAD].weight_loader(params[_LM_HEAD], tensor)
+                loaded.add((_LM_HEAD, None))
+                break
+    if ignored:
+        logger.debug("ignored %d checkpoint tensors without a parameter: %s", len(ignored), ignored[:8])
+    missing = sorted(_unmap_name(n, s) for n, s in _required_shards(params) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint {str(path)!r} is missing {len(missing)} required tensor(s): {missing[:10]}")

@@ -1,0 +1,75 @@
+"""Tiny random-weight HF checkpoints for equivalence tests, built and saved by transformers itself.
+
+    make_tiny_checkpoint("qwen3", tmp_path / "q3")  ->  a directory loadable by both transformers
+    (AutoModelForCausalLM.from_pretrained) and pdcluster (load_model_config + load_model).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+TINY_COMMON: dict[str, Any] = {
+    "vocab_size": 384,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+    # Wider than the default 0.02 so greedy decoding wanders over the vocabulary instead of
+    # repeating one token: a stronger equivalence check.
+    "initializer_range": 0.1,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    # Small, so the tiny model's wavelengths fall in all three llama3 bands.
+    "original_max_position_embeddings": 64,
+}
+
+TINY_ARCHS: dict[str, dict[str, Any]] = {
+    "llama": {"rope_parameters": LLAMA3_ROPE},
+    "llama2": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "num_key_value_heads": 4},
+    "mistral": {"rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}},
+    "qwen2": {"tie_word_embeddings": True, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}},
+    # head_dim 32 != hidden 64 / 4 heads.
+    "qwen3": {"head_dim": 32, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}},
+}
+
+
+def _classes(arch: str) -> tuple[type, type]:
+    import transformers as tf
+
+    tf.utils.logging.disable_progress_bar()  # no "Writing model shards" bars in test output
+
+    return {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "llama2": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+    }[arch]
+
+
+def make_tiny_checkpoint(arch: str, path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                         shard: bool = False, seed: int = 0, **config_overrides: Any) -> str:
+    """Build a seeded random tiny `arch` model with transformers and save it (safetensors) at path."""
+    if arch not in TINY_ARCHS:
+        raise ValueError(f"unknown tiny arch {arch!r}; known: {sorted(TINY_ARCHS)}")
+    config_cls, model_cls = _classes(arch)
+    kwargs = {**TINY_COMMON, **TINY_ARCHS[arch], **config_overrides}
+    config = config_cls(**kwargs)
+    torch.manual_seed(seed)
+    model = model_cls(config).to(dtype).eval()
+    model.save_pretrained(str(path), max_shard_size="40KB" if shard else "2GB")
+    return str(path)
