@@ -72,4 +72,20 @@ def make_tiny_checkpoint(arch: str, path: str | os.PathLike, dtype: torch.dtype 
     torch.manual_seed(seed)
     model = model_cls(config).to(dtype).eval()
     model.save_pretrained(str(path), max_shard_size="40KB" if shard else "2GB")
+    write_wordlevel_tokenizer(path, model.config.vocab_size)
     return str(path)
+
+
+def write_wordlevel_tokenizer(path: str | os.PathLike, vocab_size: int) -> None:
+    """A real tokenizer.json whose vocabulary is exactly the model's ("t0" .. "tN", space separated),
+    so text prompts and detokenization work on tiny random checkpoints."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.save(os.path.join(str(path), "tokenizer.json"))
+    with open(os.path.join(str(path), "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "t0"}, f)

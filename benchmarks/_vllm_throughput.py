@@ -1,0 +1,25 @@
+"""Run inside a venv with vLLM's CPU build: prints one JSON line with the elapsed time.
+
+Usage: python _vllm_throughput.py MODEL WORKLOAD_JSON   (workload: {"prompts": [[ids]], "max_tokens": [n]})
+"""
+
+import json
+import sys
+import time
+
+if __name__ == "__main__":  # vLLM's LLM must be created under __main__ (it spawns processes)
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    model, workload = sys.argv[1], json.load(open(sys.argv[2]))
+    llm = LLM(model=model, dtype="bfloat16", max_model_len=1024, enforce_eager=False, seed=0)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in workload["prompts"]]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in workload["max_tokens"]]
+    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+    times = []
+    for _ in range(workload.get("repeats", 1)):
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        times.append(time.perf_counter() - t0)
+    gen = sum(len(o.outputs[0].token_ids) for o in outs)
+    print("RESULT " + json.dumps({"times": times, "generated": gen}))

@@ -1,0 +1,160 @@
+"""The whole offline stack (LLM -> scheduler -> runner -> sampler -> detokenizer) against
+transformers, and invariance of greedy outputs under every scheduling choice."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pdcluster import LLM, SamplingParams
+
+ARCHS = ["llama", "llama2", "mistral", "qwen2", "qwen3"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+
+
+def _prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def _hf_greedy(path: str, prompts: list[list[int]], n: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    outs = []
+    for p in prompts:  # one at a time: no padding, so nothing differs from our unpadded batches
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)
+        outs.append(gen[0, len(p):].tolist())
+    return outs
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_batch_equals_transformers(tiny_ckpts, arch: str) -> None:
+    path = tiny_ckpts(arch)
+    llm = LLM(path, dtype="float32")
+    prompts = _prompts(llm.engine.config.model.vocab_size, [1, 7, 16, 23, 40])
+    ours = llm.generate(prompts, GREEDY)
+    assert _tokens(ours) == _hf_greedy(path, prompts, 32)
+    assert all(o.outputs[0].finish_reason == "length" for o in ours)
+    assert llm.engine.get_stats()["num_running"] == 0
+
+
+@pytest.fixture(scope="module")
+def llama_case(tiny_ckpts):
+    path = tiny_ckpts("llama")
+    base = LLM(path, dtype="float32", enable_prefix_caching=False, max_num_batched_tokens=4096)
+    vocab = base.engine.config.model.vocab_size
+    shared = _prompts(vocab, [37], seed=7)[0]
+    prompts = _prompts(vocab, [5, 18, 33, 50]) + [shared + p for p in _prompts(vocab, [3, 17], seed=9)]
+    return path, prompts, _tokens(base.generate(prompts, GREEDY))
+
+
+@pytest.mark.parametrize("opts", [
+    dict(enable_prefix_caching=True),
+    dict(max_num_batched_tokens=8),
+    dict(max_num_batched_tokens=13, block_size=5),
+    dict(max_num_batched_tokens=64, block_size=1),
+    dict(max_num_seqs=1),
+    # A cache so small that running requests must be preempted and recomputed.
+    dict(block_size=4, num_kv_blocks=40, max_num_batched_tokens=64),
+], ids=["prefix-cache", "chunk8", "chunk13-bs5", "chunk64-bs1", "one-seq", "preemption"])
+def test_greedy_invariant_under_scheduling(llama_case, opts: dict) -> None:
+    path, prompts, expected = llama_case
+    llm = LLM(path, dtype="float32", max_model_len=128, **opts)
+    # Twice: the second round hits the prefix cache (when enabled) for every prompt.
+    for _ in range(2):
+        assert _tokens(llm.generate(prompts, GREEDY)) == expected
+    stats = llm.engine.get_stats()
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["kv_blocks_used"] == 0
+    if opts.get("num_kv_blocks"):
+        assert stats["num_preemptions"] > 0
+
+
+def test_batch_composition_and_order(llama_case) -> None:
+    path, prompts, expected = llama_case
+    llm = LLM(path, dtype="float32")
+    for i in (0, 3, 5):
+        assert _tokens(llm.generate([prompts[i]], GREEDY)) == [expected[i]]
+    rev = list(reversed(prompts))
+    assert _tokens(llm.generate(rev, GREEDY)) == list(reversed(expected))
+
+
+def test_prefix_cache_hits_are_counted(llama_case) -> None:
+    path, prompts, _ = llama_case
+    llm = LLM(path, dtype="float32", block_size=4)
+    llm.generate(prompts[-2:], GREEDY)
+    out = llm.generate(prompts[-1:], GREEDY)[0]
+    assert out.num_cached_tokens >= 36  # the 37-token shared prefix, rounded down to full blocks
+    assert llm.engine.get_stats()["prefix_cache_hit_rate"] > 0
+
+
+def test_seeded_sampling_reproducible_whatever_the_batch(llama_case) -> None:
+    path, prompts, _ = llama_case
+    llm = LLM(path, dtype="float32")
+    sp = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=24, ignore_eos=True)
+    alone = _tokens(llm.generate([prompts[1]], sp))[0]
+    other = SamplingParams(temperature=1.0, seed=99, max_tokens=24, ignore_eos=True)
+    mixed = llm.generate([prompts[0], prompts[1], prompts[2]], [other, sp, other])
+    assert mixed[1].outputs[0].token_ids == alone
+    again = LLM(path, dtype="float32", max_num_batched_tokens=8)
+    assert _tokens(again.generate([prompts[1]], sp))[0] == alone
+    assert _tokens(llm.generate([prompts[1]], sp.replace(seed=1235)))[0] != alone
+
+
+def test_stop_token_and_stop_string(demo_model: str) -> None:
+    llm = LLM(demo_model)
+    base = llm.generate(["Hello, world!"], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+    toks, text = base.outputs[0].token_ids, base.outputs[0].text
+    stop_tok = toks[5]
+    first = toks.index(stop_tok)
+    out = llm.generate(["Hello, world!"], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                          stop_token_ids=[stop_tok]))[0].outputs[0]
+    assert out.token_ids == toks[:first + 1] and out.finish_reason == "stop" and out.stop_reason == stop_tok
+    stop_str = text[len(text) // 2: len(text) // 2 + 3]
+    assert stop_str
+    cut = text.index(stop_str)
+    out = llm.generate(["Hello, world!"], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                          stop=[stop_str]))[0].outputs[0]
+    assert out.text == text[:cut] and out.finish_reason == "stop" and out.stop_reason == stop_str
+    out = llm.generate(["Hello, world!"], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop_str],
+                                                          include_stop_str_in_output=True))[0].outputs[0]
+    assert out.text == text[:cut + len(stop_str)]
+
+
+@pytest.mark.parametrize("prompt, params, field", [
+    ("", {}, "prompt"),
+    ([], {}, "prompt"),
+    ([5] * 300, {}, "max_model_len"),
+    ([10**9], {}, "prompt_token_ids[0]"),
+    ([1, -2], {}, "prompt_token_ids[1]"),
+    ("hi", {"max_tokens": 0}, "max_tokens"),
+    ("hi", {"temperature": -0.5}, "temperature"),
+    ("hi", {"top_p": 0.0}, "top_p"),
+    ("hi", {"top_p": 1.5}, "top_p"),
+    ("hi", {"bogus_field": 1}, "bogus_field"),
+])
+def test_bad_input_names_the_field_and_engine_keeps_serving(demo_model: str, prompt, params, field) -> None:
+    llm = _demo_llm(demo_model)
+    with pytest.raises(ValueError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        llm.generate([prompt], SamplingParams(**params))
+    ok = llm.generate(["still serving"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    assert len(ok.outputs[0].token_ids) == 4
+    assert llm.engine.get_stats()["num_running"] == 0
+
+
+_DEMO: dict[str, LLM] = {}
+
+
+def _demo_llm(path: str) -> LLM:
+    if path not in _DEMO:
+        _DEMO[path] = LLM(path, max_model_len=256)
+    return _DEMO[path]

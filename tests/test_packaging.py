@@ -1,0 +1,39 @@
+"""The built wheel must contain every module of every component folder (pyproject lists packages
+explicitly, so a new package folder that is not listed would silently vanish from installs)."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+COMPONENTS = {
+    "pdcluster": "pdcluster", "kernels": "pdcluster/kernels", "cluster": "pdcluster/cluster",
+    "prefill_worker": "pdcluster/prefill_worker", "decode_worker": "pdcluster/decode_worker",
+    "connectors": "pdcluster/connectors", "router": "pdcluster/router", "kvstore": "pdcluster/kvstore",
+}
+
+
+def _expected_modules() -> set[str]:
+    out = set()
+    for folder, dest in COMPONENTS.items():
+        for f in (ROOT / folder).rglob("*.py"):
+            if "__pycache__" in f.parts:
+                continue
+            out.add(f"{dest}/{f.relative_to(ROOT / folder).as_posix()}")
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_wheel_contains_every_module(tmp_path: pathlib.Path) -> None:
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path), str(ROOT)], check=True)
+    wheel = next(tmp_path.glob("pdcluster-*.whl"))
+    names = set(zipfile.ZipFile(wheel).namelist())
+    missing = sorted(_expected_modules() - names)
+    assert not missing, f"modules missing from the wheel (add their package to pyproject.toml): {missing}"
+    assert "pdcluster/_proto/__init__.py" in names
