@@ -1,0 +1,197 @@
+"""Routing policies: which worker of a pool serves a request.
+
+One interface, `RoutingPolicy.pick(request, workers, stats) -> WorkerView | None`, pure: no I/O,
+no clocks, no global state (a policy instance may keep its own counter or seeded RNG). The
+router filters the pool (role, circuit breaker) before calling pick; pick itself skips
+unhealthy workers and returns None when nobody can serve.
+
+Load of a worker (`WorkerStats.queue_len`): the larger of the router's own in-flight count
+(fresh, but blind to other routers) and the worker's running + waiting (counts everybody,
+but as old as the last stats poll).
+"""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, ClassVar
+
+from .prefix_index import PrefixIndex
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    request_id: str
+    prompt_token_ids: Sequence[int] = ()
+    # Chained block hashes of the prompt; None = compute from prompt_token_ids when a policy
+    # needs them (prefix_aware with a block_size).
+    block_hashes: Sequence[bytes] | None = None
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    worker_id: str
+    address: str
+    role: str = "both"  # "prefill" | "decode" | "both"
+    healthy: bool = True
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0  # fraction of KV blocks in use, [0, 1]
+    num_inflight: int = 0  # requests this router has sent and not seen finish
+
+    @property
+    def queue_len(self) -> int:
+        return max(self.num_inflight, self.num_running + self.num_waiting)
+
+
+_IDLE = WorkerStats()
+StatsMap = Mapping[str, WorkerStats]
+
+
+def _healthy(workers: Sequence[WorkerView]) -> list[WorkerView]:
+    return [w for w in workers if w.healthy]
+
+
+def _load_key(stats: StatsMap, w: WorkerView) -> tuple[int, float]:
+    s = stats.get(w.worker_id, _IDLE)
+    return (s.queue_len, s.kv_usage)
+
+
+class RoutingPolicy(ABC):
+    name: ClassVar[str]
+
+    @abstractmethod
+    def pick(self, request: RouteRequest, workers: Sequence[WorkerView], stats: StatsMap) -> WorkerView | None:
+        """The worker to serve request, or None when no healthy worker is left."""
+
+
+class RoundRobin(RoutingPolicy):
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def pick(self, request: RouteRequest, workers: Sequence[WorkerView], stats: StatsMap) -> WorkerView | None:
+        candidates = _healthy(workers)
+        if not candidates:
+            return None
+        w = candidates[self._next % len(candidates)]
+        self._next += 1
+        return w
+
+
+class LeastLoaded(RoutingPolicy):
+    """Shortest queue, then lowest KV usage, then list order (deterministic)."""
+
+    name = "least_loaded"
+
+    def pick(self, request: RouteRequest, workers: Sequence[WorkerView], stats: StatsMap) -> WorkerView | None:
+        candidates = _healthy(workers)
+        if not candidates:
+            return None
+        return min(candidates, key=lambda w: _load_key(stats, w))
+
+
+class PowerOfTwo(RoutingPolicy):
+    """Less loaded of two random workers: near least-loaded balance, but robust to stale stats
+    (many routers do not all stampede the same 'least loaded' worker)."""
+
+    name = "power_of_two"
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    def pick(self, request: RouteRequest, workers: Sequence[WorkerView], stats: StatsMap) -> WorkerView | None:
+        candidates = _healthy(workers)
+        if len(candidates) <= 1:
+            return candidates[0] if candidates else None
+        a, b = self._rng.sample(candidates, 2)
+        return a if _load_key(stats, a) <= _load_key(stats, b) else b
+
+
+def _compute_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    # Imported lazily: the router needs the engine's exact hash function (a cached prefix is
+    # only found if both sides hash identically) but not the rest of the engine at import.
+    from pdcluster.engine.block_hash import compute_block_hashes
+
+    return list(compute_block_hashes(list(token_ids), block_size))
+
+
+class PrefixAware(RoutingPolicy):
+    """Prefer the worker that already caches the longest prefix of the prompt, unless it is
+    much busier than the others:
+
+        score(w) = matched_blocks(w) / num_blocks  -  load_weight * queue_len(w) / max_queue_len
+
+    Both terms are in [0, 1]: with load_weight=0.5 a fully cached but busiest worker still beats
+    an idle one with nothing cached, while a half-cached busiest worker ties an idle uncached
+    one. Ties go to the less loaded worker. With no cached overlap anywhere it falls back to
+    least_loaded (scores would all be load-only anyway; this keeps the two policies consistent).
+    """
+
+    name = "prefix_aware"
+
+    def __init__(
+        self,
+        index: PrefixIndex,
+        *,
+        block_size: int | None = None,
+        load_weight: float = 0.5,
+        hash_fn: Callable[[Sequence[int], int], Sequence[bytes]] | None = None,
+        fallback: RoutingPolicy | None = None,
+    ) -> None:
+        if load_weight < 0:
+            raise ValueError("load_weight must be >= 0")
+        self.index = index
+        self.block_size = block_size
+        self.load_weight = load_weight
+        self._hash_fn = hash_fn or _compute_block_hashes
+        self.fallback = fallback or LeastLoaded()
+
+    def block_hashes(self, request: RouteRequest) -> Sequence[bytes]:
+        if request.block_hashes is not None:
+            return request.block_hashes
+        if self.block_size is None or len(request.prompt_token_ids) < self.block_size:
+            return ()
+        return self._hash_fn(request.prompt_token_ids, self.block_size)
+
+    def pick(self, request: RouteRequest, workers: Sequence[WorkerView], stats: StatsMap) -> WorkerView | None:
+        candidates = _healthy(workers)
+        hashes = self.block_hashes(request)
+        matched = self.index.match(hashes, [w.worker_id for w in candidates]) if hashes else {}
+        if not matched:
+            return self.fallback.pick(request, candidates, stats)
+        max_queue = max(1, max(_load_key(stats, w)[0] for w in candidates))
+
+        def rank(w: WorkerView) -> tuple[float, int, float]:
+            queue_len, kv_usage = _load_key(stats, w)
+            score = matched.get(w.worker_id, 0) / len(hashes) - self.load_weight * queue_len / max_queue
+            return (-score, queue_len, kv_usage)  # min() -> best score, then least loaded
+
+        return min(candidates, key=rank)
+
+    def overlap(self, request: RouteRequest, workers: Sequence[WorkerView]) -> dict[str, int]:
+        """Matched blocks per worker (for metrics and the router's conditional disaggregation)."""
+        hashes = self.block_hashes(request)
+        return self.index.match(hashes, [w.worker_id for w in workers]) if hashes else {}
+
+
+POLICIES: Mapping[str, type[RoutingPolicy]] = MappingProxyType(
+    {cls.name: cls for cls in (RoundRobin, LeastLoaded, PowerOfTwo, PrefixAware)}
+)
+
+
+def make_policy(name: str, **kwargs: Any) -> RoutingPolicy:
+    """A policy by registry name; kwargs go to its constructor (prefix_aware needs index=)."""
+    try:
+        cls = POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown routing policy {name!r}; choose one of {sorted(POLICIES)}") from None
+    return cls(**kwargs)
