@@ -1,0 +1,209 @@
+"""KVCacheManager: which blocks each request holds, and the prefix cache over them.
+
+A request's block table, by token position (block_size = 4 here):
+
+    tokens   | t0 t1 t2 t3 | t4 t5 t6 t7 | t8 t9 .. .. |
+    blocks   |    b7       |    b2       |    b9       |   (req_to_blocks[req_id])
+    hashes   |    h0       |    h1       |   (partial: no hash yet)
+             ^ cached ^^^^^^^^^^^^^^^^^^^  num_cached_blocks = 2
+
+Invariants:
+  - blocks[:num_cached_blocks[req_id]] are published in the prefix cache (or are duplicates of a
+    published block); a block is published only once every one of its tokens' KV is computed
+    (locally, or loaded by a connector whose load has finished)
+  - allocate_slots either allocates everything asked for or changes nothing (returns None)
+  - request.block_hashes[i] is the chained hash of tokens [i*bs, (i+1)*bs); hashes are computed
+    for every full block, cached or not, so connectors and the router can use them as keys
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from pdcluster.engine.block_hash import hash_block_tokens
+from pdcluster.engine.block_pool import BlockPool, KVCacheBlock, KVEvent
+from pdcluster.engine.request import Request
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def token_range(request: Request, start: int, end: int) -> list[int]:
+    """request.all_token_ids[start:end] without concatenating the whole sequence."""
+    prompt, n = request.prompt_token_ids, request.num_prompt_tokens
+    if end <= n:
+        return prompt[start:end]
+    if start >= n:
+        return request.output_token_ids[start - n:end - n]
+    return prompt[start:] + request.output_token_ids[:end - n]
+
+
+@dataclass
+class KVCacheStats:
+    num_blocks: int
+    num_used_blocks: int  # ref_cnt > 0
+    num_free_blocks: int  # allocatable, cached ones included
+    num_cached_blocks: int  # published in the prefix cache (in use or free)
+    usage: float
+    prefix_queries: int  # tokens looked up (one lookup per request admission)
+    prefix_hits: int  # of those, tokens served from the local prefix cache
+    external_hits: int  # tokens served by a KV connector
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, max_model_len: int,
+                 enable_kv_events: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.max_model_len = max_model_len
+        self.pool = BlockPool(num_blocks, enable_caching, enable_kv_events)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}
+        self._prefix_queries = 0
+        self._prefix_hits = 0
+        self._external_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def update_block_hashes(self, request: Request) -> None:
+        """Extend request.block_hashes to cover every full block of its tokens (incremental)."""
+        bs, hashes = self.block_size, request.block_hashes
+        for i in range(len(hashes), request.num_tokens // bs):
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block_tokens(parent, token_range(request, i * bs, (i + 1) * bs)))
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest run of cached full blocks from the start of the request's tokens.
+
+        Never covers the last token: its logits must be computed. Takes no references; pass the
+        result to allocate_slots in the same step (nothing may allocate in between).
+        """
+        self.update_block_hashes(request)
+        if not self.enable_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for h in request.block_hashes[:max_blocks]:
+            b = self.pool.get_cached_block(h)
+            if b is None:
+                break
+            hits.append(b)
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
+                       new_computed_blocks: list[KVCacheBlock] | None = None,
+                       num_external_tokens: int = 0) -> list[int] | None:
+        """Make room for the KV of request.num_computed_tokens + num_new_computed_tokens (prefix hits,
+        covered by new_computed_blocks) + num_external_tokens (a connector loads them) +
+        num_new_tokens (computed this step).
+
+        Returns the ids of the blocks appended to the request's block table ([] when none were
+        needed), or None when the free blocks do not suffice; then nothing changed.
+        """
+        new_computed_blocks = new_computed_blocks or []
+        req_id = request.request_id
+        held = self.req_to_blocks.get(req_id)
+        if new_computed_blocks and held:
+            raise ValueError(f"{req_id}: prefix-cache hits can only be added to a request without blocks")
+        if num_new_computed_tokens != len(new_computed_blocks) * self.block_size:
+            raise ValueError(f"{req_id}: num_new_computed_tokens does not match new_computed_blocks")
+        num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_external_tokens + num_new_tokens
+        if num_tokens > self.max_model_len:
+            raise ValueError(f"{req_id}: {num_tokens} tokens exceed max_model_len={self.max_model_len}")
+        num_held = len(held) if held else 0
+        num_to_allocate = max(0, _cdiv(num_tokens, self.block_size) - num_held - len(new_computed_blocks))
+        # Hits sitting in the free list stop being allocatable once touched.
+        num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_to_allocate > self.pool.num_free_blocks - num_free_hits:
+            return None
+
+        if held is None:
+            held = self.req_to_blocks[req_id] = []
+            self.num_cached_blocks[req_id] = len(new_computed_blocks)
+            # One lookup per admission (a resumed request counts again: it looked up again).
+            self._prefix_queries += request.num_tokens
+            self._prefix_hits += num_new_computed_tokens
+            self._external_hits += num_external_tokens
+        self.pool.touch(new_computed_blocks)
+        new_blocks = self.pool.get_new_blocks(num_to_allocate)
+        held.extend(new_computed_blocks)
+        held.extend(new_blocks)
+        return [b.block_id for b in new_computed_blocks] + [b.block_id for b in new_blocks]
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Publish the request's blocks that num_computed_tokens made full. Call after every step
+        (and when a connector's load finishes) with the tokens whose KV is now in the cache."""
+        self.update_block_hashes(request)
+        req_id = request.request_id
+        blocks = self.req_to_blocks.get(req_id)
+        if not self.enable_caching or not blocks:
+            return
+        num_cached = self.num_cached_blocks[req_id]
+        num_full = min(num_computed_tokens // self.block_size, len(request.block_hashes), len(blocks))
+        if num_full <= num_cached:
+            return
+        bs = self.block_size
+        tokens = token_range(request, num_cached * bs, num_full * bs) if self.pool.enable_kv_events else None
+        self.pool.cache_full_blocks(blocks, request.block_hashes, num_cached, num_full, bs, tokens)
+        self.num_cached_blocks[req_id] = num_full
+
+    def invalidate_blocks(self, block_ids: Iterable[int]) -> None:
+        """Unpublish blocks whose KV is bad (a failed transfer). Requests holding them keep them;
+        their published prefix is cut back to before their first bad block."""
+        bad = set(block_ids)
+        self.pool.evict_blocks(bad)
+        for req_id, blocks in self.req_to_blocks.items():
+            for i, b in enumerate(blocks[:self.num_cached_blocks[req_id]]):
+                if b.block_id in bad:
+                    self.num_cached_blocks[req_id] = i
+                    break
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks (no-op when it holds none). Tail first: see BlockPool."""
+        blocks = self.req_to_blocks.pop(request.request_id, None)
+        self.num_cached_blocks.pop(request.request_id, None)
+        if blocks:
+            self.pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+    def take_events(self) -> list[KVEvent]:
+        return self.pool.take_events()
+
+    def make_stats(self) -> KVCacheStats:
+        s = self.pool.stats()
+        return KVCacheStats(
+            num_blocks=s.num_blocks,
+            num_used_blocks=s.num_blocks - s.num_free_blocks,
+            num_free_blocks=s.num_free_blocks,
+            num_cached_blocks=s.num_cached_blocks,
+            usage=self.pool.usage,
+            prefix_queries=self._prefix_queries,
+            prefix_hits=self._prefix_hits,
+            external_hits=self._external_hits,
+        )
+
+
+__all__ = ["KVCacheManager", "KVCacheStats", "token_range"]
