@@ -35,10 +35,12 @@ class LLMEngine:
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
+        # The model's eos ids plus the tokenizer's (which include generation_config.json's, e.g.
+        # Llama-3 instruct's <|eot_id|>).
         ids = list(self.config.model.eos_token_ids)
-        tok_eos = getattr(self.tokenizer, "eos_token_id", None)
-        if tok_eos is not None and tok_eos not in ids:
-            ids.append(tok_eos)
+        for t in getattr(self.tokenizer, "eos_token_ids", ()) or ():
+            if t not in ids:
+                ids.append(t)
         return tuple(ids)
 
     def new_request_id(self) -> str:

@@ -1,0 +1,301 @@
+"""Sampler: one next token per request from a batch of logits.
+
+Pipeline per step (each stage runs only on the rows that use it, vectorised over those rows):
+
+    raw logits[:, :vocab_size]                -> logprobs (log_softmax of the raw logits, vLLM v1 default)
+      -> penalties (repetition, presence, frequency)
+      -> min_tokens mask (eos / stop_token_ids forbidden until min_tokens outputs exist)
+      -> greedy rows: argmax
+      -> random rows: / temperature -> min_p -> top_k -> top_p -> softmax -> inverse CDF
+
+Each random row needs one uniform u: the token is the first whose cumulative probability exceeds
+u. For a seeded request u is a stable hash of (seed, output position) only, so its tokens do not
+depend on the batch it runs in, the process, the device, or which worker sampled the previous
+token (disaggregated prefill/decode reproduces the aggregated run). Unseeded rows draw u from one
+engine-level generator. (One uniform per row instead of vocabulary-sized Gumbel/exponential noise:
+the same distribution for a fraction of the random numbers, and no per-row generator launches.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+
+from pdcluster.engine.outputs import Logprob, SampleLogprobs
+from pdcluster.sampling_params import SamplingParams
+
+# Temperatures below this are treated as greedy: dividing logits by them gains nothing over argmax
+# and risks overflow to inf (vLLM uses the same cut-off).
+_GREEDY_TEMPERATURE = 1e-5
+# top_k/top_p look at this many most likely tokens first; a whole-vocabulary sort only when a
+# row's kept set may reach past them (top_k larger, or top_p not reached within them).
+_NUM_CANDIDATES = 1024
+
+
+@dataclass
+class SamplingState:
+    """What the sampler needs to know about one request for one step."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # generated so far (penalties, min_tokens, seeded position)
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.params.temperature < _GREEDY_TEMPERATURE
+
+    @property
+    def has_penalties(self) -> bool:
+        p = self.params
+        return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+    def min_tokens_banned_ids(self) -> tuple[int, ...]:
+        """Token ids to forbid this step so that the request cannot stop before min_tokens.
+
+        stop_token_ids are always banned. eos is banned only without ignore_eos: with ignore_eos,
+        eos does not end the request, so it is an ordinary token and masking it would distort the
+        distribution for nothing (same as vLLM's all_stop_token_ids).
+        """
+        p = self.params
+        if len(self.output_token_ids) >= p.min_tokens:
+            return ()
+        if p.ignore_eos:
+            return p.stop_token_ids
+        return p.stop_token_ids + self.eos_token_ids
+
+
+def seeded_uniform_bits(seed: int, position: int) -> int:
+    """32 random bits for (request seed, output position), the same on every process and platform
+    (a cryptographic hash, never Python's salted hash)."""
+    digest = hashlib.blake2b(struct.pack("<QQ", seed, position), digest_size=4).digest()
+    return int.from_bytes(digest, "little")
+
+
+class Sampler:
+    def __init__(
+        self, vocab_size: int, device: torch.device | str = "cpu", *, seed: int | None = None
+    ) -> None:
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        # Engine-level generator for unseeded requests; seeded from the OS unless a seed is given
+        # (tests, or tensor-parallel ranks that must draw the same noise).
+        self._generator = torch.Generator(device=self.device)
+        if seed is None:
+            self._generator.seed()
+        else:
+            self._generator.manual_seed(seed)
+
+    def __call__(
+        self, logits: torch.Tensor, states: list[SamplingState]
+    ) -> tuple[list[int], list[SampleLogprobs | None]]:
+        if logits.dim() != 2 or logits.shape[0] != len(states):
+            raise ValueError(f"logits must be (num_reqs={len(states)}, V), got {tuple(logits.shape)}")
+        if logits.shape[1] < self.vocab_size:
+            raise ValueError(f"logits have {logits.shape[1]} columns < vocab_size={self.vocab_size}")
+        if not states:
+            return [], []
+        # Columns past vocab_size are padding of the LM head: never sampled, never in logprobs.
+        logits = logits[:, : self.vocab_size].to(self.device)
+        banned = [s.min_tokens_banned_ids() for s in states]
+        plain = all(s.is_greedy and not s.has_penalties and s.params.logprobs is None for s in states)
+        if plain and not any(banned):
+            return logits.argmax(dim=-1).tolist(), [None] * len(states)
+
+        raw = logits.float()
+        # Penalties and bans edit in place: copy only then (raw stays intact for logprobs). Every
+        # (B, V) copy or gather costs as much as a softmax, so stages skip them where they can.
+        edits = any(banned) or any(s.has_penalties for s in states)
+        x = raw.clone() if edits else raw
+        if edits:
+            self._apply_penalties(x, states)
+            self._apply_bans(x, banned)
+        greedy = [i for i, s in enumerate(states) if s.is_greedy]
+        random = [i for i, s in enumerate(states) if not s.is_greedy]
+        if not random:
+            token_ids = x.argmax(dim=-1)
+        elif not greedy:
+            token_ids = self._sample_random(x, states)
+        else:
+            token_ids = torch.empty(len(states), dtype=torch.long, device=self.device)
+            token_ids[self._index(greedy)] = x[self._index(greedy)].argmax(dim=-1)
+            rows = self._index(random)
+            token_ids[rows] = self._sample_random(x[rows], [states[i] for i in random])
+        return token_ids.tolist(), self._logprobs(raw, token_ids, states)
+
+    # -- stages -------------------------------------------------------------------------------
+    def _index(self, rows: list[int]) -> torch.Tensor:
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
+
+    def _on_rows(
+        self, x: torch.Tensor, rows: list[int], fn: Callable[..., torch.Tensor], *args: torch.Tensor
+    ) -> torch.Tensor:
+        """fn(x[rows], *args) written back into x; no gather/scatter when rows is every row."""
+        if len(rows) == x.shape[0]:
+            return fn(x, *args)
+        idx = self._index(rows)
+        x[idx] = fn(x[idx], *args)
+        return x
+
+    def _apply_penalties(self, x: torch.Tensor, states: list[SamplingState]) -> None:
+        rows = [i for i, s in enumerate(states) if s.has_penalties]
+        if not rows:
+            return
+        sub = [states[i] for i in rows]
+        idx = self._index(rows)
+        xs = x[idx]  # (R, V)
+        out_counts = self._token_counts([s.output_token_ids for s in sub])
+        rep = torch.tensor([s.params.repetition_penalty for s in sub], device=self.device)[:, None]
+        if any(s.params.repetition_penalty != 1.0 for s in sub):
+            # HF semantics: a token seen in prompt or output has its logit divided by the penalty
+            # when positive and multiplied when negative (both push it towards "less likely").
+            seen = out_counts > 0
+            seen |= self._token_counts(
+                [s.prompt_token_ids if s.params.repetition_penalty != 1.0 else [] for s in sub]
+            ) > 0
+            xs = torch.where(seen, torch.where(xs > 0, xs / rep, xs * rep), xs)
+        # OpenAI semantics over generated tokens only: subtract freq * count + presence * [count > 0].
+        freq = torch.tensor([s.params.frequency_penalty for s in sub], device=self.device)[:, None]
+        pres = torch.tensor([s.params.presence_penalty for s in sub], device=self.device)[:, None]
+        xs = xs - freq * out_counts - pres * (out_counts > 0).float()
+        x[idx] = xs
+
+    def _token_counts(self, seqs: list[list[int]]) -> torch.Tensor:
+        """(len(seqs), V) float counts of each token id per sequence, built with one scatter."""
+        v = self.vocab_size
+        counts = torch.zeros(len(seqs), v + 1, device=self.device)  # column v collects invalid ids
+        lengths = torch.tensor([len(s) for s in seqs], device=self.device)
+        if int(lengths.sum()) == 0:
+            return counts[:, :v]
+        flat = torch.tensor(list(chain.from_iterable(seqs)), dtype=torch.long, device=self.device)
+        flat = torch.where((flat < 0) | (flat >= v), v, flat)
+        row = torch.repeat_interleave(torch.arange(len(seqs), device=self.device), lengths)
+        counts.index_put_((row, flat), torch.ones_like(flat, dtype=counts.dtype), accumulate=True)
+        return counts[:, :v]
+
+    def _apply_bans(self, x: torch.Tensor, banned: list[tuple[int, ...]]) -> None:
+        pairs = [(i, t) for i, ids in enumerate(banned) for t in ids if 0 <= t < self.vocab_size]
+        if pairs:
+            rows, cols = zip(*pairs, strict=True)
+            x[self._index(list(rows)), self._index(list(cols))] = float("-inf")
+
+    def _sample_random(self, x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        """One token per row of x (R, V), all rows random; x itself is not modified."""
+        temps = torch.tensor([s.params.temperature for s in states], device=self.device)
+        xs = x / temps[:, None]  # new tensor: x may be the caller's raw logits
+        min_p_rows = [j for j, s in enumerate(states) if s.params.min_p > 0.0]
+        if min_p_rows:
+            min_p = torch.tensor([states[r].params.min_p for r in min_p_rows], device=self.device)
+            xs = self._on_rows(xs, min_p_rows, _min_p_mask, min_p)
+        trunc_rows = [j for j, s in enumerate(states) if s.params.top_k > 0 or s.params.top_p < 1.0]
+        if trunc_rows:
+            v = self.vocab_size
+            k = [min(states[r].params.top_k or v, v) for r in trunc_rows]
+            top_k = torch.tensor(k, device=self.device)
+            top_p = torch.tensor([states[r].params.top_p for r in trunc_rows], device=self.device)
+            xs = self._on_rows(xs, trunc_rows, _top_k_top_p_mask, top_k, top_p)
+        # Inverse CDF: the first token whose cumulative probability exceeds u * total. Masked tokens
+        # have probability exactly 0 so the CDF does not rise at them and they are never picked.
+        # float64: a float32 running sum over ~150k entries drifts by more than small probabilities.
+        cdf = xs.softmax(dim=-1).cumsum(dim=-1, dtype=torch.float64)  # (R, V)
+        u = self._uniforms(states) * cdf[:, -1:]  # (R, 1), strictly below the total
+        return torch.searchsorted(cdf, u, right=True)[:, 0].clamp_(max=self.vocab_size - 1)
+
+    def _uniforms(self, states: list[SamplingState]) -> torch.Tensor:
+        """(R, 1) float64 on the grid k / 2**32 (so u * total < total). A seeded row's value is a
+        hash of (seed, output position): the same on every device, process and batch."""
+        u = torch.empty(len(states), 1, dtype=torch.float64, device=self.device)
+        unseeded = [j for j, s in enumerate(states) if s.params.seed is None]
+        if unseeded:
+            draws = torch.randint(0, 2**32, (len(unseeded), 1), generator=self._generator, device=self.device)
+            u[self._index(unseeded)] = draws.double() * 2.0**-32
+        seeded = [j for j, s in enumerate(states) if s.params.seed is not None]
+        if seeded:
+            values = [seeded_uniform_bits(states[j].params.seed, len(states[j].output_token_ids)) * 2.0**-32
+                      for j in seeded]
+            u[self._index(seeded)] = torch.tensor(values, dtype=torch.float64, device=self.device)[:, None]
+        return u
+
+    def _logprobs(
+        self, raw: torch.Tensor, token_ids: torch.Tensor, states: list[SamplingState]
+    ) -> list[SampleLogprobs | None]:
+        out: list[SampleLogprobs | None] = [None] * len(states)
+        rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
+        if not rows:
+            return out
+        idx = self._index(rows)
+        lp = torch.log_softmax(raw[idx], dim=-1)  # (R, V)
+        sampled = token_ids[idx]
+        sampled_lp = lp.gather(1, sampled[:, None])  # (R, 1)
+        ranks = (lp > sampled_lp).sum(dim=-1) + 1
+        num_top = max(states[i].params.logprobs or 0 for i in rows)
+        top_vals_l: list[list[float]] = [[] for _ in rows]
+        top_ids_l: list[list[int]] = [[] for _ in rows]
+        if num_top:
+            top_vals, top_ids = lp.topk(num_top, dim=-1)  # (R, num_top), most likely first
+            top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
+        sampled_l, sampled_lp_l, ranks_l = sampled.tolist(), sampled_lp[:, 0].tolist(), ranks.tolist()
+        for r, i in enumerate(rows):
+            n = states[i].params.logprobs or 0
+            pairs = zip(top_ids_l[r][:n], top_vals_l[r][:n], strict=True)
+            top = [Logprob(t, lv, rank) for rank, (t, lv) in enumerate(pairs, start=1)]
+            out[i] = SampleLogprobs(sampled=Logprob(sampled_l[r], sampled_lp_l[r], ranks_l[r]), top=top)
+        return out
+
+
+def _min_p_mask(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the most likely token's."""
+    probs = x.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
+    return x.masked_fill(probs < threshold, float("-inf"))
+
+
+def _top_k_top_p_mask(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the top_k most likely tokens, then the smallest most-likely set of the survivors whose
+    probability reaches top_p. top_k = V and top_p = 1 disable a row's filter.
+
+    Both filters become a per-row value threshold (ties with the boundary value are kept), so the
+    kept set does not depend on how ties are ordered. Thresholds come from the row's largest
+    _NUM_CANDIDATES values when its kept set provably lies among them (top_k <= that number, or
+    those values already hold top_p of the mass): a partial top-k instead of sorting the whole
+    vocabulary. A row's path depends only on that row, never on the batch.
+    """
+    v = x.shape[-1]
+    num = min(_NUM_CANDIDATES, v)
+    cand = x.topk(num, dim=-1).values  # (R, num), descending
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    covered = (top_k <= num) | ((top_k == v) & ((cand - lse).exp().sum(dim=-1) >= top_p))
+    threshold = torch.empty_like(x[:, :1])  # (R, 1)
+    if bool(covered.any()):
+        c = covered
+        threshold[c] = _threshold(cand[c], top_k[c], top_p[c], lse[c], v)
+    if not bool(covered.all()):
+        r = ~covered
+        threshold[r] = _threshold(x[r].sort(dim=-1, descending=True).values, top_k[r], top_p[r], lse[r], v)
+    return x.masked_fill(x < threshold, float("-inf"))
+
+
+def _threshold(vals: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, lse: torch.Tensor,
+               vocab_size: int) -> torch.Tensor:
+    """(R, 1) smallest kept value, from each row's largest values sorted descending (R, C): C >= top_k
+    for rows whose top_k cuts, C covering top_p of the mass for the others. lse: (R, 1) whole-row
+    logsumexp."""
+    kth = vals.gather(1, (top_k.clamp(max=vals.shape[1]) - 1)[:, None])  # (R, 1)
+    vals = vals.masked_fill(vals < kth, float("-inf"))
+    # top_p applies to the top_k survivors renormalised (vLLM); without top_k, to the whole row,
+    # whose mass the candidates alone would undercount.
+    norm = torch.where((top_k < vocab_size)[:, None], torch.logsumexp(vals, dim=-1, keepdim=True), lse)
+    probs = (vals - norm).exp()
+    mass_before = probs.cumsum(dim=-1) - probs
+    # Rows with top_p = 1 keep everything: float rounding may push mass_before to 1.0 in the tail.
+    drop = (mass_before >= top_p[:, None]) & (top_p < 1.0)[:, None]
+    drop[:, 0] = False  # the most likely token always survives
+    cut = vals.masked_fill(drop, float("inf")).amin(dim=-1, keepdim=True)
+    return torch.maximum(kth, cut)
