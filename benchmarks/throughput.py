@@ -43,7 +43,7 @@ def run_pdcluster(model: str, prompts, outs, repeats: int, tp: int, extra: dict)
     llm.generate(prompts[:2], params[:2])  # warm-up
     times = []
     for _ in range(repeats):
-        llm.engine.core.scheduler.kv_cache_manager.reset_prefix_cache()  # measure compute, not cache hits
+        llm.engine.core.scheduler.reset_prefix_cache()  # measure compute, not cache hits
         t0 = time.perf_counter()
         res = llm.generate(prompts, params)
         times.append(time.perf_counter() - t0)
@@ -77,7 +77,8 @@ def run_vllm(python: str, model: str, prompts, outs, repeats: int) -> list[float
         json.dump({"prompts": prompts, "max_tokens": outs, "repeats": repeats}, f)
     script = pathlib.Path(__file__).resolve().parent / "_vllm_throughput.py"
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_LOGGING_LEVEL="WARNING")
-    proc = subprocess.run([python, str(script), model, f.name], capture_output=True, text=True, env=env)
+    # -P: keep benchmarks/ off sys.path (vLLM imports a top-level `kernels` module of its own).
+    proc = subprocess.run([python, "-P", str(script), model, f.name], capture_output=True, text=True, env=env)
     os.unlink(f.name)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):

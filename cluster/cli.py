@@ -45,7 +45,25 @@ def _add_demo_model(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_demo_model)
 
 
-_BUILDERS: list[Callable[[argparse._SubParsersAction], None]] = [_add_generate, _add_demo_model]
+def _add_serve_worker(sub: argparse._SubParsersAction) -> None:
+    from pdcluster.cluster.worker_cmd import add_serve_worker  # stdlib-only at import: cheap
+
+    add_serve_worker(sub)
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    from pdcluster.cluster.bench import add_bench_parser  # argparse only; the run imports the rest
+
+    add_bench_parser(sub)
+
+
+# Helpers adding a subcommand: append to this list (one builder per subcommand family).
+_BUILDERS: list[Callable[[argparse._SubParsersAction], None]] = [
+    _add_generate,
+    _add_demo_model,
+    _add_bench,
+    _add_serve_worker,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

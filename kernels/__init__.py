@@ -1,1 +1,48 @@
-"""kernels"""
+"""pdcluster.kernels: one file per op family, each a Triton kernel + launcher + torch reference.
+
+    norm.py              rms_norm_*, fused_add_rms_norm_*
+    rotary.py            rotary_embedding_*            (NeoX / GPT-J, partial rotary)
+    activation.py        silu_and_mul_*
+    cache_write.py       reshape_and_cache_*           (float8 e4m3 quantisation)
+    paged_attention.py   paged_decode_attention_*      (GQA, split-KV, float8 KV)
+    extend_attention.py  extend_attention_*            (varlen causal over a cached prefix)
+    kv_pack.py           pack_kv_blocks_*, unpack_kv_blocks_*, pack_shape (LBHNC / LBNHC buffers)
+    moe_router.py        moe_router_*
+    ops.py               get_ops(backend): the element-wise ops the model layers call
+
+Every name is importable from this package, resolved on first access: importing the package
+imports neither torch nor triton, and no kernel module imports triton before its first launch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "norm": ("rms_norm_torch", "rms_norm_triton", "fused_add_rms_norm_torch", "fused_add_rms_norm_triton"),
+    "rotary": ("rotary_embedding_torch", "rotary_embedding_triton"),
+    "activation": ("silu_and_mul_torch", "silu_and_mul_triton"),
+    "cache_write": ("reshape_and_cache_torch", "reshape_and_cache_triton"),
+    "paged_attention": ("paged_decode_attention_torch", "paged_decode_attention_triton"),
+    "extend_attention": ("extend_attention_torch", "extend_attention_triton"),
+    "kv_pack": ("LAYOUTS", "pack_shape", "pack_kv_blocks_torch", "pack_kv_blocks_triton",
+                "unpack_kv_blocks_torch", "unpack_kv_blocks_triton"),
+    "moe_router": ("moe_router_torch", "moe_router_triton"),
+    "ops": ("Ops", "get_ops"),
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -7,8 +7,8 @@ with the same contracts, documented next to each reference in this package.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,9 @@ class _Stream:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
+        # Streams get deltas; keeping each finished request's whole result (LLM's offline need)
+        # would grow without bound in a long-running service.
+        engine.output_processor.keep_finished = False
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()  # guards _streams (both threads touch it)

@@ -1,0 +1,147 @@
+"""KV store master process: gRPC API + periodic maintenance + /metrics.
+
+    python -m pdcluster.kvstore.master --port 50070 --data-dir ./kvstore-master --secret-file kv.secret
+
+Prints one JSON line `{"event": "kvstore_master_ready", "address": ..., "metrics_port": ...}` on
+stdout once it serves (launchers and tests wait for it), then runs until SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+from concurrent import futures
+
+import grpc
+
+from pdcluster._proto import kvstore_pb2_grpc as pb_grpc
+
+from .core import MasterCore
+from .entities import MasterConfig
+from .metrics import serve_metrics
+from .oplog import FSYNC_POLICIES
+from .rpc import add_tls_server_args, server_credentials
+from .secret import load_secret
+from .servicer import MasterServicer
+
+log = logging.getLogger(__name__)
+
+
+class MasterServer:
+    def __init__(self, config: MasterConfig, secret: bytes, *, host: str = "127.0.0.1", port: int = 0,
+                 data_dir: str | None = None, fsync: str = "interval", snapshot_interval_s: float = 300.0,
+                 metrics_port: int | None = None, credentials: grpc.ServerCredentials | None = None,
+                 tick_s: float = 0.2, max_workers: int = 8) -> None:
+        self.core = MasterCore(config, secret, data_dir, fsync=fsync, snapshot_interval_s=snapshot_interval_s)
+        self.servicer = MasterServicer(self.core)
+        self._host, self._port = host, port
+        self._metrics_port = metrics_port
+        self._creds = credentials
+        self._tick_s = tick_s
+        self._max_workers = max_workers
+        self._stop = threading.Event()
+        self._grpc: grpc.Server | None = None
+        self._httpd = None
+        self._ticker: threading.Thread | None = None
+        self.port = 0
+        self.metrics_port: int | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self._host}:{self.port}"
+
+    def start(self) -> MasterServer:
+        self.core.recover()  # before serving: no request may see a half-recovered store
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=self._max_workers))
+        pb_grpc.add_KVStoreMasterServicer_to_server(self.servicer, server)
+        bind = f"{self._host}:{self._port}"
+        self.port = server.add_secure_port(bind, self._creds) if self._creds else server.add_insecure_port(bind)
+        if not self.port:
+            raise OSError(f"cannot bind gRPC on {bind}")
+        server.start()
+        self._grpc = server
+        if self._metrics_port is not None:
+            self._httpd, self.metrics_port = serve_metrics(self.servicer.stats, self._host, self._metrics_port)
+        self._ticker = threading.Thread(target=self._tick_loop, name="kvstore-master-tick", daemon=True)
+        self._ticker.start()
+        return self
+
+    def _tick_loop(self) -> None:
+        while not self._stop.wait(self._tick_s):
+            try:
+                self.core.tick()
+            except Exception:  # maintenance must keep running; the error is logged
+                log.exception("kvstore master maintenance failed")
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        self._stop.set()
+        if self._grpc is not None:
+            self._grpc.stop(grace_s).wait()
+        if self._ticker is not None:
+            self._ticker.join()
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+        self.core.close()
+
+    def wait(self) -> None:
+        self._stop.wait()
+
+
+def add_master_args(p: argparse.ArgumentParser) -> None:
+    d = MasterConfig()
+    p.add_argument("--host", default="127.0.0.1", help="bind address (gRPC and /metrics); default loopback only")
+    p.add_argument("--port", type=int, default=50070, help="gRPC port (0: any free port)")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port (0: any)")
+    p.add_argument("--data-dir", default=None, help="op log + snapshot directory (omit: no persistence)")
+    p.add_argument("--fsync", choices=FSYNC_POLICIES, default="interval")
+    p.add_argument("--snapshot-interval-s", type=float, default=300.0)
+    p.add_argument("--secret-file", default=None,
+                   help="data-plane secret shared with the nodes (hex, mode 0600; created if missing); "
+                        "else $PDCLUSTER_KVSTORE_SECRET")
+    p.add_argument("--lease-ttl-s", type=float, default=d.lease_ttl_s)
+    p.add_argument("--put-timeout-s", type=float, default=d.put_timeout_s)
+    p.add_argument("--grace-s", type=float, default=d.grace_s)
+    p.add_argument("--node-timeout-s", type=float, default=d.node_timeout_s)
+    p.add_argument("--high-watermark", type=float, default=d.high_watermark)
+    p.add_argument("--low-watermark", type=float, default=d.low_watermark)
+    add_tls_server_args(p)
+
+
+def build_master(args: argparse.Namespace) -> MasterServer:
+    config = MasterConfig(lease_ttl_s=args.lease_ttl_s, put_timeout_s=args.put_timeout_s, grace_s=args.grace_s,
+                          node_timeout_s=args.node_timeout_s, high_watermark=args.high_watermark,
+                          low_watermark=args.low_watermark)
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ValueError("--tls-cert and --tls-key go together")
+    creds = server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
+    return MasterServer(config, load_secret(args.secret_file, create=True), host=args.host, port=args.port,
+                        data_dir=args.data_dir, fsync=args.fsync, snapshot_interval_s=args.snapshot_interval_s,
+                        metrics_port=args.metrics_port, credentials=creds)
+
+
+def run_master(args: argparse.Namespace) -> int:
+    server = build_master(args).start()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: server._stop.set())
+    print(json.dumps({"event": "kvstore_master_ready", "address": server.address,
+                      "metrics_port": server.metrics_port}), flush=True)
+    server.wait()
+    server.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdcluster kvstore master", description=__doc__.splitlines()[0])
+    add_master_args(parser)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run_master(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

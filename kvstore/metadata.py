@@ -1,0 +1,295 @@
+"""MetadataStore: every piece of master state and the rules over it (no I/O, no threads, no clock).
+
+Callers pass `now` (unix ms) and hold one lock around every call. Each state change goes
+through a small primitive (`_do_*`) and is logged as that primitive's arguments, so op-log replay
+(persistence.py) calls the same primitives and reaches the same state.
+
+Lifecycle of an object:
+
+    put_start -> PENDING --put_end--> PUBLISHED --remove / evict / node loss--> gone
+                  +--put_revoke / timeout / segment loss--> gone
+
+Invariants:
+- Only PUBLISHED objects are visible (get/exists); a key has at most one object.
+- Bytes of a gone object are reused only after every token that could touch them has expired:
+  free_at = max(lease_until, write_expiry) + grace. Until then they sit in the quarantine.
+- Eviction skips pinned, leased (lease_until > now) and PENDING objects.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import secrets
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .allocator import ExtentAllocator
+from .entities import PENDING, PUBLISHED, MasterConfig, Node, Obj, Placement, Segment, Status
+
+SegSpec = tuple[int, int, str, int]  # segment_id, size, shm_name, incarnation
+
+
+class MetadataStore:
+    def __init__(self, config: MasterConfig, log: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self.cfg = config
+        self.nodes: dict[str, Node] = {}
+        self.objects: dict[str, Obj] = {}
+        self.lru: OrderedDict[str, None] = OrderedDict()  # PUBLISHED keys, least recently used first
+        self.quarantine: list[tuple[int, int, list[Placement]]] = []  # heap of (free_at, seq, extents)
+        self.quarantined_bytes = 0
+        self.published_bytes = 0  # kept incrementally: stats are scraped often, objects may be millions
+        self.counters: Counter[str] = Counter()
+        self._seq = itertools.count()
+        self._log = log
+
+    def _emit(self, rec: dict[str, Any]) -> None:
+        if self._log is not None:
+            self._log(rec)
+
+    def _ms(self, seconds: float) -> int:
+        return int(seconds * 1000)
+
+    # -- capacity ----------------------------------------------------------------------------
+    def segments(self) -> list[Segment]:
+        return [s for n in self.nodes.values() for s in n.segments.values()]
+
+    def capacity(self) -> int:
+        return sum(s.alloc.capacity for s in self.segments())
+
+    def used(self) -> int:
+        return sum(s.alloc.used for s in self.segments())
+
+    # -- puts --------------------------------------------------------------------------------
+    def put_start(self, key: str, size: int, replica_num: int, pinned: bool, now: int) -> tuple[Status, Obj | None]:
+        cfg = self.cfg
+        if not key or len(key.encode()) > cfg.max_key_len or not 0 < size <= cfg.max_object_size:
+            return Status.INVALID, None
+        if (obj := self.objects.get(key)) is not None:
+            return (Status.ALREADY_EXISTS if obj.state == PUBLISHED else Status.IN_PROGRESS), None
+        replica_num = max(1, min(replica_num, cfg.max_replicas))
+        placements = self._place(size, replica_num)
+        evicted = 0
+        while not placements and evicted < 256 and self._evict_one(now):  # make room, LRU first
+            evicted += 1
+            placements = self._place(size, replica_num)
+        if not placements:
+            self.counters["put_no_space"] += 1
+            return Status.NO_SPACE, None
+        put_id = secrets.token_hex(16)
+        wexp = now + self._ms(cfg.put_timeout_s)
+        self._do_start(key, size, put_id, pinned, wexp, placements)
+        self._emit({"op": "start", "key": key, "size": size, "put_id": put_id, "pinned": pinned,
+                    "wexp": wexp, "pl": [encode_placement(p) for p in placements]})
+        self.counters["puts_started"] += 1
+        return Status.OK, self.objects[key]
+
+    def _place(self, size: int, replica_num: int) -> list[Placement]:
+        """Best effort: up to replica_num extents on distinct nodes, emptiest segments first."""
+        out: list[Placement] = []
+        nodes_used: set[str] = set()
+        for seg in sorted(self.segments(), key=lambda s: s.alloc.free_bytes, reverse=True):
+            if seg.node_id in nodes_used or seg.alloc.free_bytes < size:
+                continue
+            off = seg.alloc.alloc(size)
+            if off is not None:
+                out.append(Placement(seg, off, seg.alloc.round(size)))
+                nodes_used.add(seg.node_id)
+                if len(out) == replica_num:
+                    break
+        return out
+
+    def put_end(self, key: str, put_id: str, now: int) -> Status:
+        obj = self.objects.get(key)
+        if obj is None or obj.put_id != put_id:
+            return Status.NOT_FOUND  # revoked, timed out, lost its node, or another client's put
+        if obj.state == PUBLISHED:
+            return Status.OK  # idempotent retry
+        self._do_publish(key)
+        self._emit({"op": "put", "key": key})
+        self.counters["puts_completed"] += 1
+        self.evict_to_watermark(now)
+        return Status.OK
+
+    def put_revoke(self, key: str, put_id: str, now: int) -> Status:
+        obj = self.objects.get(key)
+        if obj is None or obj.put_id != put_id or obj.state != PENDING:
+            return Status.NOT_FOUND
+        self._delete_logged(obj, now, "puts_revoked")
+        return Status.OK
+
+    # -- reads -------------------------------------------------------------------------------
+    def get(self, key: str, now: int) -> Obj | None:
+        """A PUBLISHED object under a fresh read lease, or None (a miss)."""
+        obj = self.objects.get(key)
+        if obj is None or obj.state != PUBLISHED:
+            self.counters["misses"] += 1
+            return None
+        obj.lease_until_ms = max(obj.lease_until_ms, now + self._ms(self.cfg.lease_ttl_s))
+        self.lru.move_to_end(key)
+        self.counters["hits"] += 1
+        return obj
+
+    def exists(self, key: str) -> bool:
+        obj = self.objects.get(key)
+        return obj is not None and obj.state == PUBLISHED
+
+    def remove(self, key: str, now: int) -> Status:
+        """Hide the key now; its bytes are reused only after its leases expire (quarantine)."""
+        obj = self.objects.get(key)
+        if obj is None:
+            return Status.NOT_FOUND
+        if obj.state != PUBLISHED:
+            return Status.IN_PROGRESS
+        self._delete_logged(obj, now, "removes")
+        return Status.OK
+
+    # -- eviction ----------------------------------------------------------------------------
+    def evict_to_watermark(self, now: int) -> int:
+        cap = self.capacity()
+        if cap == 0 or self.used() - self.quarantined_bytes <= self.cfg.high_watermark * cap:
+            return 0
+        n = 0
+        while self.used() - self.quarantined_bytes > self.cfg.low_watermark * cap and self._evict_one(now):
+            n += 1
+        return n
+
+    def _evict_one(self, now: int) -> bool:
+        for key in self.lru:  # oldest first; approximately LRU (gets touch, exists does not)
+            obj = self.objects[key]
+            if not obj.pinned and obj.lease_until_ms <= now:
+                self._delete_logged(obj, now, "evictions")
+                return True
+        return False
+
+    # -- nodes -------------------------------------------------------------------------------
+    def mount(self, node_id: str, host: str, port: int, host_id: str, segs: Sequence[SegSpec], now: int) -> None:
+        self._do_mount(node_id, host, port, host_id, segs, now)
+        self._emit({"op": "mount", "node": node_id, "host": host, "port": port, "host_id": host_id,
+                    "segs": [list(s) for s in segs]})
+
+    def unmount(self, node_id: str, sids: Sequence[int] | None, now: int) -> Status:
+        if node_id not in self.nodes:
+            return Status.UNKNOWN_NODE
+        self._do_unmount(node_id, None if sids is None else list(sids), now)
+        self._emit({"op": "unmount", "node": node_id, "sids": None if sids is None else list(sids)})
+        return Status.OK
+
+    def heartbeat(self, node_id: str, segs: Sequence[tuple[int, int]], now: int) -> Status:
+        """segs: (segment_id, incarnation). UNKNOWN_NODE tells the node to mount (again)."""
+        node = self.nodes.get(node_id)
+        if node is None:
+            return Status.UNKNOWN_NODE
+        for sid, inc in segs:
+            seg = node.segments.get(sid)
+            if seg is None or seg.incarnation != inc:
+                return Status.UNKNOWN_NODE
+        node.last_seen_ms = now
+        return Status.OK
+
+    def tick(self, now: int) -> None:
+        """Periodic: reclaim timed-out puts, drop silent nodes, release quarantine, evict."""
+        for obj in [o for o in self.objects.values() if o.state == PENDING and now > o.write_expiry_ms]:
+            self._delete_logged(obj, now, "puts_timed_out")
+        dead_after = self._ms(self.cfg.node_timeout_s)
+        for node_id in [n.node_id for n in self.nodes.values() if now - n.last_seen_ms > dead_after]:
+            self.counters["nodes_lost"] += 1
+            self.unmount(node_id, None, now)
+        while self.quarantine and self.quarantine[0][0] <= now:
+            _, _, extents = heapq.heappop(self.quarantine)
+            self._free(extents, counted=True)
+        self.evict_to_watermark(now)
+
+    # -- primitives (shared with replay) ------------------------------------------------------
+    def _do_start(self, key: str, size: int, put_id: str, pinned: bool, wexp: int,
+                  placements: list[Placement]) -> None:
+        self.objects[key] = Obj(key, size, placements, PENDING, put_id, pinned, wexp)
+
+    def _do_publish(self, key: str) -> None:
+        obj = self.objects[key]
+        obj.state = PUBLISHED
+        self.lru[key] = None
+        self.published_bytes += obj.size
+
+    def _delete_logged(self, obj: Obj, now: int, counter: str) -> None:
+        free_at = max(obj.lease_until_ms, obj.write_expiry_ms) + self._ms(self.cfg.grace_s)
+        self._do_delete(obj.key, free_at, now)
+        self._emit({"op": "del", "key": obj.key, "free_at": free_at})
+        self.counters[counter] += 1
+
+    def _do_delete(self, key: str, free_at: int, now: int) -> None:
+        obj = self.objects.pop(key)
+        if obj.state == PUBLISHED:
+            del self.lru[key]
+            self.published_bytes -= obj.size
+        self._retire(obj.placements, free_at, now)
+
+    def _retire(self, extents: list[Placement], free_at: int, now: int) -> None:
+        if free_at <= now:
+            self._free(extents, counted=False)
+        elif extents:
+            heapq.heappush(self.quarantine, (free_at, next(self._seq), extents))
+            self.quarantined_bytes += sum(p.alloc_size for p in extents if self._live(p))
+
+    def _live(self, p: Placement) -> bool:
+        node = self.nodes.get(p.seg.node_id)
+        return node is not None and node.segments.get(p.seg.segment_id) is p.seg
+
+    def _free(self, extents: list[Placement], counted: bool) -> None:
+        for p in extents:
+            if self._live(p):  # a segment that went away took its extents with it
+                p.seg.alloc.free(p.offset, p.alloc_size)
+                if counted:
+                    self.quarantined_bytes -= p.alloc_size
+
+    def _do_mount(self, node_id: str, host: str, port: int, host_id: str, segs: Sequence[SegSpec],
+                  now: int) -> None:
+        node = self.nodes.get(node_id)
+        if node is None:
+            node = self.nodes[node_id] = Node(node_id, host, port, host_id, now)
+        node.data_host, node.data_port, node.host_id, node.last_seen_ms = host, port, host_id, now
+        stale = [sid for sid, size, shm, inc in segs
+                 if sid in node.segments and (node.segments[sid].incarnation, node.segments[sid].size) != (inc, size)]
+        if stale:  # same id, new memory: everything on the old memory is gone
+            self._do_unmount(node_id, stale, now)
+            node = self.nodes.setdefault(node_id, node)
+        for sid, size, shm, inc in segs:
+            if sid not in node.segments:
+                node.segments[sid] = Segment(node_id, sid, size, shm, inc, ExtentAllocator(size, self.cfg.align))
+
+    def _do_unmount(self, node_id: str, sids: list[int] | None, now: int) -> None:
+        node = self.nodes[node_id]
+        lost = set(node.segments if sids is None else sids) & set(node.segments)
+        gone = {id(node.segments[s]) for s in lost}
+        for sid in lost:
+            self.quarantined_bytes -= sum(p.alloc_size for _, _, ext in self.quarantine for p in ext
+                                          if p.seg is node.segments[sid])
+            del node.segments[sid]
+        if sids is None or not node.segments:
+            del self.nodes[node_id]
+        grace = self._ms(self.cfg.grace_s)
+        for obj in list(self.objects.values()):
+            if not any(id(p.seg) in gone for p in obj.placements):
+                continue
+            obj.placements = [p for p in obj.placements if id(p.seg) not in gone]
+            if obj.state == PENDING or not obj.placements:  # no partial puts, no empty objects
+                self._do_delete(obj.key, max(obj.lease_until_ms, obj.write_expiry_ms) + grace, now)
+                self.counters["objects_lost"] += 1
+
+    # -- stats -------------------------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        hits, misses = self.counters["hits"], self.counters["misses"]
+        return {
+            "objects": len(self.lru), "pending_puts": len(self.objects) - len(self.lru),
+            "object_bytes": self.published_bytes, "used_bytes": self.used(),
+            "capacity_bytes": self.capacity(), "quarantined_bytes": self.quarantined_bytes,
+            "nodes": len(self.nodes), "segments": len(self.segments()), "hits": hits, "misses": misses,
+            "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+            "evictions": self.counters["evictions"], **{k: v for k, v in self.counters.items()
+                                                        if k not in ("hits", "misses", "evictions")},
+        }
+
+
+def encode_placement(p: Placement) -> list[Any]:
+    return [p.seg.node_id, p.seg.segment_id, p.seg.incarnation, p.offset]

@@ -1,0 +1,94 @@
+"""Worker roles: which legs of a request a worker serves and what kv_transfer_params it honours.
+
+    leg                         kv_transfer_params          served by
+    aggregated / local prefill  none                        every role
+    prefill (producer)          do_remote_decode=true       prefill, both   (needs a KV connector)
+    decode (consumer)           do_remote_prefill=true      decode, both    (needs a KV connector)
+
+`RoleHandler.accept` turns the request's params into the dict the engine takes, or refuses:
+contradictory params are the caller's mistake (ValueError -> INVALID_ARGUMENT); params this
+worker cannot honour (wrong role, no connector, another connector) are FAILED_PRECONDITION, so
+the router can tell "fix the request" from "send it elsewhere".
+
+The aggregated role lives here (core); the producer and consumer roles live in
+pdcluster.prefill_worker and pdcluster.decode_worker (imports point down: core never imports
+them). The KV hand-off itself arrives with the connectors; until then a worker has no connector
+and refuses every remote leg with a message that says so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdcluster.service.convert import ROLE_TO_PROTO
+
+
+class KvTransferRejected(Exception):
+    """This worker cannot honour the request's kv_transfer_params (gRPC FAILED_PRECONDITION)."""
+
+
+class RoleHandler:
+    """Base of the roles: refuses both remote legs; a role overrides the legs it serves."""
+
+    name: str = ""  # "prefill" | "decode" | "both"
+
+    def __init__(self, connector_name: str | None = None) -> None:
+        # The engine holds the connector object; the role only needs its name to check that a
+        # consumer leg's params were produced by a connector of the same kind.
+        self.connector_name = connector_name or ""
+
+    @property
+    def proto_role(self) -> int:
+        return ROLE_TO_PROTO[self.name]
+
+    def accept(self, kv: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The engine's kv_transfer_params for this request (None: an ordinary local request)."""
+        if not kv:
+            return None
+        remote_decode, remote_prefill = bool(kv.get("do_remote_decode")), bool(kv.get("do_remote_prefill"))
+        if remote_decode and remote_prefill:
+            raise ValueError("kv_transfer_params: do_remote_decode and do_remote_prefill are exclusive")
+        if not (remote_decode or remote_prefill):
+            raise ValueError("kv_transfer_params: set do_remote_decode (prefill leg) or do_remote_prefill "
+                             "(decode leg), or leave kv_transfer_params unset")
+        if not self.connector_name:
+            leg = "prefill leg (do_remote_decode)" if remote_decode else "decode leg (do_remote_prefill)"
+            raise KvTransferRejected(
+                f"{self.name} worker has no KV connector configured, so it cannot serve a remote {leg}; "
+                "send the request without kv_transfer_params (aggregated) or to a worker with a connector")
+        wanted = kv.get("connector")
+        if wanted and wanted != self.connector_name:
+            raise KvTransferRejected(
+                f"kv_transfer_params.connector is {wanted!r} but this worker's connector is {self.connector_name!r}")
+        return self.accept_producer_leg(kv) if remote_decode else self.accept_consumer_leg(kv)
+
+    def accept_producer_leg(self, kv: dict[str, Any]) -> dict[str, Any]:
+        """Prefill leg: compute the prompt's KV and keep it for a remote decode."""
+        raise KvTransferRejected(f"a {self.name} worker does not serve prefill legs (do_remote_decode); "
+                                 "send it to a prefill or aggregated worker")
+
+    def accept_consumer_leg(self, kv: dict[str, Any]) -> dict[str, Any]:
+        """Decode leg: load the prompt's KV from the producer named in kv, then decode."""
+        raise KvTransferRejected(f"a {self.name} worker does not serve decode legs (do_remote_prefill); "
+                                 "send it to a decode or aggregated worker")
+
+
+def check_consumer_params(kv: dict[str, Any]) -> dict[str, Any]:
+    """What every consumer leg needs, whatever the connector: who produced the KV, which
+    incarnation of it, and how many prompt tokens it covers."""
+    missing = [k for k in ("producer_id", "num_tokens") if not kv.get(k)]
+    if missing:
+        raise ValueError(f"kv_transfer_params: a decode leg needs {', '.join(missing)}")
+    return dict(kv)
+
+
+class AggregatedRole(RoleHandler):
+    """Role `both`: prefill and decode in one engine; serves either remote leg given a connector."""
+
+    name = "both"
+
+    def accept_producer_leg(self, kv: dict[str, Any]) -> dict[str, Any]:
+        return dict(kv)
+
+    def accept_consumer_leg(self, kv: dict[str, Any]) -> dict[str, Any]:
+        return check_consumer_params(kv)

@@ -1,0 +1,130 @@
+"""start_worker_server: one grpc.aio server with the Worker service, the standard health service
+and (given keys) the KV-event publisher, around an AsyncEngine the caller owns.
+
+    server, port = await start_worker_server(engine, "both")            # aggregated, loopback
+    server, port = await start_worker_server(engine, PrefillRole(), port=50051, tls=TLSConfig(...),
+                                             kv_events=KVEventsConfig.from_key_dir(DIR))
+    ...
+    await server.stop(grace=5.0)   # NOT_SERVING, abort in-flight requests, close sockets
+    engine.shutdown()              # the engine is the caller's
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import grpc
+
+from pdcluster._proto import worker_pb2_grpc
+from pdcluster.service.health import EngineHealth
+from pdcluster.service.options import DEFAULT_MAX_MESSAGE_BYTES, server_options
+from pdcluster.service.roles import AggregatedRole, RoleHandler
+from pdcluster.service.tls import TLSConfig, server_credentials
+from pdcluster.service.worker_servicer import WorkerServicer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_HOST = "127.0.0.1"  # loopback by default; binding elsewhere is explicit (DESIGN.md 9)
+
+
+class WorkerServer:
+    """A running worker endpoint. `stop()` tears down everything start_worker_server made."""
+
+    def __init__(self, grpc_server: grpc.aio.Server, servicer: WorkerServicer, health: EngineHealth,
+                 kv_events: Any, address: str) -> None:
+        self.grpc_server = grpc_server
+        self.servicer = servicer
+        self.health = health
+        self.kv_events = kv_events
+        self.address = address
+        self._stopped = False
+
+    @property
+    def worker_id(self) -> str:
+        return self.servicer.worker_id
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        await self.health.shutdown()
+        # Streams end with finish_reason ABORT (clients see why) and their blocks are freed.
+        num = self.servicer.abort_all()
+        if num:
+            log.info("aborted %d in-flight request(s) at shutdown", num)
+        await self.grpc_server.stop(grace)
+        if self.kv_events is not None:
+            await self.kv_events.close()
+
+    async def wait_for_termination(self, timeout: float | None = None) -> bool:
+        return await self.grpc_server.wait_for_termination(timeout)
+
+
+def _resolve_role(role: RoleHandler | str) -> RoleHandler:
+    if isinstance(role, RoleHandler):
+        return role
+    if role == "both":
+        return AggregatedRole()
+    if role in ("prefill", "decode"):
+        # The core does not import the role packages (imports point down, DESIGN.md 2).
+        pkg = "pdcluster.prefill_worker.PrefillRole" if role == "prefill" else "pdcluster.decode_worker.DecodeRole"
+        raise ValueError(f"role {role!r}: pass a role object, e.g. {pkg}()")
+    raise ValueError(f"role must be 'prefill', 'decode', 'both' or a RoleHandler, got {role!r}")
+
+
+def _format_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+async def start_worker_server(
+    engine: Any,
+    role: RoleHandler | str,
+    host: str = DEFAULT_HOST,
+    port: int = 0,
+    tls: TLSConfig | None = None,
+    *,
+    worker_id: str | None = None,
+    kv_events: Any = None,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    epoch: int | None = None,
+) -> tuple[WorkerServer, int]:
+    """Serve `engine` (an AsyncEngine) on host:port (0 = pick a free port); returns the running
+    server and the bound port. kv_events: a KVEventsConfig; None disables the publisher (Stats
+    then reports empty KV-event endpoints). The epoch identifies this incarnation of the worker
+    (WorkerInfo.engine_epoch and the KV-event epoch); default: start time in ns."""
+    handler = _resolve_role(role)
+    epoch = time.time_ns() if epoch is None else epoch
+    server = grpc.aio.server(options=server_options(max_message_bytes))
+    address = _format_address(host, port)
+    try:
+        bound = server.add_secure_port(address, server_credentials(tls)) if tls is not None \
+            else server.add_insecure_port(address)
+    except RuntimeError:  # newer grpcio raises where older versions returned 0
+        bound = 0
+    if bound == 0:
+        raise OSError(f"could not bind the worker gRPC server to {address}")
+    worker_id = worker_id or f"{handler.name}@{_format_address(host, bound)}"
+    publisher = None
+    if kv_events is not None:
+        from pdcluster.service.kv_events import KVEventService  # zmq only when publishing
+
+        publisher = KVEventService(engine, kv_events, worker_id, epoch)
+    try:
+        servicer = WorkerServicer(engine, handler, worker_id=worker_id, epoch=epoch, kv_events=publisher)
+        health = EngineHealth(engine)
+        worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+        from grpc_health.v1 import health_pb2_grpc
+
+        health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
+        await server.start()
+        await health.start()
+        if publisher is not None:
+            publisher.start()
+    except BaseException:
+        await server.stop(None)
+        if publisher is not None:
+            await publisher.close()
+        raise
+    return WorkerServer(server, servicer, health, publisher, _format_address(host, bound)), bound

@@ -1,0 +1,115 @@
+"""Data-plane wire format and zero-copy socket helpers.
+
+One TCP connection carries a sequence of requests; every request frame carries its token, so the
+first frame of every connection is authenticated and so is each later one.
+
+    request  = REQ_HEADER (52 B) | token (104 B) | num_ranges x (offset u64, length u64)
+               [ | payload: the part's bytes, WRITE only ]
+    response = RESP_HEADER (16 B) [ | payload: the part's bytes, READ with status OK ]
+
+A transfer's bytes are the concatenation of its ranges (in order). A request serves the window
+`[part_start, part_start + part_len)` of that concatenation, so a client can split one transfer
+over several connections ("streams") that all present the same token and range list.
+
+Every size field is checked against explicit bounds before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from collections.abc import Sequence
+
+from .tokens import TOKEN_LEN
+
+PROTO_VERSION = 1
+REQ_MAGIC = b"PDXQ"
+RESP_MAGIC = b"PDXS"
+REQ_HEADER = struct.Struct("!4sBBHIQQQ16s")  # magic, version, op, flags, num_ranges, region, start, len, tid
+RESP_HEADER = struct.Struct("!4sBBHQ")  # magic, status, reserved, reserved, nbytes
+RANGE = struct.Struct("!QQ")
+REQ_FIXED_LEN = REQ_HEADER.size + TOKEN_LEN
+
+DEFAULT_MAX_RANGES = 16384
+DEFAULT_MAX_REQUEST_BYTES = 1 << 34  # 16 GiB per request window
+_IOV_MAX = 512  # well under Linux's IOV_MAX (1024)
+
+# Response status codes.
+ST_OK = 0
+ST_BAD_REQUEST = 1
+ST_UNAUTHORIZED = 2
+ST_EXPIRED = 3
+ST_NO_REGION = 4
+ST_OUT_OF_RANGE = 5
+ST_TOO_LARGE = 6
+ST_INTERNAL = 7
+STATUS_NAMES = {ST_OK: "ok", ST_BAD_REQUEST: "bad_request", ST_UNAUTHORIZED: "unauthorized",
+                ST_EXPIRED: "expired", ST_NO_REGION: "no_region", ST_OUT_OF_RANGE: "out_of_range",
+                ST_TOO_LARGE: "too_large", ST_INTERNAL: "internal"}
+
+
+class ProtocolError(Exception):
+    """Malformed or out-of-bounds frame; `status` is the code sent back (if any)."""
+
+    def __init__(self, status: int, reason: str, msg: str = "") -> None:
+        super().__init__(msg or reason)
+        self.status = status
+        self.reason = reason
+
+
+def pack_request(op: int, region_id: int, transfer_id: bytes, token: bytes,
+                 ranges: Sequence[tuple[int, int]], part_start: int, part_len: int) -> bytes:
+    head = REQ_HEADER.pack(REQ_MAGIC, PROTO_VERSION, op, 0, len(ranges), region_id, part_start,
+                           part_len, transfer_id)
+    table = b"".join(RANGE.pack(o, n) for o, n in ranges)
+    return head + token + table
+
+
+def unpack_ranges(buf: memoryview | bytes, num_ranges: int) -> list[tuple[int, int]]:
+    return [RANGE.unpack_from(buf, i * RANGE.size) for i in range(num_ranges)]
+
+
+def window_segments(ranges: Sequence[tuple[int, int]], start: int, length: int) -> list[tuple[int, int]]:
+    """Region (offset, length) pieces covering bytes [start, start+length) of the concatenated ranges.
+
+        ranges:  |--r0--|----r1----|-r2-|        (concatenated)
+        window:      [=========]
+        pieces:      [r0 tail][r1 head]
+    """
+    out: list[tuple[int, int]] = []
+    pos = 0
+    end = start + length
+    for off, n in ranges:
+        lo, hi = max(start, pos), min(end, pos + n)
+        if lo < hi:
+            out.append((off + lo - pos, hi - lo))
+        pos += n
+        if pos >= end:
+            break
+    return out
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill `view` completely straight from the socket (no intermediate buffer)."""
+    got, total = 0, view.nbytes
+    while got < total:
+        n = sock.recv_into(view[got:], total - got)
+        if n == 0:
+            raise ConnectionError("peer closed the connection")
+        got += n
+
+
+def send_views(sock: socket.socket, views: Sequence[memoryview | bytes]) -> None:
+    """Gather-send every view without concatenating them (sendmsg, handling partial sends)."""
+    pending = [v if isinstance(v, memoryview) else memoryview(v) for v in views if len(v)]
+    while pending:
+        batch = pending[:_IOV_MAX]
+        sent = sock.sendmsg(batch)
+        # Drop fully sent views; trim the partially sent one.
+        i = 0
+        while i < len(batch) and sent >= batch[i].nbytes:
+            sent -= batch[i].nbytes
+            i += 1
+        pending = pending[i:]
+        if sent:
+            pending[0] = pending[0][sent:]

@@ -1,0 +1,274 @@
+"""TransferServer: serves authenticated READ/WRITE of byte ranges of registered regions over TCP.
+
+Threading model: one accept thread, one thread per connection (bounded by `max_connections`).
+Socket I/O releases the GIL, so parallel streams of one transfer proceed in parallel. Bytes go
+straight between the socket and the region memory (`recv_into`/`sendmsg` on memoryview slices).
+
+Invariants:
+- Nothing is read beyond the fixed 156-byte header before the token's MAC and expiry check out,
+  and the range table (<= max_ranges x 16 B) is the only allocation sized by the peer.
+- Every refusal closes that connection, is counted under a reason, and leaves the server and
+  its other connections untouched.
+- `unregister` waits for in-flight requests on the region so its memory is never freed under us.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from collections import Counter
+from collections.abc import Callable
+
+from .protocol import (
+    DEFAULT_MAX_RANGES,
+    DEFAULT_MAX_REQUEST_BYTES,
+    PROTO_VERSION,
+    RANGE,
+    REQ_FIXED_LEN,
+    REQ_HEADER,
+    REQ_MAGIC,
+    RESP_HEADER,
+    RESP_MAGIC,
+    ST_BAD_REQUEST,
+    ST_EXPIRED,
+    ST_INTERNAL,
+    ST_NO_REGION,
+    ST_OK,
+    ST_OUT_OF_RANGE,
+    ST_TOO_LARGE,
+    ST_UNAUTHORIZED,
+    ProtocolError,
+    recv_exact,
+    send_views,
+    unpack_ranges,
+    window_segments,
+)
+from .region import Region
+from .tokens import OP_READ, OP_WRITE, TokenError, check_claims, check_ranges, verify_token
+
+log = logging.getLogger(__name__)
+
+
+class _Slot:
+    """A registered region plus its in-flight request count."""
+
+    def __init__(self, region: Region) -> None:
+        self.region = region
+        self.inflight = 0
+
+
+class TransferServer:
+    def __init__(self, key: bytes, host: str = "127.0.0.1", port: int = 0, *,
+                 max_ranges: int = DEFAULT_MAX_RANGES, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                 max_connections: int = 256, io_timeout_s: float = 30.0, idle_timeout_s: float = 300.0,
+                 clock_skew_ms: int = 0, on_refusal: Callable[[str], None] | None = None) -> None:
+        self._key = key
+        self._max_ranges = max_ranges
+        self._max_request_bytes = max_request_bytes
+        self._max_connections = max_connections
+        self._io_timeout = io_timeout_s
+        self._idle_timeout = idle_timeout_s
+        self._skew_ms = clock_skew_ms
+        self._on_refusal = on_refusal
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._slots: dict[int, _Slot] = {}
+        self._next_region_id = 1
+        self._conns: set[socket.socket] = set()
+        self._counters: Counter[str] = Counter()
+        self._stopping = threading.Event()
+        self._listener = socket.create_server((host, port), backlog=128)
+        self._listener.settimeout(0.25)  # accept() polls so stop() is prompt
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    @property
+    def address(self) -> tuple[str, int]:
+        host, port = self._listener.getsockname()[:2]
+        return host, port
+
+    def start(self) -> TransferServer:
+        self._thread = threading.Thread(target=self._accept_loop, name="transfer-accept", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._listener.close()
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def __enter__(self) -> TransferServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- regions -----------------------------------------------------------------------------
+    def register(self, region: Region, region_id: int | None = None) -> int:
+        with self._lock:
+            if region_id is None:
+                while self._next_region_id in self._slots:
+                    self._next_region_id += 1
+                region_id = self._next_region_id
+            if region_id in self._slots:
+                raise ValueError(f"region id {region_id} already registered")
+            if not 0 < region_id < 1 << 64:
+                raise ValueError("region id must be a positive u64")
+            self._slots[region_id] = _Slot(region)
+            return region_id
+
+    def unregister(self, region_id: int, timeout_s: float = 10.0) -> None:
+        """Stop serving a region; returns once no request is using its memory."""
+        with self._lock:
+            slot = self._slots.pop(region_id, None)
+            if slot is not None and not self._idle.wait_for(lambda: slot.inflight == 0, timeout_s):
+                raise TimeoutError(f"region {region_id} still busy after {timeout_s}s")
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            out = dict(self._counters)
+            out["open_connections"] = len(self._conns)
+            return out
+
+    # -- connections -------------------------------------------------------------------------
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counters[name] += n
+
+    def _refuse(self, reason: str) -> None:
+        self._count(f"refused_{reason}")
+        self._count("refused_total")
+        if self._on_refusal is not None:
+            self._on_refusal(reason)
+
+    def _accept_loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                sock, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._stopping.is_set():
+                    return
+                continue
+            with self._lock:
+                full = len(self._conns) >= self._max_connections
+                if not full:
+                    self._conns.add(sock)
+            if full:
+                sock.close()
+                self._refuse("too_many_connections")
+                continue
+            self._count("connections_total")
+            threading.Thread(target=self._serve_conn, args=(sock,), name="transfer-conn", daemon=True).start()
+
+    def _serve_conn(self, sock: socket.socket) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        head = memoryview(bytearray(REQ_FIXED_LEN))
+        try:
+            while not self._stopping.is_set():
+                sock.settimeout(self._idle_timeout)
+                try:
+                    n = sock.recv_into(head, REQ_FIXED_LEN)
+                except OSError:
+                    return
+                if n == 0:
+                    return  # clean close between requests
+                sock.settimeout(self._io_timeout)
+                try:
+                    if n >= len(REQ_MAGIC) and head[:len(REQ_MAGIC)] != REQ_MAGIC:
+                        # Refuse probes and garbage at once instead of waiting for a full header.
+                        raise ProtocolError(ST_BAD_REQUEST, "bad_magic")
+                    recv_exact(sock, head[n:])
+                    self._handle(sock, head)
+                except ProtocolError as e:
+                    self._refuse(e.reason)
+                    self._send_status(sock, e.status)
+                    return
+                except TokenError as e:
+                    self._refuse(e.reason)
+                    self._send_status(sock, ST_EXPIRED if e.reason == "expired" else ST_UNAUTHORIZED)
+                    return
+                except (OSError, ConnectionError):
+                    self._refuse("truncated_or_io_error")
+                    return
+        except Exception:  # a bug must cost one connection, never the server
+            log.exception("transfer connection failed")
+            self._refuse("internal")
+            self._send_status(sock, ST_INTERNAL)
+        finally:
+            with self._lock:
+                self._conns.discard(sock)
+            sock.close()
+
+    @staticmethod
+    def _send_status(sock: socket.socket, status: int) -> None:
+        try:
+            sock.sendall(RESP_HEADER.pack(RESP_MAGIC, status, 0, 0, 0))
+        except OSError:
+            pass
+
+    # -- one request -------------------------------------------------------------------------
+    def _handle(self, sock: socket.socket, head: memoryview) -> None:
+        magic, version, op, flags, num_ranges, region_id, start, length, tid = REQ_HEADER.unpack_from(head)
+        if magic != REQ_MAGIC or version != PROTO_VERSION or flags != 0 or op not in (OP_READ, OP_WRITE):
+            raise ProtocolError(ST_BAD_REQUEST, "bad_header")
+        if not 0 < num_ranges <= self._max_ranges:
+            raise ProtocolError(ST_TOO_LARGE, "too_many_ranges")
+        if length > self._max_request_bytes:
+            raise ProtocolError(ST_TOO_LARGE, "request_too_large")
+        # Authenticate before reading anything sized by the peer.
+        cap = verify_token(self._key, bytes(head[REQ_HEADER.size:]), skew_ms=self._skew_ms)
+        check_claims(cap, tid, op, region_id)
+        table = memoryview(bytearray(num_ranges * RANGE.size))
+        recv_exact(sock, table)
+        ranges = unpack_ranges(table, num_ranges)
+        check_ranges(cap, ranges)
+        slot = self._acquire(region_id)
+        try:
+            view = slot.region.view
+            total = 0
+            for off, n in ranges:
+                if n == 0 or off + n > view.nbytes:
+                    raise ProtocolError(ST_OUT_OF_RANGE, "out_of_range")
+                total += n
+            if length == 0 or start + length > total:
+                raise ProtocolError(ST_OUT_OF_RANGE, "bad_window")
+            pieces = window_segments(ranges, start, length)
+            if op == OP_READ:
+                hdr = RESP_HEADER.pack(RESP_MAGIC, ST_OK, 0, 0, length)
+                send_views(sock, [hdr] + [view[o:o + n] for o, n in pieces])
+                self._count("bytes_read", length)
+            else:
+                if view.readonly:
+                    raise ProtocolError(ST_BAD_REQUEST, "region_read_only")
+                for o, n in pieces:
+                    recv_exact(sock, view[o:o + n])
+                sock.sendall(RESP_HEADER.pack(RESP_MAGIC, ST_OK, 0, 0, length))
+                self._count("bytes_written", length)
+            self._count("requests_ok")
+        finally:
+            self._release(slot)
+
+    def _acquire(self, region_id: int) -> _Slot:
+        with self._lock:
+            slot = self._slots.get(region_id)
+            if slot is None:
+                raise ProtocolError(ST_NO_REGION, "no_region")
+            slot.inflight += 1
+            return slot
+
+    def _release(self, slot: _Slot) -> None:
+        with self._lock:
+            slot.inflight -= 1
+            if slot.inflight == 0:
+                self._idle.notify_all()

@@ -1,0 +1,22 @@
+"""PrefillRole: the producer. It serves the prefill leg of a disaggregated request: compute the
+prompt's KV, keep the blocks under a lease (the connector's request_finished says delay_free)
+and return the first token plus the kv_transfer_params the decode leg needs.
+
+The lease and the params themselves come from the engine's KV connector (next issue); the role
+checks the leg is one this worker can produce and passes the router's request through.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdcluster.service.roles import RoleHandler
+
+
+class PrefillRole(RoleHandler):
+    name = "prefill"
+
+    def accept_producer_leg(self, kv: dict[str, Any]) -> dict[str, Any]:
+        # The router asks for exactly one token on this leg (DESIGN.md section 3); more would
+        # only be thrown away, but it is not wrong, so it is not refused here.
+        return dict(kv)

@@ -1,0 +1,65 @@
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from pdcluster.transfer import Region, alloc_region, as_byte_view, open_shared_region
+from pdcluster.transfer.region import shm_dir
+
+
+def test_private_region_views() -> None:
+    r = alloc_region(4096)
+    assert r.shm_name is None and r.nbytes == 4096
+    t = r.as_tensor(torch.float32, (4, 8), offset=128)
+    t.fill_(1.5)
+    assert r.as_numpy(np.float32, (4, 8), offset=128).sum() == 48.0
+    with pytest.raises(ValueError):
+        r.as_tensor(torch.float32, (2000,))
+
+
+def test_shared_region_is_mapped_by_a_peer_and_unlinked_by_its_owner() -> None:
+    r = alloc_region(1 << 16, shared=True)
+    path = os.path.join(shm_dir(), r.shm_name)
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    r.as_numpy()[:10] = 7
+    peer = open_shared_region(r.shm_name, writable=False, expected_nbytes=1 << 16)
+    assert bytes(peer.view[:10]) == b"\x07" * 10 and peer.readonly
+    with pytest.raises(TypeError):
+        peer.view[0] = 1  # read-only mapping
+    rw = open_shared_region(r.shm_name, writable=True)
+    rw.view[20] = 9
+    assert r.view[20] == 9
+    peer.close()
+    rw.close()
+    assert os.path.exists(path)  # openers never unlink
+    r.close()
+    assert not os.path.exists(path)
+    r.close()  # idempotent
+
+
+def test_shared_names_are_validated() -> None:
+    for bad in ("../etc/passwd", "pdcluster-../../x", "other-name", "pdcluster-a/b"):
+        with pytest.raises(ValueError):
+            open_shared_region(bad, writable=False)
+    r = alloc_region(4096, shared=True)
+    try:
+        with pytest.raises(ValueError):
+            open_shared_region(r.shm_name, writable=False, expected_nbytes=8192)
+    finally:
+        r.close()
+
+
+def test_buffers_of_every_kind() -> None:
+    t = torch.zeros(16, dtype=torch.bfloat16)  # numpy has no bfloat16: goes through uint8
+    reg = Region.from_buffer(t)
+    reg.view[:2] = b"\x80\x3f"  # bf16 1.0
+    assert t[0].item() == 1.0
+    assert Region.from_buffer(np.zeros(10, dtype=np.int64)).nbytes == 80
+    assert Region.from_buffer(bytearray(5)).nbytes == 5
+    with pytest.raises(ValueError):
+        as_byte_view(b"readonly", writable=True)
+    with pytest.raises(ValueError):
+        as_byte_view(np.zeros((4, 4))[:, 1], writable=False)  # not contiguous
