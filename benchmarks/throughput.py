@@ -93,6 +93,8 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--also-bf16-compute", action="store_true",
+                    help="also run pdcluster forced to bfloat16 arithmetic (compute_dtype=bfloat16)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["pdcluster", "transformers", "vllm"])
     ap.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", "/work/vllm-venv/bin/python"))
     ap.add_argument("--json", default=None, help="write the results here")
@@ -103,7 +105,11 @@ def main() -> None:
     gen = sum(outs)
     results: dict[str, list[float]] = {}
     if "pdcluster" not in args.skip:
+        # compute_dtype "auto": float32 arithmetic on CPUs without native bf16 (bf16 weights widened).
         results["pdcluster"] = run_pdcluster(model, prompts, outs, args.repeats, args.tp, {})
+        if args.also_bf16_compute:
+            results["pdcluster-bf16"] = run_pdcluster(model, prompts, outs, args.repeats, args.tp,
+                                                      {"compute_dtype": "bfloat16"})
     if "transformers" not in args.skip:
         results["transformers"] = run_transformers(model, prompts, outs, args.repeats, batch=32)
     if "vllm" not in args.skip and os.path.exists(args.vllm_python):

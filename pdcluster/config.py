@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 BACKENDS = ("auto", "torch", "triton")
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB
+KV_ROLES = ("producer", "consumer", "both")
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None
+    # What the checkpoint (or the user's `dtype`) asked for, when the engine computes in another
+    # dtype (see EngineArgs.compute_dtype); None when `dtype` is what was asked.
+    requested_dtype: str | None = None
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
@@ -89,6 +93,12 @@ class EngineConfig:
     ops_backend: str  # "torch" | "triton"
     seed: int
     tokenizer_path: str
+    # KV connector (DESIGN.md section 5): a name the connector registry resolves (built-in, entry
+    # point or "pkg.mod:Class"), its options (plain data), and which legs this engine serves.
+    # The engine never imports connectors/: the service hands it a factory built from these.
+    kv_connector: str | None = None
+    kv_connector_options: dict[str, Any] = field(default_factory=dict)
+    kv_role: str = "both"
 
 
 @dataclass
@@ -98,6 +108,10 @@ class EngineArgs:
     model: str | None = None
     tokenizer: str | None = None
     dtype: str = "auto"
+    # "auto": `dtype`, except on CPUs without native bfloat16/float16 arithmetic (no AVX512-BF16 or
+    # AMX), where half-precision GEMMs run 3-4x slower than float32: weights are widened to float32
+    # at load. Pass the dtype itself to force it.
+    compute_dtype: str = "auto"
     block_size: int = 16
     max_model_len: int | None = None
     max_num_seqs: int = 64
@@ -112,6 +126,9 @@ class EngineArgs:
     attention_backend: str = "auto"
     ops_backend: str = "auto"
     seed: int = 0
+    kv_connector: str | None = None
+    kv_connector_options: dict[str, Any] | None = None
+    kv_role: str = "both"  # "producer" | "consumer" | "both"
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -131,6 +148,7 @@ class EngineArgs:
         model_path = resolve_model_path(self.model)
         device = _resolve_device(self.device)
         model_cfg = load_model_config(model_path, dtype=self.dtype, max_model_len=self.max_model_len)
+        model_cfg = _apply_compute_dtype(model_cfg, self.compute_dtype, device)
         if not (isinstance(self.block_size, int) and 1 <= self.block_size <= 1024):
             raise ValueError(f"block_size must be an integer in [1, 1024], got {self.block_size!r}")
         if not (isinstance(self.max_num_seqs, int) and 1 <= self.max_num_seqs <= 4096):
@@ -156,6 +174,7 @@ class EngineArgs:
                 raise ValueError(f"{name} must be one of {BACKENDS}, got {getattr(self, name)!r}")
         # "auto": Triton on CUDA, the torch reference kernels on CPU.
         auto_backend = "triton" if device == "cuda" else "torch"
+        kv_connector, kv_options = _check_kv_connector(self)
         return EngineConfig(
             model=model_cfg,
             cache=cache_cfg,
@@ -166,7 +185,24 @@ class EngineArgs:
             ops_backend=auto_backend if self.ops_backend == "auto" else self.ops_backend,
             seed=self.seed,
             tokenizer_path=self.tokenizer or model_path,
+            kv_connector=kv_connector,
+            kv_connector_options=kv_options,
+            kv_role=self.kv_role,
         )
+
+
+def _check_kv_connector(args: EngineArgs) -> tuple[str | None, dict[str, Any]]:
+    if args.kv_role not in KV_ROLES:
+        raise ValueError(f"kv_role must be one of {KV_ROLES}, got {args.kv_role!r}")
+    name = args.kv_connector or None
+    if name is not None and not isinstance(name, str):
+        raise ValueError(f"kv_connector must be a connector name or 'pkg.module:Class', got {name!r}")
+    options = args.kv_connector_options or {}
+    if not isinstance(options, dict) or not all(isinstance(k, str) for k in options):
+        raise ValueError("kv_connector_options must be a dict with string keys")
+    if options and name is None:
+        raise ValueError("kv_connector_options given without kv_connector")
+    return name, dict(options)
 
 
 def kv_bytes_per_block(model: ModelConfig, block_size: int, kv_dtype: str, tp: int = 1) -> int:
@@ -175,6 +211,31 @@ def kv_bytes_per_block(model: ModelConfig, block_size: int, kv_dtype: str, tp: i
     itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[kv_dtype]
     local_kv_heads = max(1, model.num_key_value_heads // tp)
     return 2 * model.num_hidden_layers * block_size * local_kv_heads * model.head_dim * itemsize
+
+
+def _apply_compute_dtype(model: ModelConfig, compute_dtype: str, device: str) -> ModelConfig:
+    if compute_dtype == "auto":
+        slow_half = device == "cpu" and model.dtype != "float32" and not cpu_has_fast_half_precision()
+        compute_dtype = "float32" if slow_half else model.dtype
+    if compute_dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"compute_dtype must be 'auto' or one of {SUPPORTED_DTYPES}, got {compute_dtype!r}")
+    if compute_dtype == model.dtype:
+        return model
+    return dataclasses.replace(model, dtype=compute_dtype, requested_dtype=model.dtype)
+
+
+def cpu_has_fast_half_precision() -> bool:
+    """True when this CPU has native bf16 dot products (x86 AVX512-BF16 / AMX, Arm BF16)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set()
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    flags.update(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
 def _resolve_device(device: str) -> str:

@@ -25,9 +25,11 @@ def make_prompts(vocab_size: int, lens: tuple[int, ...] = PROMPT_LENS, seed: int
     return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in lens]
 
 
-def engine_config(path: str, block_size: int = 16, num_blocks: int = 128, dtype: str = "auto") -> EngineConfig:
-    return EngineArgs(model=path, dtype=dtype, block_size=block_size, num_kv_blocks=num_blocks, device="cpu",
-                      attention_backend="torch", ops_backend="torch").create_engine_config()
+def engine_config(path: str, block_size: int = 16, num_blocks: int = 128, dtype: str = "auto",
+                  compute_dtype: str = "auto") -> EngineConfig:
+    return EngineArgs(model=path, dtype=dtype, compute_dtype=compute_dtype, block_size=block_size,
+                      num_kv_blocks=num_blocks, device="cpu", attention_backend="torch",
+                      ops_backend="torch").create_engine_config()
 
 
 def hf_greedy(path: str, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
@@ -151,7 +153,14 @@ def test_sharded_checkpoint_loads(tmp_path, hf_outputs: dict[str, list[list[int]
 
 def test_bfloat16_checkpoint_with_dtype_auto(tmp_path) -> None:
     path = make_tiny_checkpoint("qwen2", tmp_path / "bf16", dtype=torch.bfloat16)
-    config = engine_config(path)
+    auto = engine_config(path)
+    # "auto" follows the checkpoint, except that CPUs without native bf16 compute in float32.
+    from pdcluster.config import cpu_has_fast_half_precision
+
+    expect = "bfloat16" if cpu_has_fast_half_precision() else "float32"
+    assert auto.model.dtype == expect and auto.cache.kv_cache_dtype == expect
+    assert (auto.model.requested_dtype or auto.model.dtype) == "bfloat16"
+    config = engine_config(path, compute_dtype="bfloat16")  # bf16 arithmetic must work everywhere
     assert config.model.dtype == "bfloat16" and config.cache.kv_cache_dtype == "bfloat16"
     runner = ModelRunner(config)
     assert runner.kv_caches.dtype == torch.bfloat16
