@@ -57,12 +57,20 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     add_bench_parser(sub)
 
 
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    from pdcluster.cluster.serve_cmd import add_router, add_serve  # stdlib-only at import: cheap
+
+    add_serve(sub)
+    add_router(sub)
+
+
 # Helpers adding a subcommand: append to this list (one builder per subcommand family).
 _BUILDERS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_generate,
     _add_demo_model,
     _add_bench,
     _add_serve_worker,
+    _add_serve,
 ]
 
 

@@ -1,0 +1,199 @@
+"""`pdcluster serve` (workers + router on this machine) and `pdcluster router` (the router alone).
+
+    pdcluster serve [--model PATH] [--workers N] [--grpc-port 50051] [--http-port 8000]
+                    [--policy NAME] [--max-inflight N] [--key-dir DIR] [--worker-args "..."]
+    pdcluster router --workers HOST:PORT,... [--model PATH] [--policy NAME] [--grpc-port] [--http-port]
+
+Both stay in the foreground, print the endpoints and one machine-readable line
+
+    PDCLUSTER_READY {"grpc": "HOST:PORT", "http": "http://HOST:PORT", "workers": [...], ...}
+
+and on Ctrl-C / SIGTERM stop everything they started. `serve` runs the router in-process (no
+torch in this process: workers are subprocesses) after its N aggregated workers are serving, and
+makes the cluster's CURVE keys in a private temporary folder when --key-dir is not given.
+This module imports only the standard library at import time (`pdcluster --help` stays fast).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shlex
+import sys
+from typing import Any
+
+READY_PREFIX = "PDCLUSTER_READY"
+POLICIES = ("round_robin", "least_loaded", "power_of_two", "prefix_aware")
+log = logging.getLogger("pdcluster.serve")
+
+
+def _add_router_flags(p: argparse.ArgumentParser, *, grpc_port: int = 50051, http_port: int = 8000) -> None:
+    p.add_argument("--model", default=None, help="model directory (tokenizer); default: from the workers")
+    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback; others are explicit)")
+    p.add_argument("--grpc-port", type=int, default=grpc_port, help="0 picks a free port")
+    p.add_argument("--http-port", type=int, default=http_port, help="0 picks a free port; -1 disables HTTP")
+    p.add_argument("--policy", choices=POLICIES, default="prefix_aware")
+    p.add_argument("--max-inflight", type=int, default=1024, help="more requests in flight -> RESOURCE_EXHAUSTED")
+    p.add_argument("--max-retries", type=int, default=2, help="retries on other workers before the first token")
+    p.add_argument("--health-interval", type=float, default=1.0, help="seconds between worker health checks")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="deadline of requests that bring none")
+    p.add_argument("--key-dir", default=None, help="cluster keys (`pdcluster keys init`): KV events for prefix_aware")
+    g = p.add_argument_group("TLS")
+    g.add_argument("--tls-cert", default=None, help="PEM certificate of the router's gRPC and HTTPS frontends")
+    g.add_argument("--tls-key", default=None)
+    g.add_argument("--tls-ca", default=None, help="CA of client certificates: turns on mutual TLS")
+    g.add_argument("--worker-tls-ca", default=None, help="CA of the workers' certificates: TLS to the workers")
+    g.add_argument("--worker-tls-cert", default=None, help="client certificate for workers that require mTLS")
+    g.add_argument("--worker-tls-key", default=None)
+    g.add_argument("--worker-tls-server-name", default=None)
+    p.add_argument("--log-level", default="INFO")
+
+
+def add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="start N aggregated workers and a router on this machine")
+    _add_router_flags(p)
+    p.add_argument("--workers", type=int, default=1, help="number of aggregated workers")
+    p.add_argument("--worker-args", default="", help="extra serve-worker flags, e.g. \"--max-model-len 2048\"")
+    p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for each worker")
+    p.set_defaults(func=run_serve)
+
+
+def add_router(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("router", help="run the router alone in front of running workers")
+    p.add_argument("--workers", required=True, help="comma-separated HOST:PORT of the workers")
+    _add_router_flags(p)
+    p.set_defaults(func=run_router)
+
+
+def _router_config(args: argparse.Namespace, workers: tuple[str, ...], key_dir: str | None, model: str | None) -> Any:
+    from pdcluster.router.config import RouterConfig
+    from pdcluster.service.tls import TLSConfig
+
+    tls = worker_tls = None
+    if args.tls_cert or args.tls_key or args.tls_ca:
+        tls = TLSConfig(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca)
+    if args.worker_tls_ca or args.worker_tls_cert or args.worker_tls_key:
+        worker_tls = TLSConfig(cert=args.worker_tls_cert, key=args.worker_tls_key, ca=args.worker_tls_ca,
+                               server_name=args.worker_tls_server_name)
+
+    return RouterConfig(
+        workers=workers, model=model, served_model_name=args.served_model_name, policy=args.policy,
+        host=args.host, grpc_port=args.grpc_port, http_port=None if args.http_port < 0 else args.http_port,
+        max_inflight=args.max_inflight, max_retries=args.max_retries, health_interval_s=args.health_interval,
+        request_timeout_s=args.request_timeout, key_dir=key_dir, tls=tls, worker_tls=worker_tls)
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+# -- pdcluster router -------------------------------------------------------------------------
+def run_router(args: argparse.Namespace) -> int:
+    _setup_logging(args.log_level)
+    from pdcluster.router.config import parse_worker_list
+
+    config = _router_config(args, parse_worker_list(args.workers), args.key_dir, args.model)
+    return _run_router_foreground(config, wait_for_workers=0)
+
+
+def _run_router_foreground(config: Any, *, wait_for_workers: int, launcher: Any = None) -> int:
+    import asyncio
+    import signal
+
+    from pdcluster.router.app import Router
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        router = Router(config)
+        await router.start()
+        try:
+            if wait_for_workers:
+                await router.registry.wait_for_healthy(wait_for_workers, 30.0)
+            _print_ready(router, launcher)
+            while not stop.is_set():
+                try:
+                    await asyncio.wait_for(stop.wait(), 1.0)
+                except asyncio.TimeoutError:
+                    pass
+                for p in launcher.newly_exited() if launcher is not None else ():
+                    log.error("%s (pid %d) exited unexpectedly: %s", p.name, p.pid, p.status())
+            log.info("shutting down")
+        finally:
+            await router.stop()
+
+    asyncio.run(main())
+    return 0
+
+
+def _print_ready(router: Any, launcher: Any) -> None:
+    ep = router.endpoints()
+    if launcher is not None:
+        ep["worker_pids"] = [p.pid for p in launcher.processes]
+    print(f"pdcluster router: gRPC {ep['grpc']}" + (f", OpenAI HTTP {ep['http']}/v1" if ep["http"] else ""))
+    print(f"  model {ep['model']!r}, policy {ep['policy']}, workers {', '.join(ep['workers'])}")
+    print(f"{READY_PREFIX} {json.dumps(ep, separators=(',', ':'))}", flush=True)
+
+
+# -- pdcluster serve --------------------------------------------------------------------------
+def run_serve(args: argparse.Namespace) -> int:
+    import shutil
+    import signal
+    import tempfile
+
+    from pdcluster.cluster.local_launcher import LaunchError, LocalLauncher, WorkerSpec
+
+    _setup_logging(args.log_level)
+    # Until the router's loop installs its own handlers, SIGTERM unwinds through `finally`
+    # (stopping the workers) instead of killing this process on the spot.
+    signal.signal(signal.SIGTERM, _raise_system_exit)
+    if args.workers < 1:
+        raise ValueError(f"--workers must be at least 1, got {args.workers}")
+    model = args.model or _demo_model()
+    temp_keys = None
+    key_dir = args.key_dir
+    if key_dir is None:
+        from pdcluster.security.keys import init_keys
+
+        temp_keys = tempfile.mkdtemp(prefix="pdcluster-keys-")  # mode 0700: private to this user
+        key_dir = init_keys(f"{temp_keys}/keys", ("router", "worker", "client")).root.as_posix()
+    launcher = LocalLauncher(ready_timeout_s=args.ready_timeout)
+    extra = shlex.split(args.worker_args)
+    specs = [WorkerSpec(f"worker-{i}", ["--role", "both", "--host", args.host, "--port", "0", "--model", model,
+                                        "--worker-id", f"worker-{i}", "--key-dir", key_dir, *extra])
+             for i in range(args.workers)]
+    try:
+        try:
+            workers = launcher.start(specs)
+        except LaunchError as e:
+            print(f"pdcluster serve: error: {e}", file=sys.stderr)
+            return 1
+        addresses = tuple(p.address for p in workers)
+        config = _router_config(args, addresses, key_dir, model)
+        return _run_router_foreground(config, wait_for_workers=len(addresses), launcher=launcher)
+    finally:
+        launcher.stop()
+        if temp_keys is not None:
+            shutil.rmtree(temp_keys, ignore_errors=True)
+
+
+def _raise_system_exit(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _demo_model() -> str:
+    """The demo model's path, written by a subprocess if missing: writing its weights needs
+    torch, which this (router) process never imports."""
+    import subprocess
+
+    from pdcluster.models.demo import demo_model_dir
+
+    path = demo_model_dir()
+    if not (path / "model.safetensors").exists():
+        subprocess.run([sys.executable, "-m", "pdcluster.cluster.cli", "demo-model"], check=True,
+                       stdout=subprocess.DEVNULL)
+    return str(path)

@@ -1,0 +1,77 @@
+"""RouterConfig: every knob of one router, frozen and validated at construction."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from pdcluster.service.tls import TLSConfig
+
+from .policies import POLICIES
+
+DEFAULT_MAX_MESSAGE_BYTES = 4 << 20  # gRPC's own default; prompts of ~1M tokens still fit
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    workers: tuple[str, ...] = ()            # static worker list, "host:port"
+    model: str | None = None                 # model dir (tokenizer); None = ask the first worker
+    served_model_name: str | None = None     # the name clients pass; None = `model` as given
+    policy: str = "prefix_aware"             # falls back to least_loaded without KV events
+    host: str = "127.0.0.1"                  # loopback by default; other addresses are explicit
+    grpc_port: int = 50051                   # 0 = any free port
+    http_port: int | None = 8000             # None = no HTTP frontend
+    max_inflight: int = 1024                 # admission control: more -> RESOURCE_EXHAUSTED
+    max_retries: int = 2                     # extra attempts on other workers, before the first token
+    health_interval_s: float = 1.0           # health check + Stats poll period per worker
+    health_timeout_s: float = 2.0
+    eject_after_failures: int = 3            # consecutive failed checks before ejection
+    request_timeout_s: float = 600.0         # deadline of requests that bring none (HTTP, gRPC w/o)
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # gRPC messages and HTTP bodies
+    key_dir: str | None = None               # CURVE keys: subscribe to workers' KV events
+    key_name: str = "router"                 # this router's key pair in key_dir
+    kv_poll_interval_s: float = 0.01         # how often KV events are applied to the index
+    prefix_load_weight: float = 0.5
+    # Disaggregation: prefill remotely only when the uncached part of the prompt is longer.
+    disagg_min_uncached_tokens: int = 0
+    worker_wait_timeout_s: float = 60.0      # startup: wait this long for a worker (model/tokenizer)
+    tls: TLSConfig | None = None             # frontends (gRPC and HTTPS); ca= requires client certs
+    worker_tls: TLSConfig | None = None      # channels to the workers (ca= verifies them)
+    extra: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy: unknown routing policy {self.policy!r}; choose one of {sorted(POLICIES)}")
+        for name in ("max_inflight", "eject_after_failures", "max_message_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+        for name in ("health_interval_s", "health_timeout_s", "request_timeout_s", "kv_poll_interval_s",
+                     "worker_wait_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("grpc_port", "http_port"):
+            port = getattr(self, name)
+            if port is not None and not 0 <= port <= 65535:
+                raise ValueError(f"{name} must be in [0, 65535], got {port}")
+        for w in self.workers:
+            _check_address(w)
+        object.__setattr__(self, "workers", tuple(self.workers))
+
+    def replace(self, **changes: object) -> RouterConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def _check_address(address: str) -> None:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise ValueError(f"workers: {address!r} is not host:port")
+
+
+def parse_worker_list(text: str) -> tuple[str, ...]:
+    """'h1:p1,h2:p2' -> ('h1:p1', 'h2:p2'), checked."""
+    out = tuple(w.strip() for w in text.split(",") if w.strip())
+    for w in out:
+        _check_address(w)
+    return out

@@ -1,0 +1,199 @@
+"""The router's OpenAI-compatible HTTP frontend (aiohttp).
+
+    POST /v1/completions, /v1/chat/completions   -> OpenAI JSON -> GenerateRequest -> the same
+                                                    Preprocessor and Orchestrator as gRPC Generate
+    GET  /v1/models, /health, /metrics
+
+Streaming answers are Server-Sent Events (`data: {json}` ... `data: [DONE]`). The first delta is
+awaited before the 200 is sent, so refusals before any output (no worker, admission, deadline)
+are real HTTP errors, not a 200 followed by an error event. The handler is cancelled when the
+client disconnects (handler_cancellation), which aborts the request on its workers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from contextlib import aclosing
+from typing import Any
+
+import grpc
+from aiohttp import web
+
+from pdcluster._proto import common_pb2, worker_pb2
+
+from .config import RouterConfig
+from .errors import RouterError, invalid
+from .metrics import RouterMetrics
+from .openai_protocol import OpenAIOptions, parse_chat, parse_completion
+from .openai_responses import FINISH_REASONS, ResponseBuilder, stop_reason
+from .orchestrator import Orchestrator
+from .preprocess import Preprocessor
+from .registry import WorkerRegistry
+from .request_state import RequestState
+
+log = logging.getLogger(__name__)
+
+_JSON = "application/json"
+
+
+def _error(err: RouterError) -> web.Response:
+    return web.json_response(err.openai_body(), status=err.http_status)
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+class HttpFrontend:
+    def __init__(self, config: RouterConfig, preprocessor: Preprocessor, orchestrator: Orchestrator,
+                 registry: WorkerRegistry, metrics: RouterMetrics) -> None:
+        self.config = config
+        self.pre = preprocessor
+        self.orch = orchestrator
+        self.registry = registry
+        self.metrics = metrics
+        self.created = int(time.time())
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.max_message_bytes, middlewares=[_json_errors])
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics_endpoint)
+        return app
+
+    # -- simple endpoints -----------------------------------------------------------------------
+    async def models(self, request: web.Request) -> web.Response:
+        data = [{"id": name, "object": "model", "created": self.created, "owned_by": "pdcluster",
+                 "root": self.config.model, "max_model_len": self.pre.max_model_len}
+                for name in self.pre.served_model_names[:1]]  # aliases are accepted, not listed
+        return web.json_response({"object": "list", "data": data})
+
+    async def health(self, request: web.Request) -> web.Response:
+        n = self.registry.num_healthy
+        return web.json_response({"status": "ok" if n else "no healthy worker", "healthy_workers": n,
+                                  "workers": len(self.registry.handles)}, status=200 if n else 503)
+
+    async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8",
+                            headers={"X-Content-Type-Options": "nosniff"})
+
+    # -- generation -----------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        try:
+            body = await _read_json(request, self.config.max_message_bytes)
+            parse = parse_chat if chat else parse_completion
+            greq, opts = parse(body, self.pre.model_name)
+            greq.request_id = request.headers.get("X-Request-Id", "")
+            prep = await self.pre.prepare(greq, self.config.request_timeout_s, chat_max_tokens_default=chat)
+        except RouterError as e:
+            self.orch.count_refused("http", e)
+            return _error(e)
+        try:
+            state = self.orch.open_request(prep, "http")
+        except RouterError as e:
+            return _error(e)
+        builder = ResponseBuilder(prep.request_id, opts, len(prep.prompt_token_ids), self.pre.token_text)
+        async with aclosing(self.orch.stream(state)) as deltas:
+            try:
+                first = await anext(deltas)
+            except RouterError as e:
+                return _error(e)
+            except StopAsyncIteration:
+                return _error(RouterError(grpc.StatusCode.INTERNAL, "no response from the worker"))
+            if opts.stream:
+                return await self._stream(request, state, builder, opts, first, deltas)
+            return await self._collect(builder, first, deltas)
+
+    async def _collect(self, builder: ResponseBuilder, first: worker_pb2.WorkerGenerateResponse,
+                       deltas: Any) -> web.Response:
+        texts, logprobs = [], []
+        last = first
+        delta = first
+        while True:
+            builder.account(delta)
+            texts.append(delta.text)
+            logprobs.extend(delta.logprobs)
+            last = delta
+            if delta.finished:
+                break
+            try:
+                delta = await anext(deltas)
+            except StopAsyncIteration:
+                break
+        if last.finish_reason == common_pb2.FINISH_REASON_ERROR:
+            return _error(RouterError(grpc.StatusCode.INTERNAL, last.error_message or "generation failed"))
+        body = builder.full("".join(texts), last.finish_reason, logprobs, stop_reason(last))
+        return web.Response(body=_dumps(body), content_type=_JSON)
+
+    async def _stream(self, request: web.Request, state: RequestState, builder: ResponseBuilder,
+                      opts: OpenAIOptions, first: worker_pb2.WorkerGenerateResponse, deltas: Any) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Request-Id": state.request_id})
+        await resp.prepare(request)
+        try:
+            if opts.chat:
+                await _event(resp, builder.role_chunk())
+            delta = first
+            while True:
+                builder.account(delta)
+                if delta.finished and delta.finish_reason == common_pb2.FINISH_REASON_ERROR:
+                    err = {"error": {"message": delta.error_message or "generation failed",
+                                     "type": "InternalServerError", "param": None, "code": 500}}
+                    await _event(resp, err)
+                    break
+                await _event(resp, builder.delta_chunk(delta))
+                if delta.finished:
+                    if opts.include_usage:
+                        await _event(resp, builder.usage_chunk())
+                    break
+                delta = await anext(deltas)
+            await resp.write(b"data: [DONE]\n\n")
+        except (ConnectionResetError, StopAsyncIteration) as e:
+            # Client gone (or a stream cut short): leaving the `aclosing` block aborts the request.
+            log.debug("stream %s ended early: %r", state.request_id, e)
+            return resp
+        await resp.write_eof()
+        return resp
+
+
+async def _event(resp: web.StreamResponse, obj: Any) -> None:
+    await resp.write(b"data: " + _dumps(obj) + b"\n\n")
+
+
+async def _read_json(request: web.Request, limit: int) -> Any:
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise RouterError(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"request body exceeds the limit of {limit} bytes",
+                          "body", http_status=413) from None
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise invalid("body", f"the request body is not valid JSON: {e}") from None
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """aiohttp's own errors (unknown path, wrong method, ...) in the OpenAI error shape."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        body = {"error": {"message": e.reason, "type": type(e).__name__, "param": None, "code": e.status}}
+        return web.json_response(body, status=e.status, headers={k: v for k, v in e.headers.items()
+                                                                 if k.lower() == "allow"})
+
+
+__all__ = ["FINISH_REASONS", "HttpFrontend"]

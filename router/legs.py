@@ -1,0 +1,142 @@
+"""LegRunner: run one leg of a request on one worker of a pool, retrying on another worker while
+the client has seen nothing.
+
+    pick (policy over healthy workers of the pool, minus those already tried)
+      -> Worker.Generate with the request's remaining deadline
+      -> yield deltas until finished
+    a worker-side failure -> tell the registry (UNAVAILABLE ejects at once) -> next worker,
+    unless state.sent_to_client, the retry budget is spent or the deadline has passed
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+
+from pdcluster._proto import worker_pb2
+
+from .config import RouterConfig
+from .errors import RouterError, unavailable
+from .metrics import RouterMetrics
+from .policies import PrefixAware, RouteRequest, RoutingPolicy
+from .registry import WorkerHandle, WorkerRegistry
+from .request_state import RequestState
+
+log = logging.getLogger(__name__)
+
+# Failures that say "this worker cannot serve now", not "this request is bad": try another.
+_RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED})
+# Failures that count against the worker's circuit breaker; UNAVAILABLE ejects at once.
+_WORKER_FAULTS = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
+
+
+class LegRunner:
+    def __init__(self, config: RouterConfig, registry: WorkerRegistry, policy: RoutingPolicy,
+                 metrics: RouterMetrics) -> None:
+        self.config = config
+        self.registry = registry
+        self.policy = policy
+        self.metrics = metrics
+
+    async def run(self, state: RequestState, roles: Sequence[str], wreq: worker_pb2.WorkerGenerateRequest,
+                  *, leg: str) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
+        tried: set[str] = set()
+        last_error = ""
+        while True:
+            handle = self.pick(state, roles, tried)
+            if handle is None:
+                if tried:
+                    raise unavailable(f"no other {'/'.join(roles)} worker to retry on after {len(tried)} "
+                                      f"failed; last error: {last_error}")
+                raise unavailable(f"no healthy worker with role {'/'.join(roles)} is available")
+            tried.add(handle.address)
+            timeout = state.prep.remaining()
+            if timeout is not None and timeout <= 0:
+                raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded before a worker was called")
+            if state.aborted:
+                raise RouterError(grpc.StatusCode.CANCELLED, "request aborted")
+            self._record_route(state, handle, leg)
+            call = handle.client.generate(wreq, timeout)
+            state.touch(handle, call)
+            handle.num_inflight += 1
+            finished = False
+            try:
+                # read() rather than `async for`: grpc's iterator is an async generator that, left
+                # unexhausted after the final delta, costs a finalizer task per request.
+                while (resp := await call.read()) is not grpc.aio.EOF:
+                    finished = resp.finished
+                    yield resp
+                    if finished:
+                        self.registry.report_success(handle)
+                        return
+                raise RouterError(grpc.StatusCode.INTERNAL,
+                                  f"worker {handle.worker_id} closed the stream without a final response")
+            except grpc.aio.AioRpcError as e:
+                err = self._worker_error(handle, e)
+                last_error = err.message
+                if not self._may_retry(state, e.code(), len(tried)):
+                    raise err from None
+                state.route.num_retries += 1
+                self.metrics.retries.labels(leg).inc()
+                log.info("request %s: %s leg failed on %s (%s); retrying on another worker",
+                         state.request_id, leg, handle.address, e.code().name)
+            finally:
+                handle.num_inflight -= 1
+                state.active_calls.pop(handle.address, None)
+                if not finished and not call.done():
+                    call.cancel()  # cancelled, abandoned or failed: the worker stops now
+
+    def _may_retry(self, state: RequestState, code: grpc.StatusCode, num_tried: int) -> bool:
+        if state.sent_to_client or state.aborted or code not in _RETRYABLE:
+            return False
+        if num_tried > self.config.max_retries:
+            return False
+        remaining = state.prep.remaining()
+        return remaining is None or remaining > 0
+
+    def _worker_error(self, handle: WorkerHandle, e: grpc.aio.AioRpcError) -> RouterError:
+        code = e.code()
+        if code in _WORKER_FAULTS:
+            self.registry.report_failure(handle, fatal=code == grpc.StatusCode.UNAVAILABLE,
+                                         reason=f"{code.name}: {e.details()}")
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return RouterError(code, "deadline exceeded")
+        if code in _WORKER_FAULTS:
+            return RouterError(grpc.StatusCode.UNAVAILABLE, f"worker {handle.worker_id} failed: {code.name}: "
+                               f"{e.details()}")
+        # The worker's verdict on the request itself (INVALID_ARGUMENT, ...) reaches the client.
+        return RouterError(code, e.details() or code.name)
+
+    @staticmethod
+    def _record_route(state: RequestState, handle: WorkerHandle, leg: str) -> None:
+        if leg == "prefill":
+            state.route.prefill_worker_id = handle.worker_id
+        else:
+            state.route.decode_worker_id = handle.worker_id
+
+    # -- picking --------------------------------------------------------------------------------
+    def pick(self, state: RequestState, roles: Sequence[str], exclude: set[str]) -> WorkerHandle | None:
+        handles = [h for h in self.registry.candidates(roles) if h.address not in exclude]
+        if len(handles) <= 1:
+            return handles[0] if handles else None
+        by_address = {h.address: h for h in handles}
+        route = RouteRequest(state.request_id, state.prep.prompt_token_ids, self.block_hashes(state))
+        view = self.policy.pick(route, [h.view() for h in handles], {h.worker_id: h.load() for h in handles})
+        return None if view is None else by_address.get(view.address)
+
+    def block_hashes(self, state: RequestState) -> list[bytes] | None:
+        """The prompt's chained block hashes (once per request), when the policy uses them."""
+        policy = self.policy
+        if not isinstance(policy, PrefixAware):
+            return None
+        if state.block_hashes is None:
+            if policy.block_size is None:
+                info = self.registry.first_info()
+                if info is None or not info.block_size:
+                    return None
+                policy.block_size = info.block_size  # every worker of one model shares it
+            state.block_hashes = list(policy.block_hashes(RouteRequest(state.request_id, state.prep.prompt_token_ids)))
+        return state.block_hashes

@@ -1,0 +1,201 @@
+"""OpenAI request bodies -> GenerateRequest protos (the router's one internal request shape).
+
+Only JSON shapes and types are checked here, each failure naming its field; ranges and
+cross-field rules are checked once for both frontends by SamplingParams in the Preprocessor.
+Unknown fields are ignored, as OpenAI-compatible servers do (clients send vendor extras);
+features this server does not have (n > 1, echo, logit_bias, tools, ...) are refused by name
+rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pdcluster._proto import common_pb2, router_pb2
+
+from .errors import invalid
+
+# JSON field -> (proto SamplingParams field, kind). The vLLM extras are honoured like the rest.
+_SAMPLING_FIELDS: dict[str, tuple[str, str]] = {
+    "temperature": ("temperature", "number"),
+    "top_p": ("top_p", "number"),
+    "presence_penalty": ("presence_penalty", "number"),
+    "frequency_penalty": ("frequency_penalty", "number"),
+    "seed": ("seed", "int"),
+    "top_k": ("top_k", "int"),
+    "min_p": ("min_p", "number"),
+    "repetition_penalty": ("repetition_penalty", "number"),
+    "min_tokens": ("min_tokens", "int"),
+    "ignore_eos": ("ignore_eos", "bool"),
+    "include_stop_str_in_output": ("include_stop_str_in_output", "bool"),
+    "skip_special_tokens": ("skip_special_tokens", "bool"),
+}
+# Field -> the value that means "not used"; anything else is refused as unsupported.
+_UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "suffix": None, "logit_bias": None, "tools": None,
+                "tool_choice": "none", "functions": None, "function_call": None, "prompt_logprobs": None}
+_MAX_TOKEN_ID = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class OpenAIOptions:
+    """What the HTTP frontend needs besides the GenerateRequest to shape the answer."""
+
+    model: str
+    stream: bool
+    include_usage: bool
+    logprobs: int | None  # top-n alternatives requested (None: no logprobs in the answer)
+    chat: bool
+
+
+def parse_completion(body: Any, default_model: str) -> tuple[router_pb2.GenerateRequest, OpenAIOptions]:
+    body = _object(body)
+    req = router_pb2.GenerateRequest()
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        req.prompt = prompt
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        if any(not 0 <= t <= _MAX_TOKEN_ID for t in prompt):
+            raise invalid("prompt", "token ids must be non-negative integers")
+        req.prompt_token_ids.ids.extend(prompt)
+    elif isinstance(prompt, list) and len(prompt) > 1:
+        raise invalid("prompt", "batched prompts are not supported; send one prompt per request")
+    else:
+        raise invalid("prompt", "must be a string or a non-empty list of token ids")
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not _is_int(logprobs):
+        raise invalid("logprobs", "must be an integer (the number of top logprobs)")
+    opts = _common(body, req, default_model, chat=False, logprobs=logprobs)
+    return req, opts
+
+
+def parse_chat(body: Any, default_model: str) -> tuple[router_pb2.GenerateRequest, OpenAIOptions]:
+    body = _object(body)
+    req = router_pb2.GenerateRequest()
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages", "must be a non-empty list of messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise invalid("messages", f"messages[{i}] must be an object with a string 'role'")
+        msg = req.chat.messages.add(role=m["role"], content=_content(m.get("content"), i))
+        name = m.get("name")
+        if name is not None:
+            if not isinstance(name, str):
+                raise invalid("messages", f"messages[{i}].name must be a string")
+            msg.name = name
+    req.chat.add_generation_prompt = _bool(body, "add_generation_prompt", True)
+    logprobs = None
+    if _bool(body, "logprobs", False):
+        top = body.get("top_logprobs")
+        if top is not None and not _is_int(top):
+            raise invalid("top_logprobs", "must be an integer")
+        logprobs = top or 0
+    elif body.get("top_logprobs") is not None:
+        raise invalid("top_logprobs", "requires logprobs=true")
+    if body.get("max_completion_tokens") is not None:
+        body = {**body, "max_tokens": body["max_completion_tokens"]}
+    opts = _common(body, req, default_model, chat=True, logprobs=logprobs)
+    return req, opts
+
+
+def _common(body: dict, req: router_pb2.GenerateRequest, default_model: str, *, chat: bool,
+            logprobs: int | None) -> OpenAIOptions:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise invalid("model", "must be a string")
+    req.model = model or ""
+    for name, ok in _UNSUPPORTED.items():
+        value = body.get(name)
+        if value is not None and value != ok and value != {} and value != []:
+            raise invalid(name, f"{name}={value!r} is not supported by this server")
+    sp = req.sampling_params
+    _fill_sampling(body, sp)
+    if logprobs is not None:
+        _set(sp, "logprobs", logprobs, "logprobs" if not chat else "top_logprobs")
+    stream = _bool(body, "stream", False)
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not stream:
+            raise invalid("stream_options", "only allowed when stream is true")
+        if not isinstance(options, dict):
+            raise invalid("stream_options", "must be an object")
+        include_usage = _bool(options, "include_usage", False, "stream_options.include_usage")
+    req.stream = stream
+    return OpenAIOptions(model or default_model, stream, include_usage, logprobs, chat)
+
+
+def _fill_sampling(body: dict, sp: common_pb2.SamplingParams) -> None:
+    max_tokens = body.get("max_tokens")
+    if max_tokens is not None:
+        if not _is_int(max_tokens):
+            raise invalid("max_tokens", "must be an integer")
+        _set(sp, "max_tokens", max_tokens, "max_tokens")
+    for name, (field, kind) in _SAMPLING_FIELDS.items():
+        value = body.get(name)
+        if value is None:
+            continue
+        if kind == "number" and not (_is_int(value) or isinstance(value, float)):
+            raise invalid(name, "must be a number")
+        if kind == "int" and not _is_int(value):
+            raise invalid(name, "must be an integer")
+        if kind == "bool" and not isinstance(value, bool):
+            raise invalid(name, "must be a boolean")
+        _set(sp, field, value, name)
+    stop = body.get("stop")
+    if stop is not None:
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise invalid("stop", "must be a string or a list of strings")
+        sp.stop.extend(stop)
+    ids = body.get("stop_token_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or not all(_is_int(t) and 0 <= t <= _MAX_TOKEN_ID for t in ids):
+            raise invalid("stop_token_ids", "must be a list of non-negative integers")
+        sp.stop_token_ids.extend(ids)
+
+
+def _set(msg: Any, field: str, value: Any, name: str) -> None:
+    try:
+        setattr(msg, field, value)
+    except (ValueError, TypeError, OverflowError):  # out of the proto type's range (uint32, ...)
+        raise invalid(name, f"value {value!r} is out of range") from None
+
+
+def _content(content: Any, i: int) -> str:
+    """Message content: a string, or a list of text parts (joined). Other part types (images,
+    audio) are refused: this server has no multimodal input yet."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise invalid("messages", f"messages[{i}].content: only text parts are supported")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise invalid("messages", f"messages[{i}].content must be a string or a list of text parts")
+
+
+def _object(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise invalid("body", "the request body must be a JSON object")
+    return body
+
+
+def _bool(body: dict, name: str, default: bool, label: str | None = None) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise invalid(label or name, "must be a boolean")
+    return value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,124 @@
+"""Worker deltas -> OpenAI response objects (whole responses and SSE stream chunks)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pdcluster._proto import common_pb2, worker_pb2
+
+from .openai_protocol import OpenAIOptions
+
+FINISH_REASONS = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",  # vLLM's name for a request ended by cancellation
+    common_pb2.FINISH_REASON_ERROR: "error",
+}
+
+TokenDecoder = Callable[[int], str]
+
+
+class ResponseBuilder:
+    """Shapes one request's answer; holds the id, creation time and running usage counts."""
+
+    def __init__(self, request_id: str, opts: OpenAIOptions, num_prompt_tokens: int, decode_token: TokenDecoder) -> None:
+        self.id = ("chatcmpl-" if opts.chat else "cmpl-") + request_id
+        self.opts = opts
+        self.created = int(time.time())
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_completion_tokens = 0
+        self.num_cached_tokens = 0
+        self._decode_token = decode_token
+        self._text_offset = 0
+
+    # -- pieces ---------------------------------------------------------------------------------
+    def account(self, delta: worker_pb2.WorkerGenerateResponse) -> None:
+        self.num_completion_tokens += len(delta.token_ids)
+        if delta.HasField("usage"):
+            u = delta.usage
+            self.num_prompt_tokens = u.prompt_tokens or self.num_prompt_tokens
+            self.num_completion_tokens = u.completion_tokens or self.num_completion_tokens
+            self.num_cached_tokens = u.cached_tokens
+
+    def usage(self) -> dict[str, Any]:
+        usage: dict[str, Any] = {"prompt_tokens": self.num_prompt_tokens,
+                                 "completion_tokens": self.num_completion_tokens,
+                                 "total_tokens": self.num_prompt_tokens + self.num_completion_tokens}
+        if self.num_cached_tokens:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.num_cached_tokens}
+        return usage
+
+    def _token_text(self, lp: common_pb2.TokenLogprob) -> str:
+        return lp.decoded or self._decode_token(lp.token_id)
+
+    def logprobs(self, entries: Sequence[common_pb2.SampleLogprobs]) -> dict[str, Any] | None:
+        if self.opts.logprobs is None or not entries:
+            return None
+        if self.opts.chat:
+            return {"content": [self._chat_logprob(e) for e in entries]}
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        for e in entries:
+            text = self._token_text(e.sampled)
+            tokens.append(text)
+            token_logprobs.append(e.sampled.logprob)
+            top.append({self._token_text(t): t.logprob for t in e.top})
+            offsets.append(self._text_offset)
+            self._text_offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+    def _chat_logprob(self, e: common_pb2.SampleLogprobs) -> dict[str, Any]:
+        def one(t: common_pb2.TokenLogprob) -> dict[str, Any]:
+            text = self._token_text(t)
+            return {"token": text, "logprob": t.logprob, "bytes": list(text.encode())}
+
+        return {**one(e.sampled), "top_logprobs": [one(t) for t in e.top]}
+
+    # -- whole responses ------------------------------------------------------------------------
+    def full(self, text: str, finish: int, logprobs: list[common_pb2.SampleLogprobs],
+             stop_reason: int | str | None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "logprobs": self.logprobs(logprobs),
+                                  "finish_reason": FINISH_REASONS.get(finish), "stop_reason": stop_reason}
+        if self.opts.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+            obj = "chat.completion"
+        else:
+            choice["text"] = text
+            obj = "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.opts.model,
+                "choices": [choice], "usage": self.usage()}
+
+    # -- stream chunks --------------------------------------------------------------------------
+    def role_chunk(self) -> dict[str, Any]:
+        """Chat streams open with the assistant role, as OpenAI's do."""
+        return self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None})
+
+    def delta_chunk(self, delta: worker_pb2.WorkerGenerateResponse) -> dict[str, Any]:
+        finish = FINISH_REASONS.get(delta.finish_reason) if delta.finished else None
+        choice: dict[str, Any] = {"index": 0, "logprobs": self.logprobs(delta.logprobs), "finish_reason": finish}
+        if self.opts.chat:
+            choice["delta"] = {"content": delta.text} if delta.text or not delta.finished else {}
+        else:
+            choice["text"] = delta.text
+        if delta.finished:
+            choice["stop_reason"] = stop_reason(delta)
+        return self._chunk(choice)
+
+    def usage_chunk(self) -> dict[str, Any]:
+        chunk = self._chunk(None)
+        chunk["usage"] = self.usage()
+        return chunk
+
+    def _chunk(self, choice: dict[str, Any] | None) -> dict[str, Any]:
+        chunk = {"id": self.id, "object": "chat.completion.chunk" if self.opts.chat else "text_completion",
+                 "created": self.created, "model": self.opts.model, "choices": [choice] if choice else []}
+        if self.opts.include_usage:
+            chunk["usage"] = None  # OpenAI: null on every chunk but the last
+        return chunk
+
+
+def stop_reason(delta: worker_pb2.WorkerGenerateResponse) -> int | str | None:
+    which = delta.WhichOneof("stop_reason")
+    return getattr(delta, which) if which else None

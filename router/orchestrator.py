@@ -1,0 +1,262 @@
+"""Orchestrator: one client request's life in the router, the same for the gRPC and HTTP frontends.
+
+    open_request(prep)   admission control (bounded in-flight) and a unique request id
+    stream(state)        choose the flow, run its legs, yield worker deltas to the frontend
+      aggregated:        one leg on a `both` (or decode) worker
+      disaggregated:     prefill leg (max_tokens=1, do_remote_decode) on a prefill worker, then a
+                         decode leg with the kv_transfer_params it returned (DESIGN.md section 3);
+                         chosen only when both pools are up and the uncached part of the prompt is
+                         longer than disagg_min_uncached_tokens (else the decode side prefills)
+    finally              a request that did not finish cleanly (client cancel, deadline, error)
+                         is aborted on every worker it touched
+
+Retries: a leg that fails with a worker-side error (UNAVAILABLE, connection lost, INTERNAL, the
+worker full) moves to another worker -- only while nothing has been yielded to the client. After
+the first delta the stream ends with finish_reason ERROR instead: a retry would duplicate output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+
+from pdcluster._proto import common_pb2, worker_pb2
+
+from .config import RouterConfig
+from .convert import error_response
+from .errors import RouterError
+from .legs import LegRunner
+from .metrics import RouterMetrics
+from .policies import PrefixAware, RoutingPolicy
+from .preprocess import PreparedRequest
+from .registry import WorkerRegistry
+from .request_state import RequestState
+
+log = logging.getLogger(__name__)
+
+AGGREGATED_ROLES = ("both", "decode")  # a decode worker can always prefill locally
+_ABORT_TIMEOUT_S = 5.0
+_ABORT_GRACE_S = 2.0
+
+
+class Orchestrator:
+    def __init__(self, config: RouterConfig, registry: WorkerRegistry, policy: RoutingPolicy,
+                 metrics: RouterMetrics) -> None:
+        self.config = config
+        self.registry = registry
+        self.policy = policy
+        self.metrics = metrics
+        self.legs = LegRunner(config, registry, policy, metrics)
+        self._running: dict[str, RequestState] = {}
+        self._background: set[asyncio.Task] = set()
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._running)
+
+    # -- admission ------------------------------------------------------------------------------
+    def open_request(self, prep: PreparedRequest, frontend: str) -> RequestState:
+        if len(self._running) >= self.config.max_inflight:
+            self.metrics.rejected.inc()
+            err = RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"router is at its limit of {self.config.max_inflight} requests in flight; retry later")
+            self.count_refused(frontend, err)
+            raise err
+        if prep.request_id in self._running:
+            err = RouterError(grpc.StatusCode.ALREADY_EXISTS,
+                              f"request_id {prep.request_id!r} is already running", "request_id")
+            self.count_refused(frontend, err)
+            raise err
+        state = RequestState(prep, frontend)
+        self._running[prep.request_id] = state
+        self.metrics.inflight.inc()
+        return state
+
+    def count_refused(self, frontend: str, err: RouterError) -> None:
+        """Count a request refused before it ran (validation, admission)."""
+        self.metrics.count_request(frontend, err.code.name)
+
+    # -- the flow -------------------------------------------------------------------------------
+    async def stream(self, state: RequestState) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
+        """Worker deltas for the client. Raises RouterError only before the first delta; after it,
+        failures arrive as a final delta with finish_reason ERROR."""
+        flow = self._disaggregated(state) if self._use_disaggregation(state) else self._aggregated(state)
+        try:
+            done = False
+            async for resp in flow:
+                if done:
+                    continue  # nothing may follow a final delta; the flow ends on its own
+                self._observe(state, resp)
+                state.sent_to_client = True
+                if resp.finished:
+                    # Settled before the yield: a frontend may stop reading right after it.
+                    done = True
+                    failed = resp.finish_reason == common_pb2.FINISH_REASON_ERROR
+                    state.finished_cleanly = not failed
+                    state.status = "INTERNAL" if failed else "OK"
+                yield resp
+            # The flow is exhausted rather than abandoned (an abandoned async generator costs a
+            # finalizer task per request).
+            if not done:
+                raise RouterError(grpc.StatusCode.INTERNAL, "worker stream ended without a final response")
+        except RouterError as err:
+            state.status = err.code.name
+            if not state.sent_to_client:
+                raise
+            yield error_response(state.request_id, err)
+        except asyncio.CancelledError:
+            if state.aborted and _not_cancelling():
+                # Router.Abort cancelled the worker call; the client gets a clean ABORT ending.
+                state.status = "ABORTED"
+                yield worker_pb2.WorkerGenerateResponse(request_id=state.request_id, finished=True,
+                                                        finish_reason=common_pb2.FINISH_REASON_ABORT)
+                return
+            state.status = "CANCELLED"
+            raise
+        except GeneratorExit:  # the frontend stopped reading (client went away)
+            if not state.finished_cleanly:
+                state.status = "CANCELLED"
+            raise
+        finally:
+            # Close the flow now (its finally cancels the worker call), not whenever it is
+            # garbage-collected; then settle the request.
+            await flow.aclose()
+            self._close(state)
+
+    def _aggregated(self, state: RequestState) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
+        prep = state.prep
+        wreq = worker_pb2.WorkerGenerateRequest(request_id=prep.request_id, prompt_token_ids=prep.prompt_token_ids,
+                                                sampling_params=prep.sampling_params, stream=prep.stream)
+        self.metrics.aggregated.inc()
+        return self.legs.run(state, AGGREGATED_ROLES, wreq, leg="decode")  # no wrapper: one layer less per delta
+
+    def _use_disaggregation(self, state: RequestState) -> bool:
+        if not self.registry.candidates(("prefill",)) or not self.registry.candidates(("decode",)):
+            return False
+        threshold = self.config.disagg_min_uncached_tokens
+        if threshold <= 0:
+            return True
+        cached = self._best_cached_tokens(state)
+        return len(state.prep.prompt_token_ids) - cached > threshold
+
+    def _best_cached_tokens(self, state: RequestState) -> int:
+        policy = self.policy
+        if not isinstance(policy, PrefixAware):
+            return 0
+        hashes = self.legs.block_hashes(state)
+        if not hashes:
+            return 0
+        views = [h.view() for h in self.registry.candidates(("decode",))]
+        matched = policy.index.match(hashes, [v.worker_id for v in views])
+        return max(matched.values(), default=0) * (policy.block_size or 0)
+
+    async def _disaggregated(self, state: RequestState) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
+        prep = state.prep
+        self.metrics.disaggregated.inc()
+        prefill_params = common_pb2.SamplingParams()
+        prefill_params.CopyFrom(prep.sampling_params)
+        prefill_params.max_tokens = 1
+        prefill_params.ClearField("min_tokens")
+        prefill = worker_pb2.WorkerGenerateRequest(
+            request_id=prep.request_id, prompt_token_ids=prep.prompt_token_ids, sampling_params=prefill_params,
+            stream=False, kv_transfer_params=common_pb2.KvTransferParams(do_remote_decode=True))
+        started = time.monotonic()
+        last = None
+        async for resp in self.legs.run(state, ("prefill",), prefill, leg="prefill"):
+            last = resp
+        self.metrics.prefill_leg.observe(time.monotonic() - started)
+        if last is None or last.finish_reason == common_pb2.FINISH_REASON_ERROR:
+            raise RouterError(grpc.StatusCode.INTERNAL,
+                              f"prefill leg failed: {last.error_message if last else 'no response'}")
+        decode = worker_pb2.WorkerGenerateRequest(request_id=prep.request_id, prompt_token_ids=prep.prompt_token_ids,
+                                                  sampling_params=prep.sampling_params, stream=prep.stream)
+        if last.HasField("kv_transfer_params"):
+            # The decode leg reads the KV instead of computing it; without params (the prefill
+            # worker kept nothing) the decode worker simply prefills locally.
+            decode.kv_transfer_params.CopyFrom(last.kv_transfer_params)
+            decode.kv_transfer_params.do_remote_decode = False
+            decode.kv_transfer_params.do_remote_prefill = True
+            self.metrics.kv_transfer_tokens.inc(last.kv_transfer_params.num_tokens)
+        state.route.disaggregated = True
+        async for resp in self.legs.run(state, ("decode",), decode, leg="decode"):
+            yield resp
+
+    def _observe(self, state: RequestState, resp: worker_pb2.WorkerGenerateResponse) -> None:
+        n = len(resp.token_ids)
+        if not n:
+            return
+        now = time.monotonic()
+        if state.num_generated == 0:
+            state.mark_first_token()
+            self.metrics.ttft.observe(now - state.prep.arrival)
+            if n > 1:
+                self.metrics.observe_tokens(n - 1, now, now)
+        else:
+            self.metrics.observe_tokens(n, now, state.last_token_at)
+        state.last_token_at = now
+        state.num_generated += n
+
+    def _close(self, state: RequestState) -> None:
+        if self._running.pop(state.request_id, None) is None:
+            return
+        self.metrics.inflight.dec()
+        for call in state.active_calls.values():
+            call.cancel()
+        state.active_calls.clear()
+        if not state.finished_cleanly and state.touched:
+            self._abort_on_workers(state.request_id, list(state.touched.values()))
+        m = self.metrics
+        m.count_request(state.frontend, state.status)
+        m.e2e.observe(time.monotonic() - state.prep.arrival)
+        m.prompt_tokens.inc(len(state.prep.prompt_token_ids))
+        m.generation_tokens.inc(state.num_generated)
+
+    def _abort_on_workers(self, request_id: str, handles: Sequence) -> None:
+        # In the background: the cancelled request must not wait for slow or dead workers.
+        for handle in handles:
+            task = asyncio.get_running_loop().create_task(self._abort_one(handle, request_id))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    @staticmethod
+    async def _abort_one(handle, request_id: str) -> None:
+        try:
+            await handle.client.abort([request_id], _ABORT_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            log.debug("abort of %s on %s: %s", request_id, handle.address, e.code().name)
+
+    # -- Router.Abort ---------------------------------------------------------------------------
+    async def abort(self, request_ids: Sequence[str]) -> list[str]:
+        """Abort running requests by id; the client's stream ends with finish_reason ABORT."""
+        known = []
+        for rid in request_ids:
+            state = self._running.get(rid)
+            if state is None:
+                continue
+            known.append(rid)
+            state.aborted = True
+            for address, call in list(state.active_calls.items()):
+                aborted: list[str] = []
+                try:
+                    aborted = await state.touched[address].client.abort([rid], _ABORT_TIMEOUT_S)
+                except grpc.aio.AioRpcError:
+                    pass
+                if rid not in aborted:
+                    call.cancel()  # the worker did not know it (yet): stop reading ourselves
+                else:
+                    # The worker ends the stream with ABORT; should it not, stop reading anyway.
+                    asyncio.get_running_loop().call_later(_ABORT_GRACE_S, call.cancel)
+        return known
+
+    async def close(self) -> None:
+        for task in list(self._background):
+            await asyncio.gather(task, return_exceptions=True)
+
+
+def _not_cancelling() -> bool:
+    task = asyncio.current_task()
+    return task is None or task.cancelling() == 0

@@ -1,0 +1,167 @@
+"""Preprocessor: a client's GenerateRequest -> a validated, tokenized PreparedRequest.
+
+Both frontends go through here (the HTTP frontend first maps OpenAI JSON onto a
+GenerateRequest), so a field is validated once, the same way, for everybody. Every refusal is a
+RouterError naming the field: INVALID_ARGUMENT, or NOT_FOUND for a model this router does not
+serve.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+import grpc
+import jinja2
+
+from pdcluster._proto import common_pb2, router_pb2
+from pdcluster.engine.tokenizer import Tokenizer
+from pdcluster.sampling_params import SamplingParams
+
+from .convert import sampling_params_from_proto
+from .errors import RouterError, invalid
+
+MAX_REQUEST_ID_LEN = 256
+MAX_CHAT_MESSAGES = 4096
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
+# Prompts longer than this are tokenized off the event loop: other requests keep streaming.
+_OFFLOAD_CHARS = 16384
+_PARAMS_CACHE_SIZE = 4096
+
+
+@dataclass
+class PreparedRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: common_pb2.SamplingParams  # validated; what the workers get
+    max_tokens: int                             # resolved (the default applied)
+    stream: bool = True
+    deadline: float | None = None               # time.monotonic() deadline
+    return_prompt_token_ids: bool = False
+    arrival: float = field(default_factory=time.monotonic)
+
+    def remaining(self) -> float | None:
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
+
+class Preprocessor:
+    def __init__(self, tokenizer: Tokenizer, *, served_model_names: Collection[str], vocab_size: int | None = None,
+                 max_model_len: int | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.served_model_names = tuple(served_model_names)
+        self._names = frozenset(self.served_model_names)
+        self.vocab_size = vocab_size or tokenizer.vocab_size
+        self.max_model_len = max_model_len
+        # Most clients send the same few parameter sets: validated ones are memoised by their
+        # bytes (SamplingParams is frozen; only valid sets are kept; the dict is bounded).
+        self._params_cache: dict[bytes, SamplingParams] = {}
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text (logprobs when the worker sent no decoded text)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def check_model(self, name: str) -> None:
+        if name and name not in self._names:
+            raise RouterError(grpc.StatusCode.NOT_FOUND,
+                              f"model {name!r} does not exist; this router serves {list(self.served_model_names)}",
+                              "model")
+
+    async def prepare(self, req: router_pb2.GenerateRequest, timeout_s: float | None, *,
+                      chat_max_tokens_default: bool = False) -> PreparedRequest:
+        """Validate and tokenize. chat_max_tokens_default: an unset max_tokens means 'the rest of
+        the context' (OpenAI chat) instead of SamplingParams' 16."""
+        self.check_model(req.model)
+        request_id = _check_request_id(req.request_id) or uuid.uuid4().hex
+        params = self._validate_params(req.sampling_params)
+        prompt_ids = await self._prompt_token_ids(req)
+        pb = common_pb2.SamplingParams()
+        pb.CopyFrom(req.sampling_params)
+        max_tokens = params.max_tokens
+        if not req.sampling_params.HasField("max_tokens") and chat_max_tokens_default and self.max_model_len:
+            max_tokens = max(1, self.max_model_len - len(prompt_ids))
+            pb.max_tokens = max_tokens
+        self._check_length(len(prompt_ids), max_tokens)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        return PreparedRequest(request_id, prompt_ids, pb, max_tokens, req.stream, deadline,
+                               req.return_prompt_token_ids)
+
+    def _validate_params(self, pb: common_pb2.SamplingParams) -> SamplingParams:
+        key = pb.SerializeToString(deterministic=True)
+        params = self._params_cache.get(key)
+        if params is None:
+            params = sampling_params_from_proto(pb)
+            if len(self._params_cache) >= _PARAMS_CACHE_SIZE:
+                self._params_cache.clear()
+            self._params_cache[key] = params
+        return params
+
+    async def _prompt_token_ids(self, req: router_pb2.GenerateRequest) -> list[int]:
+        which = req.WhichOneof("input")
+        if which == "prompt":
+            text = req.prompt
+            if len(text) > _OFFLOAD_CHARS:
+                return await asyncio.to_thread(self.tokenizer.encode, text)
+            return self.tokenizer.encode(text)
+        if which == "prompt_token_ids":
+            ids = list(req.prompt_token_ids.ids)
+            if not ids:
+                raise invalid("prompt_token_ids", "must not be empty")
+            if max(ids) >= self.vocab_size:
+                raise invalid("prompt_token_ids", f"token id {max(ids)} is out of range [0, {self.vocab_size})")
+            return ids
+        if which == "chat":
+            return await self._render_chat(req.chat)
+        raise invalid("input", "one of prompt, prompt_token_ids or chat is required")
+
+    async def _render_chat(self, chat: router_pb2.ChatMessages) -> list[int]:
+        if not chat.messages:
+            raise invalid("messages", "must not be empty")
+        if len(chat.messages) > MAX_CHAT_MESSAGES:
+            raise invalid("messages", f"at most {MAX_CHAT_MESSAGES} messages")
+        messages = []
+        for i, m in enumerate(chat.messages):
+            if m.role not in CHAT_ROLES:
+                raise invalid("messages", f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {m.role!r}")
+            msg = {"role": m.role, "content": m.content}
+            if m.HasField("name"):
+                msg["name"] = m.name
+            messages.append(msg)
+        try:
+            render = self.tokenizer.apply_chat_template
+            if sum(len(m["content"]) for m in messages) > _OFFLOAD_CHARS:
+                ids = await asyncio.to_thread(render, messages, chat.add_generation_prompt, True)
+            else:
+                ids = render(messages, chat.add_generation_prompt, True)
+        except (jinja2.TemplateError, ValueError, TypeError) as e:
+            # Templates reject shapes they do not support ("roles must alternate", ...).
+            raise invalid("messages", f"chat template: {e}") from None
+        if not ids:
+            raise invalid("messages", "the chat template rendered an empty prompt")
+        return list(ids)
+
+    def _check_length(self, prompt_len: int, max_tokens: int) -> None:
+        if prompt_len == 0:
+            raise invalid("prompt", "the prompt is empty after tokenization")
+        limit = self.max_model_len
+        if limit is None:
+            return
+        if prompt_len >= limit:
+            raise invalid("prompt", f"prompt has {prompt_len} tokens; this model's maximum context length is {limit}")
+        if prompt_len + max_tokens > limit:
+            raise invalid("max_tokens", f"max_tokens={max_tokens} + {prompt_len} prompt tokens exceeds this model's "
+                          f"maximum context length of {limit}")
+
+
+def _check_request_id(rid: str) -> str:
+    if len(rid) > MAX_REQUEST_ID_LEN:
+        raise invalid("request_id", f"at most {MAX_REQUEST_ID_LEN} characters")
+    if rid and not (rid.isascii() and rid.isprintable()):
+        raise invalid("request_id", "must be printable ASCII")
+    return rid

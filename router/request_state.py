@@ -1,0 +1,43 @@
+"""RequestState: what the router tracks about one client request while it runs."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from pdcluster._proto import router_pb2
+
+from .preprocess import PreparedRequest
+from .registry import WorkerHandle
+
+
+@dataclass(eq=False)
+class RequestState:
+    prep: PreparedRequest
+    frontend: str  # "grpc" | "http": a metric label
+    route: router_pb2.RouteInfo = field(default_factory=router_pb2.RouteInfo)
+    # Every worker a leg was sent to (cancellation aborts on all of them, finished legs included:
+    # a prefill worker may still hold the prompt's blocks under a transfer lease).
+    touched: dict[str, WorkerHandle] = field(default_factory=dict)
+    active_calls: dict[str, grpc.aio.UnaryStreamCall] = field(default_factory=dict)
+    block_hashes: list[bytes] | None = None  # computed once, for prefix-aware picks
+    sent_to_client: bool = False  # once True, no retry may happen (the client has output)
+    finished_cleanly: bool = False
+    aborted: bool = False  # by the Router.Abort RPC
+    first_token_time: float = 0.0  # Unix time
+    last_token_at: float = 0.0  # monotonic, for ITL
+    num_generated: int = 0
+    status: str = "OK"  # gRPC code name of the outcome, a metric label
+
+    @property
+    def request_id(self) -> str:
+        return self.prep.request_id
+
+    def touch(self, handle: WorkerHandle, call: grpc.aio.UnaryStreamCall) -> None:
+        self.touched[handle.address] = handle
+        self.active_calls[handle.address] = call
+
+    def mark_first_token(self) -> None:
+        self.first_token_time = time.time()

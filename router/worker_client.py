@@ -1,0 +1,69 @@
+"""WorkerClient: the router's gRPC channel to one worker (Worker service + standard health)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdcluster._proto import common_pb2, worker_pb2, worker_pb2_grpc
+from pdcluster.service.tls import TLSConfig, channel_credentials, channel_tls_options
+
+WORKER_HEALTH_SERVICE = "pdcluster.v1.Worker"
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        # A restarted worker should be found within about a health period, not after gRPC's
+        # default backoff of up to 120 s.
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+        # The router decides about retries (only before the first token); gRPC must not.
+        ("grpc.enable_retries", 0),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+class WorkerClient:
+    def __init__(self, address: str, *, max_message_bytes: int = 4 << 20, tls: TLSConfig | None = None) -> None:
+        self.address = address
+        options: list = channel_options(max_message_bytes)
+        if tls is None:
+            self.channel = grpc.aio.insecure_channel(address, options=options)
+        else:
+            self.channel = grpc.aio.secure_channel(address, channel_credentials(tls),
+                                                   options=options + channel_tls_options(tls))
+        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+
+    async def check_health(self, timeout_s: float) -> bool:
+        """True when the worker answers SERVING; False on NOT_SERVING or any RPC error."""
+        try:
+            resp = await self._health.Check(
+                health_pb2.HealthCheckRequest(service=WORKER_HEALTH_SERVICE), timeout=timeout_s
+            )
+        except grpc.aio.AioRpcError:
+            return False
+        return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+    async def stats(self, timeout_s: float) -> common_pb2.WorkerStats:
+        return await self.stub.Stats(worker_pb2.StatsRequest(), timeout=timeout_s)
+
+    async def info(self, timeout_s: float) -> worker_pb2.WorkerInfo:
+        return await self.stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=timeout_s)
+
+    def generate(self, request: worker_pb2.WorkerGenerateRequest, timeout_s: float | None) -> grpc.aio.UnaryStreamCall:
+        return self.stub.Generate(request, timeout=timeout_s)
+
+    async def abort(self, request_ids: Sequence[str], timeout_s: float = 5.0) -> list[str]:
+        resp = await self.stub.Abort(common_pb2.AbortRequest(request_ids=list(request_ids)), timeout=timeout_s)
+        return list(resp.aborted_request_ids)
+
+    async def close(self) -> None:
+        await self.channel.close(grace=None)
