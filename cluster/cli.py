@@ -64,10 +64,32 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     add_router(sub)
 
 
+def _cmd_keys_init(args: argparse.Namespace) -> int:
+    from pdcluster.security.keys import KeyMaterialError, init_keys
+
+    try:
+        keys = init_keys(args.dir, overwrite=args.overwrite)
+    except KeyMaterialError as e:
+        raise ValueError(str(e)) from None
+    names = ", ".join(sorted(keys.keypairs))
+    print(f"wrote CURVE keys to {args.dir} (secrets mode 0600): {names}")
+    return 0
+
+
+def _add_keys(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("keys", help="cluster key management")
+    ks = p.add_subparsers(dest="keys_command", required=True)
+    init = ks.add_parser("init", help="make CURVE key pairs for router, workers, kvstore and clients")
+    init.add_argument("dir")
+    init.add_argument("--overwrite", action="store_true", help="replace existing keys")
+    init.set_defaults(func=_cmd_keys_init)
+
+
 # Helpers adding a subcommand: append to this list (one builder per subcommand family).
 _BUILDERS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_generate,
     _add_demo_model,
+    _add_keys,
     _add_bench,
     _add_serve_worker,
     _add_serve,
@@ -88,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError, PermissionError) as e:
         print(f"pdcluster {args.command}: error: {e}", file=sys.stderr)
         return 2
 
