@@ -7,7 +7,7 @@ setup:
 	@bash scripts/setup.sh
 
 run: setup
-	$(VENV)/bin/pdcluster generate --max-tokens 48
+	$(VENV)/bin/pdcluster serve --workers 2 --demo-request
 
 test: setup
 	$(PY) -m ruff check .

@@ -57,6 +57,8 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=1, help="number of aggregated workers")
     p.add_argument("--worker-args", default="", help="extra serve-worker flags, e.g. \"--max-model-len 2048\"")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for each worker")
+    p.add_argument("--demo-request", action="store_true",
+                   help="once ready, stream one demo request through the router (the README's main job)")
     p.set_defaults(func=run_serve)
 
 
@@ -98,7 +100,28 @@ def run_router(args: argparse.Namespace) -> int:
     return _run_router_foreground(config, wait_for_workers=0)
 
 
-def _run_router_foreground(config: Any, *, wait_for_workers: int, launcher: Any = None) -> int:
+DEMO_PROMPT = "The prefill pool reads the whole prompt"
+
+
+async def _demo_request(grpc_address: str) -> None:
+    """Stream one request through the router with the real client, as a user would."""
+    from pdcluster.client import AsyncClient, ClientError
+    from pdcluster.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=0, max_tokens=48, ignore_eos=True)
+    print(f"\ndemo request via {grpc_address}:\n{DEMO_PROMPT}", end="", flush=True)
+    try:
+        async with AsyncClient(grpc_address, timeout=120.0) as client:
+            async for delta in client.generate_stream(DEMO_PROMPT, params):
+                print(delta.text, end="", flush=True)
+    except ClientError as e:
+        print(f"\ndemo request failed: {e}", file=sys.stderr)
+        return
+    print("\n(cluster stays up; Ctrl-C stops it)", flush=True)
+
+
+def _run_router_foreground(config: Any, *, wait_for_workers: int, launcher: Any = None,
+                           demo_request: bool = False) -> int:
     import asyncio
     import signal
 
@@ -115,6 +138,8 @@ def _run_router_foreground(config: Any, *, wait_for_workers: int, launcher: Any 
             if wait_for_workers:
                 await router.registry.wait_for_healthy(wait_for_workers, 30.0)
             _print_ready(router, launcher)
+            if demo_request:
+                await _demo_request(router.endpoints()["grpc"])
             while not stop.is_set():
                 try:
                     await asyncio.wait_for(stop.wait(), 1.0)
@@ -174,7 +199,8 @@ def run_serve(args: argparse.Namespace) -> int:
             return 1
         addresses = tuple(p.address for p in workers)
         config = _router_config(args, addresses, key_dir, model)
-        return _run_router_foreground(config, wait_for_workers=len(addresses), launcher=launcher)
+        return _run_router_foreground(config, wait_for_workers=len(addresses), launcher=launcher,
+                                      demo_request=args.demo_request)
     finally:
         launcher.stop()
         if temp_keys is not None:
