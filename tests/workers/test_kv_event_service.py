@@ -1,5 +1,5 @@
-"""KVEventService in-process: engine events are published in order, snapshots hold exactly the
-published state, and key configuration fails closed."""
+"""KVEventService in-process over a real engine: the engine's block events are published in order,
+snapshots hold exactly the published state, and key configuration fails closed."""
 
 from __future__ import annotations
 
@@ -8,17 +8,18 @@ import pathlib
 
 import pytest
 import zmq
-from workers.fake_engine import FakeEngine
 
 from pdcluster._proto import worker_pb2
+from pdcluster.config import EngineArgs
+from pdcluster.engine.async_engine import AsyncEngine
+from pdcluster.engine.block_hash import compute_block_hashes
 from pdcluster.engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
 from pdcluster.engine.kv_events_pub import decode_batch, decode_snapshot, encode_snapshot_request
+from pdcluster.sampling_params import SamplingParams
 from pdcluster.security.curve import make_client_socket
 from pdcluster.security.keys import KeyMaterialError, generate_keypair, init_keys, keypair_to_string
 from pdcluster.service.kv_events import ENV_ALLOWED_KEYS, ENV_WORKER_KEY, KVEventsConfig
 from pdcluster.service.server import start_worker_server
-
-H = [bytes([i]) * 32 for i in range(4)]
 
 
 async def _recv(sock: zmq.Socket, timeout_s: float = 5.0) -> bytes:
@@ -37,12 +38,24 @@ async def _next_batch_with_events(sub: zmq.Socket):
             return batch
 
 
-def test_publish_order_and_snapshot() -> None:
+def _apply(state: set[bytes], events) -> None:
+    for ev in events:
+        if isinstance(ev, BlockStored):
+            state.update(ev.block_hashes)
+        elif isinstance(ev, BlockRemoved):
+            state.difference_update(ev.block_hashes)
+        elif isinstance(ev, AllBlocksCleared):
+            state.clear()
+
+
+def test_publish_order_and_snapshot(demo_model: str) -> None:
     worker_kp, router_kp = generate_keypair("worker"), generate_keypair("router")
     config = KVEventsConfig(worker_kp, {"router": router_kp.public}, interval_s=0.01, heartbeat_s=0.2)
+    prompt = list(range(10, 50))  # 40 tokens: two full blocks of 16
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
     async def main():
-        engine = FakeEngine()
+        engine = AsyncEngine.from_engine_args(EngineArgs(model=demo_model, max_model_len=256, block_size=16))
         server, _ = await start_worker_server(engine, "both", kv_events=config, worker_id="w1", epoch=42)
         ctx = zmq.Context()
         try:
@@ -52,24 +65,32 @@ def test_publish_order_and_snapshot() -> None:
             sub.subscribe(b"")
             dealer = make_client_socket(ctx, zmq.DEALER, router_kp, worker_kp.public, info.snapshot_endpoint)
             await _recv(sub)  # a heartbeat: connected
-            engine.kv_events = [BlockStored((H[0], H[1]), None), BlockRemoved((H[0],)), BlockStored((H[2],), H[1])]
+            async for _ in engine.generate(prompt, sp, request_id="r1"):
+                pass
+            published: set[bytes] = set()
             batch = await _next_batch_with_events(sub)
-            assert batch.publisher_id == "w1" and batch.epoch == 42 and batch.seq == 1 and len(batch.events) == 3
+            assert batch.publisher_id == "w1" and batch.epoch == 42 and batch.seq == 1
+            _apply(published, batch.events)
+            assert set(compute_block_hashes(prompt, 16)) <= published  # the prompt's full blocks
             dealer.send(encode_snapshot_request("w1", 5))
             snap = decode_snapshot(await _recv(dealer))
-            assert snap.seq == 1 and set(snap.block_hashes) == {H[1], H[2]}
-            engine.kv_events = [AllBlocksCleared(), BlockStored((H[3],), None)]
-            assert (await _next_batch_with_events(sub)).seq == 2
+            assert snap.seq == batch.seq and set(snap.block_hashes) == published
+            # Clearing the prefix cache is published as one more batch; the snapshot follows it.
+            assert await engine.call(lambda e: e.core.scheduler.reset_prefix_cache())
+            batch2 = await _next_batch_with_events(sub)
+            assert batch2.seq == batch.seq + 1 and any(isinstance(e, AllBlocksCleared) for e in batch2.events)
+            _apply(published, batch2.events)
             dealer.send(encode_snapshot_request("w1", 6))
             snap = decode_snapshot(await _recv(dealer))
-            assert snap.seq == 2 and snap.block_hashes == (H[3],)
+            assert snap.seq == batch2.seq and set(snap.block_hashes) == published == set()
             stats = await server.servicer.Stats(worker_pb2.StatsRequest(), None)
-            assert stats.kv_events_seq == 2 and stats.kv_events_epoch == 42
+            assert stats.kv_events_seq == batch2.seq and stats.kv_events_epoch == 42
             assert stats.kv_events_endpoint == info.events_endpoint
             sub.close()
             dealer.close()
         finally:
             await server.stop(None)
+            engine.shutdown()
             ctx.term()
 
     asyncio.run(main())
