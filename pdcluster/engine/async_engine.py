@@ -65,7 +65,7 @@ class AsyncEngine:
     # -- caller side ---------------------------------------------------------------------------
     @property
     def is_healthy(self) -> bool:
-        return self._dead is None and self._thread.is_alive()
+        return self._dead is None and self._thread.is_alive() and self.engine.core.is_healthy()
 
     async def generate(
         self,
@@ -73,12 +73,19 @@ class AsyncEngine:
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
+        prefill_output_token_ids: Sequence[int] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield RequestOutput deltas until one with finished=True. ValueError for bad input;
-        cancelling the iteration (or the task consuming it) aborts the request and frees its blocks."""
+        cancelling the iteration (or the task consuming it) aborts the request and frees its blocks.
+        Decode leg: kv_transfer_params from the prefill leg (do_remote_prefill=True) and
+        prefill_output_token_ids = the prefill leg's tokens (see LLMEngine.prepare_request)."""
         if self._dead is not None:
             raise EngineDeadError(f"engine is not running: {self._dead!r}")
-        req, text = self.engine.prepare_request(prompt, sampling_params, request_id, kv_transfer_params)
+        runner_error = self.engine.core.health_error()  # e.g. a tensor-parallel rank died while idle
+        if runner_error is not None:
+            raise EngineDeadError(f"engine is not running: {runner_error}")
+        req, text = self.engine.prepare_request(prompt, sampling_params, request_id, kv_transfer_params,
+                                                prefill_output_token_ids)
         rid = req.request_id
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
@@ -118,6 +125,8 @@ class AsyncEngine:
         self._stop.set()
         self._cmds.put(("stop",))
         self._thread.join(timeout)
+        if not self._thread.is_alive():  # the engine thread no longer touches the connector
+            self.engine.shutdown()
 
     # -- engine thread ---------------------------------------------------------------------------
     def _run(self) -> None:
@@ -171,6 +180,8 @@ class AsyncEngine:
             # A failed step must not take the service down: fail the requests in flight, free
             # their blocks, keep serving new ones.
             logger.exception("engine step failed; aborting the requests in flight")
+            if not self.engine.core.is_healthy():  # e.g. a TP rank died: no later step can succeed
+                self._dead = e
             self._fail_all(RuntimeError(f"engine step failed: {e!r}"))
             return
         self.last_step_time = time.monotonic()

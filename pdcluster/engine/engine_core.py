@@ -3,29 +3,67 @@
     step():  SchedulerOutput = scheduler.schedule()
              ModelRunnerOutput = runner.execute(SchedulerOutput)
              return scheduler.update(SchedulerOutput, ModelRunnerOutput)
+
+KV connector: the engine never imports connectors/ (DESIGN.md section 2); the service hands it
+either a factory `(role, engine_config) -> KVConnectorBase`, called once per role (scheduler
+side here, worker side inside the runner), or one instance that implements both halves.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 from pdcluster.config import EngineConfig
+from pdcluster.engine.kv_connector import KVConnectorBase, KVConnectorRole
 from pdcluster.engine.outputs import EngineCoreOutput
 from pdcluster.engine.request import Request, RequestStatus
 
+ConnectorFactory = Callable[[KVConnectorRole, EngineConfig], KVConnectorBase]
+ConnectorArg = KVConnectorBase | ConnectorFactory | None
+# An empty step (only transfers in flight) waits this long so the loop does not spin a core.
+_IDLE_STEP_S = 0.001
+
+
+def build_connectors(config: EngineConfig, connector: ConnectorArg) -> tuple[KVConnectorBase | None,
+                                                                           KVConnectorBase | None]:
+    """(scheduler side, worker side) from what the caller handed the engine."""
+    if connector is None:
+        if config.kv_connector:
+            raise ValueError(
+                f"kv_connector={config.kv_connector!r} is configured but no connector was given to the "
+                "engine; pass connector=pdcluster.connectors.engine_connector_factory (the engine "
+                "never imports connectors/ itself)")
+        return None, None
+    if isinstance(connector, KVConnectorBase):
+        return connector, connector
+    if callable(connector):
+        return connector(KVConnectorRole.SCHEDULER, config), connector(KVConnectorRole.WORKER, config)
+    raise TypeError(f"connector must be a KVConnectorBase or a factory, got {type(connector).__name__}")
+
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, connector: Any = None, runner: Any = None) -> None:
+    def __init__(self, config: EngineConfig, connector: ConnectorArg = None, runner: Any = None) -> None:
         from pdcluster.engine.scheduler import Scheduler
 
         self.config = config
+        sched_conn, worker_conn = build_connectors(config, connector)
+        if runner is None and config.parallel.tensor_parallel_size > 1:
+            from pdcluster.distributed.executor import TPExecutor  # rank 0 + child ranks, same API
+
+            runner = TPExecutor(config, connector=worker_conn)
         if runner is None:
             from pdcluster.engine.model_runner import ModelRunner
 
-            runner = ModelRunner(config)
+            runner = ModelRunner(config, connector=worker_conn)
         self.runner = runner
-        self.scheduler = Scheduler(config.scheduler, config.cache, connector=connector)
-        self.connector = connector
+        self.scheduler = Scheduler(config.scheduler, config.cache, connector=sched_conn)
+        self.connector = sched_conn
+        if sched_conn is not None and hasattr(runner, "handshake_metadata"):
+            # Rank 0 only until TP lands; the scheduler side learns addresses from here, never
+            # from request data.
+            sched_conn.set_handshake_metadata({0: runner.handshake_metadata()})
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -36,6 +74,17 @@ class EngineCore:
     def finish_stopped(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
 
+    def is_healthy(self) -> bool:
+        """False once the runner can never step again (a TP rank died); a plain runner always is."""
+        return self.health_error() is None
+
+    def health_error(self) -> str | None:
+        """Why the runner can never step again, or None while it can."""
+        check = getattr(self.runner, "is_healthy", None)
+        if check is None or check():
+            return None
+        return getattr(self.runner, "failure", None) or "the model runner is not running"
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
@@ -44,7 +93,31 @@ class EngineCore:
         # The runner runs even on an empty step: it must drop state of finished requests and let a
         # connector make progress on asynchronous transfers.
         runner_output = self.runner.execute(scheduler_output)
-        return self.scheduler.update(scheduler_output, runner_output)
+        outputs = self.scheduler.update(scheduler_output, runner_output)
+        if scheduler_output.is_empty and not outputs and self.connector is not None:
+            time.sleep(_IDLE_STEP_S)  # only transfers in flight: poll them, do not spin
+        return outputs
 
     def get_stats(self) -> dict[str, Any]:
-        return self.scheduler.get_stats()
+        stats = self.scheduler.get_stats()
+        if self.connector is not None:
+            stats["kv_connector"] = _connector_stats(self.connector, self.runner)
+        return stats
+
+    def shutdown(self) -> None:
+        """Stop the connector's worker side (transfer agents) and its scheduler side. Idempotent."""
+        hooks = getattr(self.runner, "connector_hooks", None)
+        shared = hooks is not None and hooks.connector is self.connector  # one object, both halves
+        if hasattr(self.runner, "shutdown"):
+            self.runner.shutdown()
+        if self.connector is not None and not shared:
+            self.connector.shutdown()
+        self.connector = None
+
+
+def _connector_stats(sched_conn: KVConnectorBase, runner: Any) -> dict[str, Any]:
+    stats = dict(sched_conn.get_stats())
+    hooks = getattr(runner, "connector_hooks", None)
+    if hooks is not None and hooks.connector is not sched_conn:
+        stats.update(hooks.connector.get_stats())
+    return stats

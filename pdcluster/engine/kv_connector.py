@@ -6,6 +6,7 @@ the worker services hand an instance to the engine, which never imports `connect
 One class, two halves; each engine builds one instance per role:
 
     SCHEDULER role (engine core process, inside Scheduler; pure bookkeeping, no blocking I/O)
+        once, after every rank registered: set_handshake_metadata({rank: worker.handshake_metadata()})
         schedule(): for a request being admitted
             get_num_new_matched_tokens(req, num_local_hits) -> (n | None, is_async)
             ... blocks allocated ...
@@ -15,6 +16,7 @@ One class, two halves; each engine builds one instance per role:
         any time:            take_events()
 
     WORKER role (every TP rank, inside the model runner; moves bytes asynchronously)
+        before allocating:   wants_shared_kv_cache()  (True: the cache lives in named shared memory)
         once:                register_kv_caches(kv_caches, layout); handshake_metadata()
         every step:          start_load_kv(meta)              before the forward pass
                              wait_for_layer_load(i)           before layer i's attention
@@ -80,6 +82,9 @@ class KVCacheLayout:
     tp_size: int = 1
     total_num_kv_heads: int | None = None  # None: num_kv_heads * tp_size (no replication)
     layout: str = "NHD"
+    # Name of the shared-memory segment (pdcluster.transfer.open_shared_region) holding this rank's
+    # whole cache as one (num_layers, *layer_shape) tensor, or None for private memory.
+    shm_name: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim", "tp_size"):
@@ -176,11 +181,29 @@ class KVConnectorBase(ABC):
         """KV events (stored/removed) for blocks the connector holds outside the engine's cache."""
         return []
 
+    def set_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        """Called once by the engine after every worker rank registered its cache: rank ->
+        that rank's handshake_metadata(). What a producer's request_finished puts in its params
+        (addresses, keys, epoch) comes from here, never from request data."""
+        return None
+
+    def get_stats(self) -> dict[str, Any]:
+        """Counters for the engine's stats (transfers, bytes, leases, refusals); plain data."""
+        return {}
+
     # == worker side ==============================================================================
+    def wants_shared_kv_cache(self) -> bool:
+        """Asked by the model runner before it allocates the cache: True puts the whole cache in
+        one named shared-memory segment (CPU caches only) so same-host peers can map it;
+        layout.shm_name then names it."""
+        return False
+
     @abstractmethod
     def register_kv_caches(self, kv_caches: Any, layout: KVCacheLayout) -> None:
         """Called once by the model runner after it allocated the paged cache: kv_caches[i] is
-        layer i's tensor, shaped layout.layer_shape. Register memory for transfers here."""
+        layer i's tensor, shaped layout.layer_shape. Register memory for transfers here.
+        The runner passes its one (num_layers, *layer_shape) tensor, so kv_caches is also the
+        whole cache as a single contiguous buffer."""
 
     def handshake_metadata(self) -> Any:
         """Plain data a peer needs to reach this rank (after register_kv_caches); None if none."""

@@ -16,10 +16,11 @@ PromptType = str | Sequence[int]
 class LLM:
     """`LLM(model=PATH, dtype="auto", block_size=16, max_model_len=None, max_num_seqs=64,
     max_num_batched_tokens=None, enable_prefix_caching=True, kv_cache_memory_bytes=None, ...)`.
-    `model=None` uses the built-in demo model. Unknown options raise ValueError."""
+    `model=None` uses the built-in demo model. Unknown options raise ValueError.
+    With `kv_connector=NAME`, pass `connector=pdcluster.connectors.engine_connector_factory`."""
 
-    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        self.engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(model=model, **kwargs))
+    def __init__(self, model: str | None = None, *, connector: Any = None, **kwargs: Any) -> None:
+        self.engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(model=model, **kwargs), connector=connector)
 
     @property
     def tokenizer(self) -> Any:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pdcluster.config import EngineArgs, EngineConfig
-from pdcluster.engine.engine_core import EngineCore
+from pdcluster.engine.engine_core import ConnectorArg, EngineCore
 from pdcluster.engine.input_processor import process_prompt, validate_request_id
 from pdcluster.engine.outputs import EngineCoreOutput, RequestOutput
 from pdcluster.engine.request import Request
@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, connector: Any = None) -> None:
+    def __init__(self, config: EngineConfig, connector: ConnectorArg = None) -> None:
         from pdcluster.engine.output_processor import OutputProcessor
         from pdcluster.engine.tokenizer import Tokenizer
 
@@ -30,7 +30,7 @@ class LLMEngine:
         self._ids = itertools.count()
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, connector: Any = None) -> LLMEngine:
+    def from_engine_args(cls, args: EngineArgs, connector: ConnectorArg = None) -> LLMEngine:
         return cls(args.create_engine_config(), connector=connector)
 
     @property
@@ -52,19 +52,29 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
+        prefill_output_token_ids: Sequence[int] | None = None,
     ) -> tuple[Request, str | None]:
-        """Validate and tokenize (thread-safe, touches no engine state). Raises ValueError."""
+        """Validate and tokenize (thread-safe, touches no engine state). Raises ValueError.
+
+        Decode leg of a disaggregated request: the same prompt, the prefill leg's
+        kv_transfer_params with do_remote_prefill=True, and prefill_output_token_ids = the token(s)
+        the prefill leg sampled. The request starts with them as output (they count against
+        max_tokens, are detokenization context, and are not emitted again), so the KV of the
+        prompt is loaded, the first token's KV is computed here and sampling continues at output
+        position 1: the same tokens as an aggregated run, greedy or seeded."""
         params = params if params is not None else SamplingParams()
         request_id = validate_request_id(request_id if request_id is not None else self.new_request_id())
         text, ids = process_prompt(prompt, params, self.tokenizer, self.config.model.vocab_size,
                                    self.config.scheduler.max_model_len)
+        prior = _check_prior_tokens(prefill_output_token_ids, params, len(ids), self.config)
         req = Request(request_id, ids, params, eos_token_ids=self.eos_token_ids,
-                      kv_transfer_params=kv_transfer_params)
+                      kv_transfer_params=kv_transfer_params, output_token_ids=prior)
         return req, text
 
     def add_prepared(self, request: Request, prompt_text: str | None) -> None:
         self.output_processor.add_request(request.request_id, prompt_text, request.prompt_token_ids,
-                                          request.sampling_params)
+                                          request.sampling_params,
+                                          prior_output_token_ids=request.output_token_ids)
         self.core.add_request(request)
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
@@ -94,3 +104,25 @@ class LLMEngine:
 
     def get_stats(self) -> dict[str, Any]:
         return self.core.get_stats()
+
+    def shutdown(self) -> None:
+        """Release the KV connector's resources (transfer agents, shared memory). Idempotent."""
+        self.core.shutdown()
+
+
+def _check_prior_tokens(token_ids: Sequence[int] | None, params: SamplingParams, num_prompt_tokens: int,
+                        config: EngineConfig) -> list[int]:
+    if not token_ids:
+        return []
+    out = list(token_ids)
+    vocab = config.model.vocab_size
+    for i, t in enumerate(out):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+            raise ValueError(f"prefill_output_token_ids[{i}] = {t!r} is not a token id in [0, {vocab})")
+    if len(out) >= params.max_tokens:
+        raise ValueError(f"prefill_output_token_ids has {len(out)} tokens and max_tokens={params.max_tokens}: "
+                         "nothing is left to decode")
+    if num_prompt_tokens + len(out) >= config.scheduler.max_model_len:
+        raise ValueError(f"prompt plus prefill_output_token_ids is {num_prompt_tokens + len(out)} tokens; "
+                         f"it must be shorter than max_model_len={config.scheduler.max_model_len}")
+    return out

@@ -5,7 +5,9 @@ scheduler sends each step, and owns the paged KV cache: ONE tensor
 
     kv_caches: (num_layers, 2, num_blocks, block_size, num_kv_heads_local, head_dim)   [.., 0]=K, [.., 1]=V
 
-so a KV connector can register a single memory region. A request is sampled only when its
+so a KV connector can register a single memory region (in named shared memory when the
+connector asks, so same-host peers can map it). With a connector the runner calls its worker side
+around every step (connector_hooks.py). A request is sampled only when its
 scheduled tokens reach the end of its known tokens (num_computed + num_scheduled == len(token_ids));
 an intermediate prefill chunk gets an empty list.
 """
@@ -14,12 +16,15 @@ from __future__ import annotations
 
 import itertools
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from pdcluster.config import EngineConfig
+from pdcluster.engine.connector_hooks import ConnectorHooks
+from pdcluster.engine.kv_connector import KVCacheLayout, KVConnectorBase
 from pdcluster.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from pdcluster.models.decoder import DTYPES
 from pdcluster.models.layers.attention_backend import AttentionBackend, AttentionMetadata
@@ -51,7 +56,7 @@ def make_attention_backend(name: str) -> AttentionBackend:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0, connector: KVConnectorBase | None = None) -> None:
         if os.environ.get("PDCLUSTER_NUM_THREADS"):
             torch.set_num_threads(int(os.environ["PDCLUSTER_NUM_THREADS"]))
         self.config = config
@@ -61,18 +66,54 @@ class ModelRunner:
         self.attn_backend = make_attention_backend(config.attention_backend)
         self.model = load_model(config.model, self.attn_backend, config.ops_backend, self.device,
                                 tp_rank=rank, tp_size=config.parallel.tensor_parallel_size)
-        self.kv_caches = self._allocate_kv_cache()
+        self._kv_region: Any = None  # the shared-memory Region under kv_caches, when used
+        self.kv_caches = self._allocate_kv_cache(connector)
         # Per-layer views (2, num_blocks, block_size, Hk, D) into the one tensor.
         self.layer_kv_caches: list[torch.Tensor] = list(self.kv_caches.unbind(0))
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler: Any = None  # built on first use (pdcluster.engine.sampler)
+        self.connector_hooks: ConnectorHooks | None = None
+        if connector is not None:
+            self.connector_hooks = ConnectorHooks(connector, rank, config.parallel.tensor_parallel_size)
+            self.connector_hooks.register(self.kv_caches, self.kv_cache_layout(), self.model)
 
-    def _allocate_kv_cache(self) -> torch.Tensor:
+    def kv_cache_layout(self) -> KVCacheLayout:
+        m, c = self.config.model, self.config.cache
+        tp = self.config.parallel.tensor_parallel_size
+        return KVCacheLayout(
+            num_layers=m.num_hidden_layers, num_blocks=c.num_blocks, block_size=c.block_size,
+            num_kv_heads=self.kv_caches.shape[4], head_dim=m.head_dim, dtype=c.kv_cache_dtype,
+            tp_rank=self.rank, tp_size=tp, total_num_kv_heads=m.num_key_value_heads,
+            shm_name=self._kv_region.shm_name if self._kv_region is not None else None)
+
+    def handshake_metadata(self) -> Any:
+        """This rank's connector handshake metadata (None without a connector)."""
+        return self.connector_hooks.connector.handshake_metadata() if self.connector_hooks else None
+
+    def shutdown(self) -> None:
+        """Stop the connector's worker side, then release the shared-memory cache (if any)."""
+        if self.connector_hooks is not None:
+            self.connector_hooks.shutdown()
+            self.connector_hooks = None
+        if self._kv_region is not None:
+            self._kv_region.close()  # unlinks the segment; our mapping lives while tensors do
+            self._kv_region = None
+
+    def _allocate_kv_cache(self, connector: KVConnectorBase | None) -> torch.Tensor:
         m, c = self.config.model, self.config.cache
         tp = self.config.parallel.tensor_parallel_size
         num_kv_heads = max(1, m.num_key_value_heads // tp)  # replicated when fewer heads than ranks
         shape = (m.num_hidden_layers, 2, c.num_blocks, c.block_size, num_kv_heads, m.head_dim)
-        return torch.zeros(shape, dtype=DTYPES[c.kv_cache_dtype], device=self.device)
+        dtype = DTYPES[c.kv_cache_dtype]
+        if connector is not None and self.device.type == "cpu" and connector.wants_shared_kv_cache():
+            from pdcluster.transfer import alloc_region  # lazy: only connectors need the data plane
+
+            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            self._kv_region = alloc_region(nbytes, shared=True)  # zero-filled by ftruncate
+            # A forgotten shutdown() must not leave the segment in /dev/shm after the process exits.
+            weakref.finalize(self, self._kv_region.close)
+            return self._kv_region.as_tensor(dtype, shape)
+        return torch.zeros(shape, dtype=dtype, device=self.device)
 
     def _get_sampler(self) -> Any:
         if self.sampler is None:
@@ -98,9 +139,21 @@ class ModelRunner:
     # -- step -------------------------------------------------------------------------------------
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self.update_states(so)
+        hooks = self.connector_hooks
+        if hooks is not None:
+            hooks.start(so.kv_connector_metadata)  # also on empty steps: async loads start here
         reqs = [self.requests[r] for r, n in so.num_scheduled_tokens.items() if n > 0]
         if not reqs:
-            return ModelRunnerOutput([], [])
+            out = ModelRunnerOutput([], [])
+        else:
+            if hooks is not None:
+                hooks.before_forward()
+            out = self._forward(reqs, so)
+            if hooks is not None:
+                hooks.after_forward()
+        return hooks.finish(out) if hooks is not None else out
+
+    def _forward(self, reqs: list[CachedRequestState], so: SchedulerOutput) -> ModelRunnerOutput:
         query_lens = [so.num_scheduled_tokens[r.req_id] for r in reqs]
         input_ids, positions, meta = self.prepare_inputs(reqs, query_lens)
         # Sample where the chunk ends at the last known token; index of that token in the batch.

@@ -50,6 +50,7 @@ class _RequestState:
     error: str | None = None
     num_cached_tokens: int = 0
     kv_transfer_params: dict | None = None
+    num_prior_tokens: int = 0  # output tokens generated before this request (not in token_ids)
 
     @property
     def finished(self) -> bool:
@@ -71,7 +72,11 @@ class OutputProcessor:
         prompt: str | None,
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
+        prior_output_token_ids: list[int] | None = None,
     ) -> None:
+        """prior_output_token_ids: output generated elsewhere (a decode leg starts with the prefill
+        leg's token): detokenization context and counted for min_tokens, never emitted again."""
+        prior = list(prior_output_token_ids or ())
         if request_id in self._active or request_id in self._finished:
             raise ValueError(f"request {request_id!r} already exists")
         detokenize = sampling_params.detokenize and self.tokenizer is not None
@@ -81,11 +86,12 @@ class OutputProcessor:
         if detokenize:
             assert self.tokenizer is not None
             skip = sampling_params.skip_special_tokens
-            detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, skip)
+            detok = IncrementalDetokenizer(self.tokenizer, list(prompt_token_ids) + prior, skip)
         self._active[request_id] = _RequestState(
             request_id, prompt, list(prompt_token_ids), sampling_params, detok,
             logprobs=[] if sampling_params.logprobs is not None else None,
             cumulative_logprob=0.0 if sampling_params.logprobs is not None else None,
+            num_prior_tokens=len(prior),
         )
 
     def abort_request(self, request_id: str) -> None:
@@ -131,7 +137,7 @@ class OutputProcessor:
     # -- per step -----------------------------------------------------------------------------
     def _update(self, state: _RequestState, out: EngineCoreOutput) -> str:
         params = state.params
-        num_before = len(state.token_ids)
+        num_before = state.num_prior_tokens + len(state.token_ids)
         state.token_ids.extend(out.new_token_ids)
         if state.logprobs is not None and out.new_logprobs:
             state.logprobs.extend(out.new_logprobs)

@@ -52,13 +52,16 @@ class Request:
         eos_token_ids: tuple[int, ...] = (),
         arrival_time: float | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
+        output_token_ids: list[int] | None = None,
     ) -> None:
+        """output_token_ids: tokens already generated elsewhere (a decode leg starts with the
+        prefill leg's sampled token); they count against max_tokens and are never re-emitted."""
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = tuple(eos_token_ids)
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        self.output_token_ids: list[int] = []
+        self.output_token_ids: list[int] = list(output_token_ids or ())
         self.status = RequestStatus.WAITING
         # Tokens whose KV is in the cache (computed locally, hit in the prefix cache, or loaded).
         self.num_computed_tokens = 0

@@ -1,7 +1,8 @@
 """Build a model and fill it from a safetensors checkpoint (single file or sharded).
 
-Every checkpoint tensor goes through its parameter's `weight_loader`, which copies this TP rank's
-slice and converts the dtype. q/k/v and gate/up are fused here, at load time, so the forward pass
+Every checkpoint tensor goes through its parameter's `weight_loader` as a lazy safetensors slice
+(`get_slice`): the loader reads only this TP rank's part of it from the file and converts the
+dtype (layers/weight_slice.py). q/k/v and gate/up are fused here, at load time, so the forward pass
 runs one matmul for each. Tensors the model has no parameter for (e.g. rotary `inv_freq`) are
 ignored; parameters no tensor filled are an error that names them.
 """
@@ -12,6 +13,7 @@ import json
 import logging
 import pathlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -61,6 +63,15 @@ def iter_checkpoint(path: str | pathlib.Path) -> Iterator[tuple[str, torch.Tenso
                 yield name, f.get_tensor(name)
 
 
+def iter_checkpoint_slices(path: str | pathlib.Path) -> Iterator[tuple[str, Any]]:
+    """Yield (name, lazy slice); nothing is read until the consumer indexes the slice, and then
+    only the indexed part. A slice is valid only until the next item (its file may close)."""
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, f.get_slice(name)
+
+
 def _map_name(name: str) -> tuple[str, str | int | None]:
     """Checkpoint name -> (our parameter name, shard id) using the fused projection table."""
     for fused, part, shard_id in STACKED_PARAMS:
@@ -89,7 +100,7 @@ def load_weights(model: nn.Module, path: str | pathlib.Path) -> None:
     params = dict(model.named_parameters())
     loaded: set[tuple[str, str | int | None]] = set()
     ignored: list[str] = []
-    for ckpt_name, tensor in iter_checkpoint(path):
+    for ckpt_name, tensor in iter_checkpoint_slices(path):
         name, shard_id = _map_name(ckpt_name)
         param = params.get(name)
         if param is None:
@@ -99,7 +110,7 @@ def load_weights(model: nn.Module, path: str | pathlib.Path) -> None:
         loaded.add((name, shard_id))
     if _LM_HEAD in params and (_LM_HEAD, None) not in loaded:
         # No lm_head in the checkpoint although tie_word_embeddings is false: tie it by copying.
-        for ckpt_name, tensor in iter_checkpoint(path):
+        for ckpt_name, tensor in iter_checkpoint_slices(path):
             if ckpt_name == _EMBED:
                 params[_LM_HEAD].weight_loader(params[_LM_HEAD], tensor)
                 loaded.add((_LM_HEAD, None))

@@ -75,7 +75,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         inflight = _Inflight(num_prompt_tokens=len(request.prompt_token_ids))
         self._inflight[rid] = inflight
         inflight.task = asyncio.get_running_loop().create_task(
-            self._pump(list(request.prompt_token_ids), params, rid, kv, inflight.queue))
+            self._pump(list(request.prompt_token_ids), params, rid, kv, list(request.prefill_output_token_ids),
+                       inflight.queue))
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
         collected: list[worker_pb2.WorkerGenerateResponse] = []
@@ -116,9 +117,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         raise AssertionError("unreachable: context.abort raises")
 
     async def _pump(self, prompt: list[int], params: SamplingParams, rid: str, kv: dict | None,
-                    queue: asyncio.Queue) -> None:
+                    prior: list[int], queue: asyncio.Queue) -> None:
         try:
-            async for out in self.engine.generate(prompt, params, request_id=rid, kv_transfer_params=kv):
+            # prior: the decode leg's prefill_output_token_ids (the engine validates them).
+            async for out in self.engine.generate(prompt, params, request_id=rid, kv_transfer_params=kv,
+                                                  prefill_output_token_ids=prior or None):
                 queue.put_nowait((time.time(), out))
         except asyncio.CancelledError:
             raise

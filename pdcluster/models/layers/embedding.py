@@ -4,13 +4,23 @@ The vocabulary is split into tp_size contiguous ranges of `ceil(V / tp_size)` ro
 padded with zero rows). The embedding looks up ids of its range and zeros the rest, then the ranks
 sum (all-reduce); the LM head computes the logits of its range and the ranks concatenate
 (all-gather). With tp_size 1 both are a plain lookup / matmul.
+
+    V=10, t=4: num_local=3   rank0 [0,3)  rank1 [3,6)  rank2 [6,9)  rank3 [9,10) + 2 zero rows
+    all-gather: [r0 logits | r1 | r2 | r3 incl. 2 pad columns] -> cut to [:, :V]
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pdcluster.models.layers.weight_slice import Loaded, narrow, shape_of
+
+if TYPE_CHECKING:
+    from pdcluster.distributed.comm import TPComm
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -24,14 +34,15 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.zeros(self.num_local, hidden_size, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         # The TP communication hook; None means no reduce (tp_size 1), set by pdcluster.distributed.
-        self.tp_group: object | None = None
+        self.tp_group: TPComm | None = None
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
-        if loaded.shape[0] != self.vocab_size or loaded.shape[1] != param.shape[1]:
-            raise ValueError(f"embedding tensor has shape {tuple(loaded.shape)}, expected "
-                             f"({self.vocab_size}, {param.shape[1]})")
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: str | int | None = None) -> None:
+        shape = shape_of(loaded)
+        if shape != (self.vocab_size, param.shape[1]):
+            raise ValueError(f"embedding tensor has shape {shape}, expected ({self.vocab_size}, {param.shape[1]})")
         rows = min(self.num_local, self.vocab_size - self.vocab_start)
-        param.data[:rows].copy_(loaded.narrow(0, self.vocab_start, rows))
+        if rows > 0:  # a last rank can own only padding when V is tiny and t large
+            param.data[:rows].copy_(narrow(loaded, 0, self.vocab_start, rows))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -41,9 +52,8 @@ class VocabParallelEmbedding(nn.Module):
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.num_local)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        out.masked_fill_(outside.unsqueeze(-1), 0)
-        torch.distributed.all_reduce(out, group=self.tp_group)
-        return out
+        out.masked_fill_(outside.unsqueeze(-1), 0)  # (T, H): rows of other ranks' ids are zero
+        return self.tp_group.all_reduce(out)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -57,8 +67,6 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.tp_size > 1:
             if self.tp_group is None:
                 raise RuntimeError("ParallelLMHead with tp_size > 1 needs tp_group set before forward")
-            parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
-            torch.distributed.all_gather(parts, logits, group=self.tp_group)
-            logits = torch.cat(parts, dim=-1)
+            logits = self.tp_group.all_gather(logits, dim=-1)  # (N, num_local * tp_size)
         # Cast after the matmul (not before) to match transformers, which upcasts the logits.
         return logits[:, : self.vocab_size].float()

@@ -7,13 +7,32 @@ checkpoint tensor, converting dtype on the way, so loading is identical for any 
 
     QKV fused output rows (one rank):  [ q heads of rank | k heads of rank | v heads of rank ]
     gate_up fused output rows:         [ gate slice of rank | up slice of rank ]
+
+KV heads over ranks (Hk global KV heads, t ranks), rows of the checkpoint's k_proj / v_proj:
+
+    Hk >= t (split):      rank r holds heads [r*Hk/t, (r+1)*Hk/t)
+        Hk=4, t=2:        k_proj rows  | h0 h1 | h2 h3 |
+                                         rank0   rank1
+    Hk < t (replicated):  rank r holds head r*Hk//t (t/Hk consecutive ranks share one head)
+        Hk=1, t=2:        k_proj rows  |   h0    |      ranks 0 and 1 both read h0
+        Hk=2, t=4:        k_proj rows  | h0 | h1 |      ranks 0,1 -> h0; ranks 2,3 -> h1
+
+Each rank's q heads [r*Hq/t, (r+1)*Hq/t) attend to its KV head(s) with the usual GQA grouping,
+because r*Hk//t is exactly the KV head of those q heads.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pdcluster.models.layers.weight_slice import Loaded, narrow, shape_of, whole
+
+if TYPE_CHECKING:
+    from pdcluster.distributed.comm import TPComm
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -23,9 +42,16 @@ def _divide(n: int, d: int, what: str) -> int:
 
 
 def _copy_into(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    if dst.shape != src.shape:
+    if tuple(dst.shape) != tuple(src.shape):
         raise ValueError(f"checkpoint tensor for {name} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
     dst.copy_(src)  # copy_ converts to the parameter's dtype and device
+
+
+def _check_dim(loaded: Loaded, dim: int, expected: int, name: str) -> None:
+    # A wrong-size checkpoint tensor must fail loudly, not load a plausible-looking slice of it.
+    got = shape_of(loaded)
+    if len(got) <= dim or got[dim] != expected:
+        raise ValueError(f"checkpoint tensor for {name} has shape {got}; dim {dim} should be {expected}")
 
 
 class LinearBase(nn.Module):
@@ -42,7 +68,7 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: str | int | None = None) -> None:
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -50,8 +76,8 @@ class LinearBase(nn.Module):
 
 
 class ReplicatedLinear(LinearBase):
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
-        _copy_into(param.data, loaded, type(self).__name__)
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: str | int | None = None) -> None:
+        _copy_into(param.data, whole(loaded), type(self).__name__)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -62,9 +88,10 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(in_features, _divide(out_features, tp_size, "output features"), bias, dtype,
                          tp_rank, tp_size)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: str | int | None = None) -> None:
         rows = param.shape[0]
-        _copy_into(param.data, loaded.narrow(0, self.tp_rank * rows, rows), type(self).__name__)
+        _check_dim(loaded, 0, rows * self.tp_size, type(self).__name__)
+        _copy_into(param.data, narrow(loaded, 0, self.tp_rank * rows, rows), type(self).__name__)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -76,11 +103,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = [_divide(s, tp_size, "output features") for s in output_sizes]  # local
         super().__init__(in_features, sum(output_sizes), bias, dtype, tp_rank, tp_size)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: str | int | None = None) -> None:
         assert isinstance(shard_id, int), "merged linear needs the index of the projection"
         size = self.output_sizes[shard_id]
         dst = param.data.narrow(0, sum(self.output_sizes[:shard_id]), size)
-        _copy_into(dst, loaded.narrow(0, self.tp_rank * size, size), f"gate_up shard {shard_id}")
+        _check_dim(loaded, 0, size * self.tp_size, f"gate_up shard {shard_id}")
+        _copy_into(dst, narrow(loaded, 0, self.tp_rank * size, size), f"gate_up shard {shard_id}")
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -90,6 +118,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
                  dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1) -> None:
         self.head_dim = head_dim
+        self.total_num_heads, self.total_num_kv_heads = num_heads, num_kv_heads
         self.num_heads = _divide(num_heads, tp_size, "num_attention_heads")  # local
         if num_kv_heads >= tp_size:
             self.num_kv_heads = _divide(num_kv_heads, tp_size, "num_key_value_heads")
@@ -97,7 +126,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             _divide(tp_size, num_kv_heads, "replicated KV heads")
             self.num_kv_heads = 1
-            self._kv_shard = tp_rank // (tp_size // num_kv_heads)
+            self._kv_shard = tp_rank * num_kv_heads // tp_size  # see the diagram above
         out_local = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         super().__init__(hidden_size, out_local * tp_size, bias, dtype, tp_rank, tp_size)
 
@@ -109,7 +138,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: str | int | None = None) -> None:
         if shard_id == "q":
             offset, size, shard = 0, self.q_size, self.tp_rank
         elif shard_id in ("k", "v"):
@@ -117,8 +146,10 @@ class QKVParallelLinear(ColumnParallelLinear):
             size, shard = self.kv_size, self._kv_shard
         else:
             raise ValueError(f"QKV shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+        total = self.total_num_heads if shard_id == "q" else self.total_num_kv_heads
+        _check_dim(loaded, 0, total * self.head_dim, f"qkv shard {shard_id}")
         dst = param.data.narrow(0, offset, size)
-        _copy_into(dst, loaded.narrow(0, shard * size, size), f"qkv shard {shard_id}")
+        _copy_into(dst, narrow(loaded, 0, shard * size, size), f"qkv shard {shard_id}")
 
 
 class RowParallelLinear(LinearBase):
@@ -130,20 +161,21 @@ class RowParallelLinear(LinearBase):
                          tp_rank, tp_size)
         # The single TP communication hook: the process group the partial outputs are summed over.
         # None means no reduce (tp_size 1); pdcluster.distributed sets it when it starts TP.
-        self.tp_group: object | None = None
+        self.tp_group: TPComm | None = None
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: str | int | None = None) -> None:
         if param.dim() == 1:  # the bias is not split: added once, after the reduce
-            _copy_into(param.data, loaded, "row-parallel bias")
+            _copy_into(param.data, whole(loaded), "row-parallel bias")
             return
         cols = param.shape[1]
-        _copy_into(param.data, loaded.narrow(1, self.tp_rank * cols, cols), type(self).__name__)
+        _check_dim(loaded, 1, cols * self.tp_size, type(self).__name__)
+        _copy_into(param.data, narrow(loaded, 1, self.tp_rank * cols, cols), type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return F.linear(x, self.weight, self.bias)
         if self.tp_group is None:
             raise RuntimeError("RowParallelLinear with tp_size > 1 needs tp_group set before forward")
-        out = F.linear(x, self.weight)
-        torch.distributed.all_reduce(out, group=self.tp_group)
+        out = F.linear(x, self.weight)  # (T, out): this rank's partial sum
+        self.tp_group.all_reduce(out)
         return out if self.bias is None else out + self.bias

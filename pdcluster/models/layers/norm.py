@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from pdcluster.kernels.ops import Ops
+from pdcluster.models.layers.weight_slice import Loaded, whole
 
 
 class RMSNorm(nn.Module):
@@ -25,7 +26,8 @@ class RMSNorm(nn.Module):
         return self._ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
-def _replicated_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+def _replicated_loader(param: nn.Parameter, loaded: Loaded, shard_id: str | int | None = None) -> None:
+    loaded = whole(loaded)
     if param.shape != loaded.shape:
         raise ValueError(f"norm weight has shape {tuple(loaded.shape)}, expected {tuple(param.shape)}")
     param.data.copy_(loaded)

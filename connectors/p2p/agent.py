@@ -1,0 +1,151 @@
+"""ProducerAgent: one worker rank's producer half. It owns the data plane (a TransferServer over
+the rank's registered KV cache), the leases, and the answers to side-channel requests.
+
+Capabilities: a consumer gets READ tokens only through `open`, over the CURVE side channel, for
+a live lease bound to its (request_id, transfer_id). A token covers exactly the byte ranges of
+that lease's blocks and expires when the lease does at the time of `open`; the TransferServer
+checks it statelessly. Reads are then validated at the end: the consumer's `done` is answered
+"released" only if the lease was still alive, so a read that raced an expiry (blocks freed and
+possibly reused) is reported to the reader as failed, never used.
+
+`handle()` is pure request -> reply logic (no sockets), so it is tested frame by frame.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+from collections import Counter
+from typing import Any
+
+from pdcluster.security.envelope import MalformedMessage, ReplayGuard, decode, encode
+from pdcluster.transfer import OP_READ, Region, TransferServer, issue_token, local_host_id
+
+from .blocks import CacheGeometry, block_ranges, chunk_block_ids
+from .lease import LeaseError, LeaseTable
+from .options import P2POptions
+from .wire import (
+    FINGERPRINT,
+    HS_BODY,
+    MAX_FRAME_BYTES,
+    REPLY,
+    REQUESTS,
+    fingerprint_mismatch,
+    now_ms,
+)
+
+log = logging.getLogger(__name__)
+REPLAY_WINDOW_S = 60.0
+
+
+class ProducerAgent:
+    def __init__(self, opts: P2POptions, fp: dict[str, Any], geo: CacheGeometry, region: Region,
+                 shm_name: str | None, tp_rank: int = 0, tp_size: int = 1) -> None:
+        self.opts = opts
+        self.fingerprint = fp
+        self.geo = geo
+        # A fresh epoch per agent: a restarted producer is a new incarnation whose block ids mean
+        # nothing to params minted by the old one.
+        self.epoch = secrets.randbits(62) | 1
+        self.shm_name = shm_name
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.leases = LeaseTable(opts.lease_ttl_s)
+        self._data_key = secrets.token_bytes(32)  # tokens are minted and verified in this process only
+        self._guard = ReplayGuard(window_s=REPLAY_WINDOW_S)
+        self._guard_lock = threading.Lock()
+        self.counters: Counter[str] = Counter()
+        self.server = TransferServer(self._data_key, opts.data_host, 0, io_timeout_s=opts.io_timeout_s,
+                                     on_refusal=lambda reason: self._count(f"data_refused_{reason}"))
+        self.region_id = self.server.register(region)
+        self.server.start()
+
+    # -- engine thread -------------------------------------------------------------------------
+    def add_lease(self, request_id: str, transfer_id: str, lease_id: str, block_ids: list[int]) -> None:
+        self.leases.add(request_id, transfer_id, lease_id, block_ids)
+
+    def body(self) -> dict[str, Any]:
+        host, port = self.server.address
+        return {"producer_id": self.opts.engine_id, "epoch": self.epoch, "tp_rank": self.tp_rank,
+                "tp_size": self.tp_size, "data_host": host, "data_port": port, "region_id": self.region_id,
+                "region_nbytes": self.geo.nbytes, "num_blocks": self.geo.num_blocks,
+                "block_nbytes": self.geo.block_nbytes, "host_id": local_host_id(), "shm_name": self.shm_name}
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {f"p2p_leases_{k}": v for k, v in self.leases.counts.items()}
+        out["p2p_leases_active"] = self.leases.num_active
+        with self._guard_lock:
+            out.update({f"p2p_{k}": v for k, v in self.counters.items()})
+        out["p2p_bytes_served"] = self.server.stats().get("bytes_read", 0)
+        return out
+
+    def close(self) -> None:
+        self.leases.end_all()
+        self.server.stop()
+
+    # -- side-channel thread -------------------------------------------------------------------
+    def _count(self, name: str) -> None:
+        with self._guard_lock:
+            self.counters[name] += 1
+
+    def handle(self, frames: list[bytes]) -> list[bytes]:
+        """Reply frames (after the ROUTER identity) for one request's frames. Never raises."""
+        if len(frames) != 1:
+            return self._error(b"", "malformed", f"expected one frame, got {len(frames)}")
+        try:
+            kind, body = decode(REQUESTS, frames[0], MAX_FRAME_BYTES)
+        except MalformedMessage as e:
+            return self._error(b"", "malformed", f"malformed message: {e}")
+        nonce = body["nonce"]
+        try:
+            with self._guard_lock:
+                self._guard.check_and_remember(nonce, body["ts_ms"])
+        except MalformedMessage as e:
+            return self._error(nonce, "replayed", str(e))
+        self._count(f"requests_{kind}")
+        try:
+            if kind == "p2p_hs_req":
+                return self._handshake(nonce, body)
+            if kind == "p2p_open":
+                return self._open(nonce, body)
+            if kind == "p2p_heartbeat":
+                alive = [ref["lease_id"] for ref in body["leases"]
+                         if self.leases.renew(ref["lease_id"], ref["transfer_id"])]
+                return self._reply(nonce, alive=alive, ttl_ms=int(self.leases.ttl_s * 1000))
+            status = self.leases.release(body["lease_id"], body["transfer_id"], body["request_id"])
+            if status != "released":
+                self._count(f"refused_done_{status}")
+            return self._reply(nonce, ok=status == "released", status=status)
+        except LeaseError as e:
+            return self._error(nonce, f"lease_{e.reason}", f"lease {e.reason}")
+        except Exception as e:  # a bug costs this request only
+            log.exception("p2p side channel: %s failed", kind)
+            return self._error(nonce, "internal", f"internal error: {type(e).__name__}")
+
+    def _handshake(self, nonce: bytes, body: dict[str, Any]) -> list[bytes]:
+        problem = fingerprint_mismatch(self.fingerprint, body["fingerprint"])
+        if problem is not None:
+            return self._error(nonce, "incompatible", problem)
+        return [nonce, encode(FINGERPRINT, self.fingerprint), encode(HS_BODY, self.body())]
+
+    def _open(self, nonce: bytes, body: dict[str, Any]) -> list[bytes]:
+        lease = self.leases.lookup(body["lease_id"], body["transfer_id"], body["request_id"])
+        first = body["first_block"]
+        if first > len(lease.block_ids):
+            return self._error(nonce, "bad_request", f"first_block {first} past the lease's {len(lease.block_ids)} blocks")
+        block_ids = lease.block_ids[first:]
+        remaining_ms = int(self.leases.remaining_s(lease) * 1000)
+        expiry_ms = now_ms() + remaining_ms
+        tid = bytes.fromhex(lease.transfer_id)
+        tokens = [issue_token(self._data_key, tid, OP_READ, self.region_id, block_ranges(self.geo, chunk),
+                              expiry_ms=expiry_ms)
+                  for chunk in chunk_block_ids(block_ids, self.geo.num_layers) if chunk]
+        return self._reply(nonce, block_ids=block_ids, tokens=tokens, expiry_ms=expiry_ms,
+                           ttl_ms=int(self.leases.ttl_s * 1000))
+
+    def _reply(self, nonce: bytes, ok: bool = True, **fields: Any) -> list[bytes]:
+        return [nonce, encode(REPLY, {"ok": ok, "epoch": self.epoch, **fields})]
+
+    def _error(self, nonce: bytes, reason: str, message: str) -> list[bytes]:
+        self._count(f"refused_{reason}")
+        return self._reply(nonce, ok=False, error=message[:500])

@@ -1,0 +1,149 @@
+"""Producer-side leases: which finished requests' blocks a consumer may still read, and until when.
+
+    add()  (engine thread, the step after request_finished said delay_free)
+      |                      renew() by heartbeat pushes expiry forward
+      v
+    ACTIVE --release() ("done" notice)--> RELEASED --+
+      |                                              +--> request id in take_finished() once:
+      +------ expire() / any lookup after expiry --> EXPIRED -+   the scheduler frees the blocks
+
+Invariants:
+  - a lease ends exactly once (released or expired) and its request id is reported exactly once;
+    nothing ends it before expiry except its consumer's "done";
+  - states only move forward, so a consumer that gets "released" for its own "done" knows the
+    lease was alive for every read it made before: blocks are freed (and may be reused) only
+    after the lease ended;
+  - expiry does not assume any order: expire() looks at every lease;
+  - ended leases are remembered (bounded) so a late reader learns "expired"/"released" rather
+    than "unknown".
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+_MAX_TOMBSTONES = 4096
+
+
+class LeaseError(Exception):
+    """A lease lookup failed; `reason` is one of unknown, expired, released, wrong_request,
+    wrong_transfer (also the metric label and the error the consumer sees)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass
+class Lease:
+    lease_id: str
+    transfer_id: str
+    request_id: str
+    block_ids: list[int]
+    expiry: float  # clock() seconds
+
+
+class LeaseTable:
+    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._active: dict[str, Lease] = {}
+        self._ended: OrderedDict[str, tuple[str, str]] = OrderedDict()  # lease_id -> (state, transfer_id)
+        self._finished: set[str] = set()
+        self.counts = {"created": 0, "released": 0, "expired": 0}
+
+    def add(self, request_id: str, transfer_id: str, lease_id: str, block_ids: list[int]) -> Lease:
+        with self._lock:
+            if lease_id in self._active or lease_id in self._ended:
+                raise ValueError(f"lease id {lease_id} already used")
+            lease = Lease(lease_id, transfer_id, request_id, list(block_ids), self._clock() + self.ttl_s)
+            self._active[lease_id] = lease
+            self.counts["created"] += 1
+            return lease
+
+    def lookup(self, lease_id: str, transfer_id: str, request_id: str | None = None) -> Lease:
+        """The live lease, checked against the transfer (and request) it is bound to."""
+        with self._lock:
+            lease = self._live(lease_id)
+            if lease.transfer_id != transfer_id:
+                raise LeaseError("wrong_transfer")
+            if request_id is not None and lease.request_id != request_id:
+                raise LeaseError("wrong_request")
+            return lease
+
+    def remaining_s(self, lease: Lease) -> float:
+        return max(0.0, lease.expiry - self._clock())
+
+    def renew(self, lease_id: str, transfer_id: str) -> bool:
+        with self._lock:
+            try:
+                lease = self._live(lease_id)
+            except LeaseError:
+                return False
+            if lease.transfer_id != transfer_id:
+                return False
+            lease.expiry = self._clock() + self.ttl_s
+            return True
+
+    def release(self, lease_id: str, transfer_id: str, request_id: str) -> str:
+        """The consumer's "done": "released", or why not (expired, released, unknown, wrong_*)."""
+        with self._lock:
+            try:
+                lease = self._live(lease_id)
+            except LeaseError as e:
+                return e.reason
+            if lease.transfer_id != transfer_id:
+                return "wrong_transfer"
+            if lease.request_id != request_id:
+                return "wrong_request"
+            self._end(lease, "released")
+            return "released"
+
+    def expire(self) -> list[str]:
+        """End every lease past its expiry; returns their request ids."""
+        with self._lock:
+            now = self._clock()
+            gone = [lease for lease in self._active.values() if lease.expiry < now]
+            for lease in gone:
+                self._end(lease, "expired")
+            return [lease.request_id for lease in gone]
+
+    def end_all(self) -> None:
+        """Shutdown: every lease ends (its blocks go back with the engine)."""
+        with self._lock:
+            for lease in list(self._active.values()):
+                self._end(lease, "expired")
+
+    def take_finished(self) -> set[str]:
+        with self._lock:
+            out, self._finished = self._finished, set()
+            return out
+
+    @property
+    def num_active(self) -> int:
+        with self._lock:
+            return len(self._active)
+
+    # -- under self._lock ------------------------------------------------------------------------
+    def _live(self, lease_id: str) -> Lease:
+        lease = self._active.get(lease_id)
+        if lease is None:
+            ended = self._ended.get(lease_id)
+            raise LeaseError(ended[0] if ended else "unknown")
+        if lease.expiry < self._clock():  # expired, scan not yet run: end it now, never serve it
+            self._end(lease, "expired")
+            raise LeaseError("expired")
+        return lease
+
+    def _end(self, lease: Lease, state: str) -> None:
+        del self._active[lease.lease_id]
+        self._ended[lease.lease_id] = (state, lease.transfer_id)
+        while len(self._ended) > _MAX_TOMBSTONES:
+            self._ended.popitem(last=False)
+        self._finished.add(lease.request_id)
+        self.counts[state] += 1

@@ -1,0 +1,157 @@
+"""ScatterReader: READ a producer's byte ranges straight into scattered destination ranges.
+
+pdcluster.transfer.TransferClient reads into one buffer laid out as the concatenation of the
+ranges; the destination here is a set of blocks of the consumer's own registered cache, so each
+window of the concatenated stream is received piecewise into the destination ranges that
+cover it (`recv_into` on slices of the cache: zero copies):
+
+    source ranges (token)   |--r0--|----r1----|-r2-|        concatenated byte stream
+    windows (streams)       [=====w0=====][=====w1====]     one pooled connection each
+    destination ranges      |-d0-|---d1---|--d2--|--d3-|    w0 -> d0, d1, head of d2; w1 -> ...
+
+Same wire protocol and token checks as TransferClient (pdcluster.transfer.protocol); this only
+adds the scatter on receive. A refused or broken window raises TransferError; every stream is
+waited for before read() returns, so nothing writes into the destination afterwards.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from pdcluster.transfer import OP_READ, TransferError, parse_token
+from pdcluster.transfer.protocol import (
+    PROTO_VERSION,
+    RANGE,
+    REQ_HEADER,
+    REQ_MAGIC,
+    RESP_HEADER,
+    RESP_MAGIC,
+    ST_OK,
+    STATUS_NAMES,
+    recv_exact,
+    window_segments,
+)
+
+Address = tuple[str, int]
+_ALIGN = 4096
+
+
+def split_windows(total: int, num_streams: int, min_stream_bytes: int) -> list[tuple[int, int]]:
+    """[0, total) in at most num_streams page-aligned windows of at least min_stream_bytes."""
+    k = max(1, min(num_streams, total // max(1, min_stream_bytes)))
+    step = -(-total // k)
+    step = -(-step // _ALIGN) * _ALIGN
+    return [(s, min(step, total - s)) for s in range(0, total, step)]
+
+
+class ScatterReader:
+    def __init__(self, num_streams: int = 4, min_stream_bytes: int = 256 << 10,
+                 connect_timeout_s: float = 5.0, io_timeout_s: float = 10.0) -> None:
+        self.num_streams = num_streams
+        self.min_stream_bytes = min_stream_bytes
+        self._connect_timeout = connect_timeout_s
+        self._io_timeout = io_timeout_s
+        self._lock = threading.Lock()
+        self._idle: dict[Address, list[socket.socket]] = {}
+        self._pool = ThreadPoolExecutor(max_workers=max(1, 2 * num_streams), thread_name_prefix="p2p-stream")
+        self._closed = False
+
+    def read(self, addr: Address, token: bytes, src_ranges: Sequence[tuple[int, int]], dest: memoryview,
+             dst_ranges: Sequence[tuple[int, int]]) -> int:
+        total = sum(n for _, n in src_ranges)
+        if total == 0 or total != sum(n for _, n in dst_ranges):
+            raise ValueError(f"source ranges hold {total} bytes, destination ranges "
+                             f"{sum(n for _, n in dst_ranges)}")
+        for off, n in dst_ranges:
+            if off < 0 or off + n > dest.nbytes:
+                raise ValueError("destination range outside the buffer")
+        # The range table is the same for every window: pack it once (the request frame is
+        # header | token | table, see pdcluster.transfer.protocol).
+        table = token + b"".join(RANGE.pack(o, n) for o, n in src_ranges)
+        frame_args = (addr, token, len(src_ranges), table, dest, list(dst_ranges))
+        windows = split_windows(total, self.num_streams, self.min_stream_bytes)
+        futures = [self._pool.submit(self._window, *frame_args, s, n) for s, n in windows[1:]]
+        errors: list[BaseException] = []
+        try:
+            self._window(*frame_args, *windows[0])
+        except BaseException as e:
+            errors.append(e)
+        for f in futures:  # wait for every stream: none may write into dest after we return
+            try:
+                f.result()
+            except BaseException as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
+        return total
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            socks = [s for lst in self._idle.values() for s in lst]
+            self._idle.clear()
+        for s in socks:
+            s.close()
+        self._pool.shutdown(wait=True)
+
+    # -- one window on one connection ------------------------------------------------------------
+    def _window(self, addr: Address, token: bytes, num_ranges: int, table: bytes, dest: memoryview,
+                dst_ranges: list[tuple[int, int]], start: int, length: int) -> None:
+        cap = parse_token(token)
+        head = REQ_HEADER.pack(REQ_MAGIC, PROTO_VERSION, OP_READ, 0, num_ranges, cap.region_id, start, length,
+                               cap.transfer_id)
+        frame = head + table
+        for attempt in range(2):
+            sock, reused = self._checkout(addr, fresh=attempt > 0)
+            try:
+                sock.sendall(frame)
+                status = self._recv_status(sock)
+            except OSError as e:
+                sock.close()
+                if reused:
+                    continue  # a pooled connection the server had closed: once more on a fresh one
+                raise TransferError("io", f"{addr[0]}:{addr[1]}: {e}") from e
+            if status != ST_OK:
+                sock.close()
+                raise TransferError(STATUS_NAMES.get(status, str(status)), f"refused by {addr[0]}:{addr[1]}")
+            try:
+                for off, n in window_segments(dst_ranges, start, length):
+                    recv_exact(sock, dest[off:off + n])
+            except OSError as e:
+                sock.close()
+                raise TransferError("io", f"{addr[0]}:{addr[1]}: {e}") from e
+            self._checkin(addr, sock)
+            return
+
+    @staticmethod
+    def _recv_status(sock: socket.socket) -> int:
+        hdr = memoryview(bytearray(RESP_HEADER.size))
+        recv_exact(sock, hdr)
+        magic, status, _r1, _r2, _n = RESP_HEADER.unpack(hdr)
+        if magic != RESP_MAGIC:
+            raise ConnectionError("bad response frame")
+        return status
+
+    def _checkout(self, addr: Address, fresh: bool) -> tuple[socket.socket, bool]:
+        if not fresh:
+            with self._lock:
+                idle = self._idle.get(addr)
+                if idle:
+                    return idle.pop(), True
+        try:
+            sock = socket.create_connection(addr, timeout=self._connect_timeout)
+        except OSError as e:
+            raise TransferError("io", f"cannot connect to {addr[0]}:{addr[1]}: {e}") from e
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(self._io_timeout)
+        return sock, False
+
+    def _checkin(self, addr: Address, sock: socket.socket) -> None:
+        with self._lock:
+            if not self._closed and len(self._idle.setdefault(addr, [])) < 4 * self.num_streams:
+                self._idle[addr].append(sock)
+                return
+        sock.close()

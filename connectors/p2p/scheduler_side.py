@@ -1,0 +1,122 @@
+"""Scheduler side of the P2P connector: pure bookkeeping, no I/O.
+
+Producer (a request with kv_transfer_params.do_remote_decode):
+    request_finished (FINISHED_LENGTH: the prefill leg ran its max_tokens=1) -> delay_free=True,
+    params for the decode leg, and a LeaseSpec in the next step's metadata: the worker side
+    registers the lease; the blocks come back when it reports the request in finished_sending.
+
+Consumer (a request with kv_transfer_params.do_remote_prefill):
+    get_num_new_matched_tokens -> (prompt tokens not hit locally, async)
+    update_state_after_alloc   -> a LoadSpec for the blocks after the local prefix hits
+    request_finished while loading -> a cancel; before any load -> a release (the producer frees)
+A request is loaded at most once: after a load (or a failure cut back under "recompute") it
+computes whatever it misses locally, so a preempted decode never pulls stale leases again.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdcluster.engine.kv_connector import KVConnectorMetadata
+from pdcluster.engine.request import Request, RequestStatus
+
+from .options import P2POptions
+from .params import build_params, check_consumer_params, is_hex32, new_id
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class P2PMetadata(KVConnectorMetadata):
+    """One step's work for the worker side (plain data: broadcast to TP ranks)."""
+
+    leases: list[dict[str, Any]] = field(default_factory=list)  # request_id, transfer_id, lease_id, block_ids
+    loads: list[dict[str, Any]] = field(default_factory=list)  # request_id, local_block_ids, first_block, params
+    cancels: list[str] = field(default_factory=list)
+    releases: list[dict[str, Any]] = field(default_factory=list)  # request_id, params
+
+
+def _remote_prefill(req: Request) -> dict[str, Any] | None:
+    kv = req.kv_transfer_params
+    return kv if kv and kv.get("do_remote_prefill") else None
+
+
+class P2PScheduler:
+    def __init__(self, opts: P2POptions, block_size: int) -> None:
+        self.opts = opts
+        self.block_size = block_size
+        self.worker_meta: dict[str, Any] | None = None
+        self._meta = P2PMetadata()
+        self._num_local: dict[str, int] = {}  # local prefix hits seen by get_num_new_matched_tokens
+        self._handled: set[str] = set()  # consumer requests whose load was issued or skipped
+        self._loading: set[str] = set()
+        self.counters = {"leases_issued": 0, "loads_issued": 0}
+
+    def set_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        self.worker_meta = metadata.get(0)
+
+    # -- consumer --------------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, req: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        kv = _remote_prefill(req)
+        if kv is None or req.request_id in self._handled:
+            return 0, False
+        if not self.opts.is_consumer:
+            raise ValueError(f"this engine's kv_role is {self.opts.kv_role!r}: it cannot load remote KV "
+                             "(do_remote_prefill)")
+        check_consumer_params(kv, req, self.block_size)
+        self._num_local[req.request_id] = num_computed_tokens
+        return max(0, kv["num_tokens"] - num_computed_tokens), True
+
+    def update_state_after_alloc(self, req: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        kv = _remote_prefill(req)
+        rid = req.request_id
+        if kv is None or rid in self._handled:
+            return
+        self._handled.add(rid)
+        num_local = self._num_local.pop(rid, 0)
+        if num_external_tokens <= 0:  # everything hit locally: the producer may free now
+            self._meta.releases.append({"request_id": rid, "params": kv})
+            return
+        bs = self.block_size
+        first, end = num_local // bs, -(-(num_local + num_external_tokens) // bs)
+        self._meta.loads.append({"request_id": rid, "local_block_ids": list(block_ids[first:end]),
+                                 "first_block": first, "params": kv})
+        self._loading.add(rid)
+        self.counters["loads_issued"] += 1
+
+    # -- both ------------------------------------------------------------------------------------
+    def build_meta(self) -> P2PMetadata:
+        meta, self._meta = self._meta, P2PMetadata()
+        return meta
+
+    def request_finished(self, req: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        rid = req.request_id
+        self._num_local.pop(rid, None)
+        if _remote_prefill(req) is not None:
+            if rid in self._loading:
+                self._meta.cancels.append(rid)  # stops a load in flight; a no-op once it finished
+            elif rid not in self._handled:
+                self._meta.releases.append({"request_id": rid, "params": req.kv_transfer_params})
+            self._handled.discard(rid)
+            self._loading.discard(rid)
+            return False, None
+        kv = req.kv_transfer_params
+        if not (kv and kv.get("do_remote_decode")) or not block_ids:
+            return False, None
+        if req.status != RequestStatus.FINISHED_LENGTH:
+            # Stopped at its first token (eos): no decode leg will come. Aborted/failed: nothing to hand over.
+            return False, None
+        if not self.opts.is_producer or self.worker_meta is None:
+            log.warning("request %s asked for a remote decode but this engine has no p2p producer agent", rid)
+            return False, None
+        num_blocks = -(-req.num_prompt_tokens // self.block_size)
+        leased = list(block_ids[:num_blocks])
+        transfer_id = kv.get("transfer_id") if is_hex32(kv.get("transfer_id")) else new_id()
+        lease_id = new_id()
+        self._meta.leases.append({"request_id": rid, "transfer_id": transfer_id, "lease_id": lease_id,
+                                  "block_ids": leased})
+        self.counters["leases_issued"] += 1
+        return True, build_params(req, leased, self.block_size, self.worker_meta, transfer_id, lease_id,
+                                  self.opts.lease_ttl_s, self.opts.params_secret)

@@ -1,0 +1,108 @@
+"""SchedulerOutput <-> plain dict <-> msgpack bytes, for rank 0's per-step broadcast.
+
+No pickle crosses a process boundary (DESIGN.md section 9): every field is written out
+explicitly, sampling params travel as SamplingParams.to_dict(), and decoding goes through
+`unpack_bounded` (size checked first, no ext types) and then the SamplingParams validator.
+
+    control message = {"v": 1, "kind": "step", "step": <scheduler output dict>}
+                    | {"v": 1, "kind": "shutdown"}
+
+    scheduler output dict:
+        "new":      [[req_id, prompt_token_ids, output_token_ids, sampling_params dict,
+                      block_ids, num_computed_tokens, eos_token_ids], ...]
+        "cached":   [[req_id, new_block_ids, num_computed_tokens], ...]
+        "sched":    {req_id: num_scheduled_tokens}
+        "total":    total_num_scheduled_tokens
+        "finished": [req_id, ...]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+
+from pdcluster.engine.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from pdcluster.sampling_params import SamplingParams
+from pdcluster.security.envelope import MalformedMessage, unpack_bounded
+
+WIRE_VERSION = 1
+# A step of 4096 requests with 32k-token prompts is ~0.5 GB of ids; no sane step comes close to
+# this bound, and a receiver refuses a bigger length before allocating.
+MAX_CONTROL_MESSAGE_BYTES = 1 << 30
+KIND_STEP, KIND_SHUTDOWN = "step", "shutdown"
+
+
+def scheduler_output_to_dict(so: SchedulerOutput) -> dict[str, Any]:
+    if so.kv_connector_metadata is not None:
+        # The connector's per-step metadata needs its own to/from-dict pair before it can be
+        # broadcast; the executor refuses connectors with TP > 1 until then.
+        raise ValueError("SchedulerOutput.kv_connector_metadata cannot be broadcast to TP ranks yet")
+    return {
+        "new": [[r.req_id, list(r.prompt_token_ids), list(r.output_token_ids), r.sampling_params.to_dict(),
+                 list(r.block_ids), r.num_computed_tokens, list(r.eos_token_ids)] for r in so.scheduled_new_reqs],
+        "cached": [[r.req_id, list(r.new_block_ids), r.num_computed_tokens] for r in so.scheduled_cached_reqs],
+        "sched": dict(so.num_scheduled_tokens),
+        "total": so.total_num_scheduled_tokens,
+        "finished": sorted(so.finished_req_ids),
+    }
+
+
+def scheduler_output_from_dict(d: dict[str, Any]) -> SchedulerOutput:
+    try:
+        new = [NewRequestData(_str(rid), _ints(prompt), _ints(out), SamplingParams.from_dict(_map(sp)),
+                              _ints(blocks), _int(nc), tuple(_ints(eos)))
+               for rid, prompt, out, sp, blocks, nc, eos in d["new"]]
+        cached = [CachedRequestData(_str(rid), _ints(blocks), _int(nc)) for rid, blocks, nc in d["cached"]]
+        sched = {_str(k): _int(v) for k, v in _map(d["sched"]).items()}
+        return SchedulerOutput(new, cached, sched, _int(d["total"]), {_str(r) for r in d["finished"]})
+    except MalformedMessage:
+        raise
+    except (KeyError, TypeError, ValueError) as e:  # wrong shape, wrong types, bad sampling params
+        raise MalformedMessage(f"malformed scheduler output: {e!r}") from e
+
+
+def encode_step(so: SchedulerOutput) -> bytes:
+    return msgpack.packb({"v": WIRE_VERSION, "kind": KIND_STEP, "step": scheduler_output_to_dict(so)},
+                         use_bin_type=True)
+
+
+def encode_shutdown() -> bytes:
+    return msgpack.packb({"v": WIRE_VERSION, "kind": KIND_SHUTDOWN}, use_bin_type=True)
+
+
+def decode_control(data: bytes) -> tuple[str, SchedulerOutput | None]:
+    """-> (kind, scheduler output or None). MalformedMessage for anything else."""
+    msg = unpack_bounded(data, MAX_CONTROL_MESSAGE_BYTES)
+    if not isinstance(msg, dict) or msg.get("v") != WIRE_VERSION:
+        raise MalformedMessage(f"control message of unknown version: {type(msg).__name__}")
+    kind = msg.get("kind")
+    if kind == KIND_SHUTDOWN:
+        return kind, None
+    if kind == KIND_STEP:
+        return kind, scheduler_output_from_dict(_map(msg.get("step")))
+    raise MalformedMessage(f"unknown control message kind {kind!r}")
+
+
+def _int(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise MalformedMessage(f"expected an integer, got {type(v).__name__}")
+    return v
+
+
+def _ints(v: Any) -> list[int]:
+    if not isinstance(v, list):
+        raise MalformedMessage(f"expected a list of integers, got {type(v).__name__}")
+    return [_int(x) for x in v]
+
+
+def _str(v: Any) -> str:
+    if not isinstance(v, str):
+        raise MalformedMessage(f"expected a string, got {type(v).__name__}")
+    return v
+
+
+def _map(v: Any) -> dict[str, Any]:
+    if not isinstance(v, dict):
+        raise MalformedMessage(f"expected a map, got {type(v).__name__}")
+    return v

@@ -1,0 +1,134 @@
+"""P2P engine pairs in one process: partial loads after local prefix hits, proof that the loaded
+KV is what decodes, a restarted producer (new epoch), and role/params refusals."""
+
+from __future__ import annotations
+
+import random
+import socket
+from typing import Any
+
+import pytest
+
+from pdcluster.config import EngineArgs
+from pdcluster.connectors import engine_connector_factory
+from pdcluster.connectors.testing import assert_idle, run_requests
+from pdcluster.engine.llm_engine import LLMEngine
+from pdcluster.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+def _engine(model: str, role: str | None, options: dict[str, Any] | None = None) -> LLMEngine:
+    args = EngineArgs(model=model, num_kv_blocks=96, max_model_len=256, block_size=16,
+                      enable_prefix_caching=role is not None, kv_connector="p2p" if role else None,
+                      kv_role=role or "both", kv_connector_options=options)
+    return LLMEngine.from_engine_args(args, connector=engine_connector_factory if role else None)
+
+
+@pytest.fixture(scope="module")
+def engines(demo_model: str, cluster_keys: Any) -> Any:
+    k = cluster_keys
+    made = {"ref": _engine(demo_model, None),
+            "producer": _engine(demo_model, "producer", k.options("producer", engine_id="ip-producer", lease_ttl_s=3.0)),
+            "consumer": _engine(demo_model, "consumer", k.options("consumer", engine_id="ip-consumer",
+                                                                  transport="tcp", open_retry_s=0.3))}
+    yield made
+    for e in made.values():
+        e.shutdown()
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 500) for _ in range(n)]
+
+
+def _handoff(producer: LLMEngine, consumer: LLMEngine, rid: str, prompt: list[int],
+             before_decode: Any = None) -> tuple[list[int], Any]:
+    pre = run_requests(producer, [(rid, prompt, GREEDY.replace(max_tokens=1), {"do_remote_decode": True}, None)],
+                       [])[rid]
+    if before_decode is not None:
+        before_decode()
+    kv = dict(pre.kv_transfer_params or {}, do_remote_prefill=True, do_remote_decode=False)
+    out = run_requests(consumer, [(rid, prompt, GREEDY, kv, pre.outputs[0].token_ids)], [producer])[rid]
+    out.outputs[0].text = pre.outputs[0].text + out.outputs[0].text  # what a router streams
+    return pre.outputs[0].token_ids + out.outputs[0].token_ids, out
+
+
+def _reference(engines: Any, rid: str, prompt: list[int]) -> list[int]:
+    return run_requests(engines["ref"], [(rid, prompt, GREEDY, None, None)], [])[rid].outputs[0].token_ids
+
+
+def test_partial_load_after_local_prefix_hits(engines: Any) -> None:
+    base = _prompt(40, 1)
+    longer = base + _prompt(21, 2)
+    got, out = _handoff(engines["producer"], engines["consumer"], "base", base)
+    ref = run_requests(engines["ref"], [("ref-base", base, GREEDY, None, None)], [])["ref-base"]
+    assert got == ref.outputs[0].token_ids
+    assert out.outputs[0].text and out.outputs[0].text == ref.outputs[0].text  # t0 is context on the decode leg, never repeated
+    before = engines["consumer"].get_stats()
+    got, _ = _handoff(engines["producer"], engines["consumer"], "longer", longer)
+    after = engines["consumer"].get_stats()
+    assert got == _reference(engines, "ref-longer", longer)
+    assert after["prefix_cache_hits"] - before["prefix_cache_hits"] == 32  # two local blocks of the base prompt
+    assert after["external_prefix_hits"] - before["external_prefix_hits"] == len(longer) - 32
+    for name in ("producer", "consumer"):
+        assert_idle(engines[name], [], name)
+
+
+def test_the_loaded_kv_is_what_decodes(engines: Any) -> None:
+    prompt = _prompt(50, 3)
+
+    def wipe_producer_cache() -> None:  # the blocks are leased: the consumer will read zeros
+        engines["producer"].core.runner.kv_caches.zero_()
+
+    got, _ = _handoff(engines["producer"], engines["consumer"], "wiped", prompt, wipe_producer_cache)
+    assert got != _reference(engines, "ref-wiped", prompt)
+    for name in ("producer", "consumer"):
+        assert_idle(engines[name], [], name)
+    engines["consumer"].core.scheduler.reset_prefix_cache()  # forget the wrong KV
+
+
+def test_restarted_producer_is_a_new_epoch(demo_model: str, cluster_keys: Any, engines: Any) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    opts = cluster_keys.options("producer2", engine_id="restarting", side_channel_bind=f"tcp://127.0.0.1:{port}")
+    consumer = engines["consumer"]
+    first = _engine(demo_model, "producer", opts)
+    prompt = _prompt(20, 4)
+    expected = _reference(engines, "ref-restart", prompt)
+    got, _ = _handoff(first, consumer, "warm", prompt)  # the consumer caches first's handshake
+    assert got == expected
+    stale = run_requests(first, [("restart", prompt, GREEDY.replace(max_tokens=1), {"do_remote_decode": True},
+                                  None)], [])["restart"]
+    first.step()  # registers the lease
+    first.shutdown()
+    second = _engine(demo_model, "producer", opts)  # same id and endpoint, new incarnation
+    try:
+        kv = dict(stale.kv_transfer_params or {}, do_remote_prefill=True, do_remote_decode=False)
+        out = run_requests(consumer, [("restart", prompt, GREEDY, kv, stale.outputs[0].token_ids)], [second])["restart"]
+        assert out.outputs[0].finish_reason == "error" and "KV transfer failed" in (out.error or "")
+        got, _ = _handoff(second, consumer, "again", prompt)  # fresh params: re-handshake, works
+        assert got == expected
+        for e, name in ((second, "restarted producer"), (consumer, "consumer")):
+            assert_idle(e, [], name)
+    finally:
+        second.shutdown()
+
+
+def test_roles_and_params_are_checked(engines: Any) -> None:
+    producer, consumer = engines["producer"], engines["consumer"]
+    prompt = _prompt(20, 5)
+    pre = run_requests(producer, [("roles", prompt, GREEDY.replace(max_tokens=1), {"do_remote_decode": True},
+                                   None)], [])["roles"]
+    kv = dict(pre.kv_transfer_params or {}, do_remote_prefill=True, do_remote_decode=False)
+    # A producer-only engine does not load remote KV.
+    out = run_requests(producer, [("roles-p", prompt, GREEDY, kv, pre.outputs[0].token_ids)], [])["roles-p"]
+    assert out.error and "kv_role is 'producer'" in out.error
+    # Unsigned params from a producer not in the registry are refused before anything is opened.
+    forged = dict(kv, extra={"p2p_sig": "00" * 32})
+    out = run_requests(consumer, [("roles", prompt, GREEDY, forged, pre.outputs[0].token_ids)], [producer])["roles"]
+    assert out.outputs[0].finish_reason == "error"
+    assert consumer.get_stats()["kv_connector"]["p2p_bytes_tcp"] > 0  # (earlier tests moved bytes)
+    for name in ("producer", "consumer"):
+        assert_idle(engines[name], [], name, timeout_s=30)

@@ -1,0 +1,39 @@
+"""TP=2 (two real processes over gloo) gives the same tokens as TP=1, for every supported
+architecture, in float32; shutdown leaves no rank process behind."""
+
+from __future__ import annotations
+
+import pytest
+from distributed.tp_procs import wait_dead
+
+from pdcluster import LLM, SamplingParams
+
+PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 50)), [42, 17, 300, 2, 11]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.8, top_k=50, seed=7, max_tokens=6, ignore_eos=True)
+ENGINE = {"num_kv_blocks": 48, "max_num_batched_tokens": 32}  # 32: the 40-token prompt is chunked
+
+
+@pytest.mark.parametrize("arch,overrides", [
+    ("llama", {}), ("llama2", {}), ("mistral", {}), ("qwen2", {}), ("qwen3", {}),
+    ("qwen3", {"num_key_value_heads": 1}),  # fewer KV heads than ranks: the head is replicated
+], ids=["llama", "llama2", "mistral", "qwen2", "qwen3", "qwen3-kv1"])
+def test_tp2_equals_tp1(tiny_ckpt, started_pids, arch: str, overrides: dict) -> None:
+    path = tiny_ckpt(arch, **overrides)
+    params = [GREEDY, GREEDY, SEEDED]
+    ref = [o.outputs[0].token_ids for o in LLM(path, **ENGINE).generate(PROMPTS, params)]
+    llm = LLM(path, tensor_parallel_size=2, **ENGINE)
+    runner = llm.engine.core.runner
+    pids = list(runner.pids.values())
+    started_pids.extend(pids)
+    try:
+        out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+        assert out == ref
+        # The KV cache of each rank holds only its KV heads (one when replicated).
+        assert runner.runner.kv_caches.shape[4] == max(1, llm.engine.config.model.num_key_value_heads // 2)
+        stats = runner.collective_stats()
+        assert stats["num_steps"] >= 8 and stats["num_collectives"] > 0 and stats["collective_s"] > 0
+    finally:
+        llm.engine.shutdown()
+    assert not runner.is_healthy()
+    assert wait_dead(pids, 10.0) == []
