@@ -89,6 +89,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-tqdm", action="store_true")
 
 
+def _cmd_transfer(args: argparse.Namespace) -> int:
+    from pdcluster.cluster.bench.transfer import run_transfer_bench
+
+    run_transfer_bench(args)
+    return 0
+
+
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     """Registers `pdcluster bench` and its subcommands on the top-level CLI."""
     bench = sub.add_parser("bench", help="benchmarks (serve: online load generator, vLLM-compatible)")
@@ -98,3 +105,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         description="Online serving benchmark with `vllm bench serve`'s flags, metrics and result JSON.")
     add_serve_arguments(serve)
     serve.set_defaults(func=_cmd_serve)
+    transfer = bench_sub.add_parser(
+        "transfer", help="KV connector throughput between two processes vs raw TCP and memcpy")
+    from pdcluster.cluster.bench.transfer import add_transfer_args  # argparse only at import
+
+    add_transfer_args(transfer)
+    transfer.set_defaults(func=_cmd_transfer)
