@@ -1,22 +1,28 @@
-"""What the router adds: latency per request and per streamed token, and its CPU cost per request.
+"""What the router adds in front of a real worker: latency per request and per streamed token,
+and its CPU cost per request.
 
-    python benchmarks/router_overhead.py                 # fake worker (no model: pure overhead)
-    python benchmarks/router_overhead.py --real-worker   # also a real serve-worker, demo model, CPU
+    python benchmarks/router_overhead.py [--pairs 300] [--tokens 8] [--seconds 5] [--skip-throughput]
 
-1. Latency: the same request (8 prompt tokens, --tokens streamed tokens) sent alternately straight
-   to the worker and through the router, one at a time, --pairs times. Added latency per request =
-   router minus direct, at p50 and p99 (percentiles of each distribution, and the median of the
-   paired differences); per streamed token = the same for the mean gap between streamed tokens.
+One `pdcluster serve-worker` (the built-in demo model: tiny, random weights; CPU unless
+PDCLUSTER_DEVICE says otherwise) and one `pdcluster router` in front of it.
+
+1. Latency: the same greedy request (8 prompt tokens, --tokens streamed tokens) sent alternately
+   straight to the worker and through the router to that same worker, one at a time, --pairs
+   times. The model's cost is in both, so the difference is the router's: added latency per
+   request = router minus direct, at p50 and p99 (percentiles of each distribution, and the
+   median of the paired differences); per streamed token = the same for the mean gap between
+   streamed tokens.
 2. Throughput: the router process pinned to one core, the worker and this load generator on the
-   other(s), --concurrency streams for --seconds. The router's CPU time (from /proc) per request
-   gives its ceiling on one core: 1 / cpu_seconds_per_request, whatever limits the achieved rate.
-
+   other(s), --concurrency streams for --seconds, at 1 and --long-tokens tokens per request. The
+   worker (the model) limits the achieved rate here; what is the router's is its CPU time (from
+   /proc) per request: 1 / cpu_seconds_per_request is its ceiling on one core, and the
+   difference between the two lengths gives its CPU per streamed token.
 3. Floor: the same throughput run against a bare grpc.aio proxy (Generate -> Worker.Generate, no
    validation, routing, metrics or retries): what any Python gRPC proxy costs on this machine, so
    the router's own share is the difference.
 
 Targets (issue #4): <= 1 ms p50 added per request, <= 50 us per streamed token, >= 1,000 req/s.
-Writes JSON to --out when given.
+Writes JSON to --out (default benchmarks/results/router_overhead.json).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import argparse
 import asyncio
 import json
 import os
+import pathlib
 import statistics
 import subprocess
 import sys
@@ -38,14 +45,16 @@ PY = sys.executable
 PROMPT = list(range(10, 18))
 
 
-def spawn(argv: list[str], env: dict | None = None, cpus: set[int] | None = None) -> tuple[subprocess.Popen, dict]:
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env={**os.environ, **(env or {})})
+def spawn(argv: list[str], procs: list[subprocess.Popen], env: dict | None = None,
+          cpus: set[int] | None = None) -> dict:
+    """Start a process (added to procs, which the caller stops) and wait for its ready line."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+    procs.append(proc)
     if cpus:
         os.sched_setaffinity(proc.pid, cpus)
     for line in proc.stdout:
         if line.startswith("PDCLUSTER_READY "):
-            return proc, json.loads(line.split(" ", 1)[1])
+            return json.loads(line.split(" ", 1)[1])
     raise RuntimeError(f"{argv[:6]} exited with {proc.wait()} before ready")
 
 
@@ -98,7 +107,7 @@ def latency(worker_addr: str, router_addr: str, pairs: int, tokens: int) -> dict
 
 # -- throughput ---------------------------------------------------------------------------------
 async def load(router_addr: str, concurrency: int, seconds: float, tokens: int) -> int:
-    sp = common_pb2.SamplingParams(max_tokens=tokens, ignore_eos=True)
+    sp = common_pb2.SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     req = router_pb2.GenerateRequest(prompt_token_ids=router_pb2.TokenIds(ids=PROMPT), sampling_params=sp,
                                      stream=True)
     done = 0
@@ -151,34 +160,38 @@ async def _serve_bare_proxy(worker_addr: str) -> None:
     await server.wait_for_termination()
 
 
-def run(worker_argv: list[str], worker_env: dict, args: argparse.Namespace, label: str) -> dict:
+def run(args: argparse.Namespace) -> dict:
     cpus = sorted(os.sched_getaffinity(0))
     router_cpu, rest = {cpus[0]}, set(cpus[1:]) or {cpus[0]}
-    procs = []
+    procs: list[subprocess.Popen] = []
     try:
-        worker, wready = spawn(worker_argv, worker_env, rest)
-        procs.append(worker)
-        router, rready = spawn([PY, "-m", "pdcluster.cluster.cli", "router", "--workers", wready["address"],
-                                "--model", args.model, "--grpc-port", "0", "--http-port", "-1", "--policy",
-                                "round_robin", "--log-level", "WARNING"], cpus=router_cpu)
-        procs.append(router)
+        worker_argv = [PY, "-m", "pdcluster.cluster.cli", "serve-worker", "--role", "both", "--model", args.model,
+                       "--max-model-len", "256", "--num-kv-blocks", str(args.num_kv_blocks), "--log-level", "WARNING"]
+        wready = spawn(worker_argv, procs, {"PDCLUSTER_DEVICE": os.environ.get("PDCLUSTER_DEVICE", "cpu")}, rest)
+        rready = spawn([PY, "-m", "pdcluster.cluster.cli", "router", "--workers", wready["address"], "--model",
+                        args.model, "--grpc-port", "0", "--http-port", "-1", "--policy", "round_robin",
+                        "--log-level", "WARNING"], procs, cpus=router_cpu)
+        router = procs[-1]
         os.sched_setaffinity(0, rest)
         time.sleep(1.0)  # first health check admitted the worker
-        result = {"worker": label, "latency": latency(wready["address"], rready["grpc"], args.pairs, args.tokens)}
+        result = {"worker": "serve-worker, demo model, " + os.environ.get("PDCLUSTER_DEVICE", "cpu"),
+                  "prompt_tokens": len(PROMPT), "tokens": args.tokens, "pairs": args.pairs,
+                  "latency": latency(wready["address"], rready["grpc"], args.pairs, args.tokens)}
         if not args.skip_throughput:
+            lengths = (1, args.long_tokens)
             result["throughput"] = [throughput(router, rready["grpc"], args.concurrency, args.seconds, t)
-                                    for t in (1, 33)]
+                                    for t in lengths]
             one, many = result["throughput"]
             result["router_cpu_us_per_streamed_token"] = (
-                many["router_cpu_us_per_request"] - one["router_cpu_us_per_request"]) / 32
-            floor, fready = spawn([PY, __file__, "--bare-proxy", wready["address"]], cpus=router_cpu)
-            procs.append(floor)
+                many["router_cpu_us_per_request"] - one["router_cpu_us_per_request"]) / (lengths[1] - lengths[0])
+            fready = spawn([PY, __file__, "--bare-proxy", wready["address"]], procs, cpus=router_cpu)
+            floor = procs[-1]
             result["bare_proxy_floor"] = [throughput(floor, fready["grpc"], args.concurrency, args.seconds, t)
-                                          for t in (1, 33)]
+                                          for t in lengths]
         return result
     finally:
         os.sched_setaffinity(0, set(cpus))
-        for p in procs:
+        for p in procs:  # each by its own pid
             p.terminate()
             try:
                 p.wait(10)
@@ -189,33 +202,36 @@ def run(worker_argv: list[str], worker_env: dict, args: argparse.Namespace, labe
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=None, help="model dir (tokenizer; the real worker's model); default: demo")
+    p.add_argument("--model", default=None, help="model dir (the worker's checkpoint, the router's tokenizer); "
+                   "default: the built-in demo model")
     p.add_argument("--pairs", type=int, default=300)
     p.add_argument("--tokens", type=int, default=8, help="streamed tokens per request in the latency phase")
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--seconds", type=float, default=5.0)
-    p.add_argument("--real-worker", action="store_true", help="also measure against serve-worker (demo model)")
+    p.add_argument("--long-tokens", type=int, default=17, help="tokens per request of the second throughput run")
+    p.add_argument("--num-kv-blocks", type=int, default=256, help="the worker's KV cache (blocks of 16 tokens)")
     p.add_argument("--skip-throughput", action="store_true")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results" / "router_overhead.json"))
     p.add_argument("--bare-proxy", default=None, metavar="WORKER", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.bare_proxy:
         asyncio.run(_serve_bare_proxy(args.bare_proxy))
         return 0
     if args.model is None:
-        from pdcluster.models.demo import demo_model_dir
+        from pdcluster.models.demo import ensure_demo_model
 
-        subprocess.run([PY, "-m", "pdcluster.cluster.cli", "demo-model"], check=True, stdout=subprocess.DEVNULL)
-        args.model = str(demo_model_dir())
-    results = [run([PY, "-m", "pdcluster.router.testing", "--port", "0"], {}, args, "fake")]
-    if args.real_worker:
-        argv = [PY, "-m", "pdcluster.cluster.cli", "serve-worker", "--model", args.model, "--max-model-len", "512"]
-        args.skip_throughput = True  # the model, not the router, would be measured
-        results.append(run(argv, {"PDCLUSTER_DEVICE": "cpu"}, args, "real (demo model, CPU)"))
-    print(json.dumps(results, indent=2))
+        args.model = ensure_demo_model()
+    load_before = os.getloadavg()
+    result = run(args)
+    out = {"note": f"one run on a {len(os.sched_getaffinity(0))}-core machine, load average "
+                   f"{load_before[0]:.1f} before the run (other jobs move these numbers); re-run: "
+                   "python benchmarks/router_overhead.py",
+           "runs": [result]}
+    print(json.dumps(out, indent=2))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+            json.dump(out, f, indent=2)
+            f.write("\n")
     return 0
 
 

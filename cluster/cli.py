@@ -85,6 +85,12 @@ def _add_keys(sub: argparse._SubParsersAction) -> None:
     init.set_defaults(func=_cmd_keys_init)
 
 
+def _add_up(sub: argparse._SubParsersAction) -> None:
+    from pdcluster.cluster.up_cmd import add_up_commands  # stdlib-only at import: cheap
+
+    add_up_commands(sub)  # up, status, down
+
+
 # Helpers adding a subcommand: append to this list (one builder per subcommand family).
 _BUILDERS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_generate,
@@ -93,6 +99,7 @@ _BUILDERS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_bench,
     _add_serve_worker,
     _add_serve,
+    _add_up,
 ]
 
 

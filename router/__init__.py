@@ -13,7 +13,6 @@
     policies.py       pure routing policies; prefix_index.py + kv_events.py + kv_sync.py keep
                       the prefix index fed from the workers' CURVE KV-event streams
     metrics.py        Prometheus metrics in a per-router CollectorRegistry
-    testing.py        FakeWorker: the Worker protocol without a model, for tests and benchmarks
 
 Nothing here imports torch (checked by tests/router/test_router_e2e.py with -X importtime).
 """

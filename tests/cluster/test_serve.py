@@ -91,7 +91,7 @@ def test_serve_reports_workers_that_do_not_come_up(demo_model, spawned):
     spawned.append(proc)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 1
-    assert "2 of 2 workers did not come up" in err and "worker-0 (pid" in err and "exited with 2" in err
+    assert "2 of 2 workers did not come up" in err and "both-0 (pid" in err and "exited with 2" in err
     assert "--no-such-flag" in err  # the worker's own complaint is in the report
 
 

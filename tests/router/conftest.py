@@ -1,86 +1,15 @@
-"""Router test harness: routers and fake workers on an event loop in a background thread, so
-tests drive them with ordinary blocking clients (grpc sync stubs, the openai package, sockets)."""
+"""Router test fixtures: real `pdcluster serve-worker` processes (demo model, CPU) started once per
+session, routers started per test in front of them, and the offline `pdcluster.LLM` as the
+reference for tokens. The harness itself is in real_cluster.py."""
 
 from __future__ import annotations
 
-import asyncio
 import pathlib
-import threading
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
-import grpc
 import pytest
-
-from pdcluster._proto import router_pb2_grpc
-from pdcluster.router.app import Router
-from pdcluster.router.config import RouterConfig
-from pdcluster.router.testing import FakeWorker, FakeWorkerOptions
-
-
-class LoopThread:
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="test-loop", daemon=True)
-        self._thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 30.0) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def call(self, fn: Callable[[], Any]) -> Any:
-        """Run a plain function on the loop thread (router state is loop-owned)."""
-        async def wrap() -> Any:
-            return fn()
-
-        return self.run(wrap())
-
-    def close(self) -> None:
-        async def drain() -> None:
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-        self.run(drain())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10)
-        self.loop.close()
-
-
-class FakeCluster:
-    def __init__(self, lt: LoopThread, router: Router, workers: list[FakeWorker]) -> None:
-        self.lt = lt
-        self.router = router
-        self.workers = workers
-        self.channel = grpc.insecure_channel(router.grpc_address)
-        self.stub = router_pb2_grpc.RouterStub(self.channel)
-
-    @property
-    def http_url(self) -> str:
-        assert self.router.http_url is not None
-        return self.router.http_url
-
-    def stop_worker(self, i: int) -> int:
-        port = self.workers[i].port
-        self.lt.run(self.workers[i].stop())
-        return port
-
-    def restart_worker(self, i: int, port: int) -> None:
-        worker = FakeWorker(self.workers[i].opts)
-        self.lt.run(worker.start(port=port))
-        self.workers[i] = worker
-
-    def wait_healthy(self, n: int, timeout: float = 10.0) -> bool:
-        return self.lt.run(self.router.registry.wait_for_healthy(n, timeout), timeout + 5)
-
-    def healthy_ids(self) -> set[str]:
-        return self.lt.call(lambda: {h.worker_id for h in self.router.registry.handles if h.healthy})
-
-    def close(self) -> None:
-        self.channel.close()
-        self.lt.run(self.router.stop(0.5))
-        for w in self.workers:
-            self.lt.run(w.stop())
+from router.real_cluster import WORKER_MAX_MODEL_LEN, WORKER_NUM_KV_BLOCKS, Cluster, LoopThread, WorkerPool
 
 
 @pytest.fixture(scope="session")
@@ -99,6 +28,17 @@ def key_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return root
 
 
+@pytest.fixture(scope="session")
+def worker_pool(demo_model: str, key_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerPool]:
+    """Three `serve-worker --role both` processes (w0, w1, w2) for the whole session. Tests that
+    kill or pause one leave it to the pool, which restarts or resumes it before the next test."""
+    pool = WorkerPool(demo_model, str(key_dir), tmp_path_factory.mktemp("worker-logs"), size=3)
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
 @pytest.fixture
 def loop_thread() -> Iterator[LoopThread]:
     lt = LoopThread()
@@ -109,32 +49,77 @@ def loop_thread() -> Iterator[LoopThread]:
 
 
 @pytest.fixture
-def fake_cluster(loop_thread: LoopThread, demo_model: str) -> Iterator[Callable[..., FakeCluster]]:
-    """make(num_workers, worker options..., router config overrides...) -> a running FakeCluster."""
-    made: list[FakeCluster] = []
+def cluster(loop_thread: LoopThread, worker_pool: WorkerPool, demo_model: str) -> Iterator[Callable[..., Cluster]]:
+    """make(num_workers, router config overrides...) -> a Router (in-process) in front of that many
+    idle pool workers, healthy and ready."""
+    from pdcluster.router.app import Router
+    from pdcluster.router.config import RouterConfig
 
-    def make(num_workers: int = 2, *, worker_opts: list[dict] | None = None, wait: bool = True,
-             **router_overrides: Any) -> FakeCluster:
-        workers = []
-        for i in range(num_workers):
-            opts = {"worker_id": f"w{i}", **((worker_opts or [{}] * num_workers)[i])}
-            w = FakeWorker(FakeWorkerOptions(**opts))
-            loop_thread.run(w.start())
-            workers.append(w)
+    made: list[Cluster] = []
+
+    def make(num_workers: int = 2, *, wait: bool = True, **router_overrides: Any) -> Cluster:
+        workers = worker_pool.take(num_workers)
         config = RouterConfig(**{
-            "workers": tuple(f"127.0.0.1:{w.port}" for w in workers), "model": demo_model, "grpc_port": 0,
-            "http_port": 0, "health_interval_s": 0.1, "health_timeout_s": 1.0, "request_timeout_s": 30.0,
-            "policy": "round_robin", **router_overrides})
+            "workers": tuple(w.address for w in workers), "model": demo_model, "grpc_port": 0, "http_port": 0,
+            "health_interval_s": 0.1, "health_timeout_s": 1.0, "request_timeout_s": 60.0, "policy": "round_robin",
+            **router_overrides})
         router = Router(config)
         loop_thread.run(router.start())
-        cluster = FakeCluster(loop_thread, router, workers)
-        made.append(cluster)
+        c = Cluster(loop_thread, router, workers)
+        made.append(c)
         if wait:
-            assert cluster.wait_healthy(num_workers), "fake workers did not become healthy"
-        return cluster
+            assert c.wait_healthy(num_workers), "the workers did not become healthy"
+        return c
 
     try:
         yield make
     finally:
         for c in made:
             c.close()
+        worker_pool.revive()  # restarts what the test killed while the next one sets up
+
+
+class Reference:
+    """The offline engine on the same checkpoint: what the workers must produce."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self._llm = None
+
+    @property
+    def llm(self) -> Any:
+        if self._llm is None:
+            from pdcluster import LLM
+
+            self._llm = LLM(self.model, max_model_len=WORKER_MAX_MODEL_LEN, num_kv_blocks=WORKER_NUM_KV_BLOCKS)
+        return self._llm
+
+    def generate(self, prompt: str | list[int], **params: Any) -> Any:
+        """One CompletionOutput (token_ids, text, finish_reason); greedy unless told otherwise."""
+        from pdcluster import SamplingParams
+
+        params.setdefault("temperature", 0.0)
+        params.setdefault("ignore_eos", True)
+        return self.llm.generate([prompt], SamplingParams(**params))[0].outputs[0]
+
+    def tokens(self, prompt: str | list[int], max_tokens: int, **params: Any) -> list[int]:
+        return list(self.generate(prompt, max_tokens=max_tokens, **params).token_ids)
+
+    def batch_tokens(self, prompts: list, max_tokens: int) -> list[list[int]]:
+        """Greedy tokens of several prompts, run as one batch."""
+        from pdcluster import SamplingParams
+
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        return [list(o.outputs[0].token_ids) for o in self.llm.generate(prompts, sp)]
+
+    def chat(self, messages: list[dict[str, str]], **params: Any) -> Any:
+        from pdcluster import SamplingParams
+
+        params.setdefault("temperature", 0.0)
+        params.setdefault("ignore_eos", True)
+        return self.llm.chat(messages, SamplingParams(**params)).outputs[0]
+
+
+@pytest.fixture(scope="session")
+def reference(demo_model: str) -> Reference:
+    return Reference(demo_model)

@@ -1,24 +1,34 @@
-"""The OpenAI-compatible HTTP frontend against fake workers, driven by the official `openai`
-package and by raw HTTP for the malformed cases."""
+"""The OpenAI-compatible HTTP frontend in front of real `serve-worker` processes (demo model,
+CPU), driven by the official `openai` package and by raw HTTP for the malformed cases. Texts are
+checked against the offline engine; freed KV blocks against the worker's own Stats."""
 
 from __future__ import annotations
 
 import http.client
 import json
 import socket
-import time
+import threading
 
 import openai
 import pytest
+from router.real_cluster import WORKER_MAX_MODEL_LEN, wait_until, worker_stats
+
+LONG = 210  # tokens: over 2 s of generation on the demo model
+ABORT_WINDOW_S = 1.0  # a cancelled request is gone from the worker long before it could finish
+RETRIES = ("pdcluster_router_retries_total", {"role": "decode"})
 
 
 def client(c) -> openai.OpenAI:
-    return openai.OpenAI(base_url=c.http_url + "/v1", api_key="unused", max_retries=0, timeout=20)
+    return openai.OpenAI(base_url=c.http_url + "/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+def _conn(c) -> http.client.HTTPConnection:
+    host, port = c.http_url.removeprefix("http://").rsplit(":", 1)
+    return http.client.HTTPConnection(host, int(port), timeout=30)
 
 
 def post(c, path: str, body: bytes | dict, headers: dict | None = None) -> tuple[int, dict]:
-    host, port = c.http_url.removeprefix("http://").rsplit(":", 1)
-    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    conn = _conn(c)
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     conn.request("POST", path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
     resp = conn.getresponse()
@@ -28,8 +38,7 @@ def post(c, path: str, body: bytes | dict, headers: dict | None = None) -> tuple
 
 
 def get(c, path: str) -> tuple[int, str]:
-    host, port = c.http_url.removeprefix("http://").rsplit(":", 1)
-    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    conn = _conn(c)
     conn.request("GET", path)
     resp = conn.getresponse()
     text = resp.read().decode()
@@ -37,53 +46,120 @@ def get(c, path: str) -> tuple[int, str]:
     return resp.status, text
 
 
-def wait_until(cond, timeout: float = 5.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
+def good(c) -> int:
+    return post(c, "/v1/completions", {"prompt": [1], "max_tokens": 1})[0]
 
 
-def test_openai_completions(fake_cluster):
-    c = fake_cluster(1)
+def test_health_and_metrics(cluster):
+    # Checks every 0.5 s, two misses eject: only the failed request ejects the killed worker.
+    c = cluster(2, health_interval_s=0.5, health_timeout_s=0.3, eject_after_failures=2)
+    first, second = c.workers  # round robin: a fresh router picks workers[0] first
+    assert get(c, "/health")[0] == 200
+    assert c.wait_settled()
+    first.kill()
+    assert post(c, "/v1/completions", {"prompt": [1], "max_tokens": 2, "ignore_eos": True})[0] == 200  # retried
+    post(c, "/v1/completions", {"prompt": "x", "temperature": -1})
+    status, text = get(c, "/metrics")
+    assert status == 200
+    for needle in ('pdcluster_router_requests_total{frontend="http",status="OK"} 1.0',
+                   'pdcluster_router_requests_total{frontend="http",status="INVALID_ARGUMENT"} 1.0',
+                   'pdcluster_router_retries_total{role="decode"} 1.0',
+                   "pdcluster_router_time_to_first_token_seconds_count 1.0",
+                   "pdcluster_router_inter_token_latency_seconds_count 1.0",
+                   'pdcluster_router_worker_inflight{address=', "pdcluster_router_worker_queue_depth{",
+                   'pdcluster_router_errors_total{code="INVALID_ARGUMENT"} 1.0'):
+        assert needle in text, needle
+    second.pause()  # the last worker hangs: its checks time out
+    assert wait_until(lambda: get(c, "/health")[0] == 503)
+
+
+def test_openai_completions(cluster, reference):
+    c = cluster(1)
     oa = client(c)
     model = oa.models.list().data[0].id
     assert model == c.router.preprocessor.model_name
-    r = oa.completions.create(model=model, prompt=[5, 6, 7], max_tokens=3, temperature=0)
-    assert r.choices[0].text == "<8><9><10>" and r.choices[0].finish_reason == "length"
+    greedy = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+    r = oa.completions.create(model=model, prompt=[5, 6, 7], max_tokens=3, **greedy)
+    assert r.choices[0].text == reference.generate([5, 6, 7], max_tokens=3).text
+    assert r.choices[0].finish_reason == "length"
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (3, 3, 6)
     chunks = list(oa.completions.create(model=model, prompt="Hello", max_tokens=3, stream=True,
-                                        stream_options={"include_usage": True}))
-    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) .count("<") == 3
+                                        stream_options={"include_usage": True}, **greedy))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == reference.generate("Hello", max_tokens=3).text
     assert chunks[-2].choices[0].finish_reason == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
-    # vLLM's extra sampling fields travel to the worker.
-    oa.completions.create(model=model, prompt=[1], max_tokens=2, extra_body={
-        "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "ignore_eos": True, "min_tokens": 1,
-        "stop_token_ids": [3], "seed": 7})
-    sp = c.workers[0].requests[-1].sampling_params
-    assert (sp.top_k, sp.ignore_eos, sp.min_tokens, list(sp.stop_token_ids), sp.seed) == (5, True, 1, [3], 7)
-    assert sp.min_p == pytest.approx(0.1) and sp.repetition_penalty == pytest.approx(1.2)
+    # vLLM's extra sampling fields travel to the worker: a seeded sample using all of them is the
+    # offline engine's sample with the same parameters (and not the one without them).
+    extra = {"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "ignore_eos": True, "min_tokens": 1,
+             "stop_token_ids": [3], "seed": 7}
+    r = oa.completions.create(model=model, prompt=[1, 2], max_tokens=8, temperature=0.9, extra_body=extra)
+    want = reference.generate([1, 2], max_tokens=8, temperature=0.9, **extra)
+    assert r.choices[0].text == want.text
+    assert want.text != reference.generate([1, 2], max_tokens=8, temperature=0.9, seed=7).text
+    # A stop token id ends a greedy generation where the offline engine ends it.
+    first_two = reference.tokens([1], 2)
+    r = oa.completions.create(model=model, prompt=[1], max_tokens=6, temperature=0,
+                              extra_body={"ignore_eos": True, "stop_token_ids": [first_two[-1]]})
+    want = reference.generate([1], max_tokens=6, stop_token_ids=[first_two[-1]])
+    assert len(want.token_ids) <= 2 and r.usage.completion_tokens == len(want.token_ids)
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == want.text
 
 
-def test_openai_chat(fake_cluster):
-    c = fake_cluster(1)
+def test_openai_chat(cluster, reference):
+    c = cluster(1)
     oa = client(c)
     model = c.router.preprocessor.model_name
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
-    r = oa.chat.completions.create(model=model, messages=msgs, max_tokens=2)
-    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content.count("<") == 2
-    expected = c.router.preprocessor.tokenizer.apply_chat_template(msgs, True, True)
-    assert list(c.workers[0].requests[-1].prompt_token_ids) == expected
-    chunks = list(oa.chat.completions.create(model=model, messages=msgs, max_tokens=3, stream=True))
+    greedy = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+    r = oa.chat.completions.create(model=model, messages=msgs, max_tokens=2, **greedy)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == reference.chat(msgs, max_tokens=2).text
+    prompt_len = len(c.router.preprocessor.tokenizer.apply_chat_template(msgs, True, True))
+    assert r.usage.prompt_tokens == prompt_len
+    chunks = list(oa.chat.completions.create(model=model, messages=msgs, max_tokens=3, stream=True, **greedy))
     assert chunks[0].choices[0].delta.role == "assistant"
-    assert "".join(ch.choices[0].delta.content or "" for ch in chunks).count("<") == 3
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == reference.chat(msgs, max_tokens=3).text
     assert chunks[-1].choices[0].finish_reason == "length"
-    # Without max_tokens a chat request may use the rest of the context (OpenAI's default).
-    oa.chat.completions.create(model=model, messages=msgs, max_tokens=None, stream=False, extra_body={"max_tokens": 4})
-    assert c.workers[0].requests[-1].sampling_params.max_tokens == 4
+    # Without max_tokens a chat request may use the rest of the context (OpenAI's default)...
+    r = oa.chat.completions.create(model=model, messages=msgs, **greedy)
+    assert r.usage.completion_tokens == WORKER_MAX_MODEL_LEN - prompt_len and r.choices[0].finish_reason == "length"
+    # ... and vLLM clients may pass it in the body instead.
+    r = oa.chat.completions.create(model=model, messages=msgs, max_tokens=None, stream=False,
+                                   extra_body={"max_tokens": 4, "ignore_eos": True})
+    assert r.usage.completion_tokens == 4
+
+
+def test_worker_failure_before_and_after_output(cluster):
+    """The only worker dies with two requests on it: a non-streaming one (the client saw nothing
+    yet: retryable, so 503 as no other worker can take it) and a streaming one that already sent
+    tokens (an error event, then [DONE]; never retried)."""
+    c = cluster(1)
+    worker = c.workers[0]
+    conn = _conn(c)
+    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": [1], "max_tokens": LONG, "stream": True,
+                                                            "ignore_eos": True}))
+    resp = conn.getresponse()
+    assert resp.status == 200
+    line = b""
+    while not line.startswith(b"data: "):
+        line = resp.readline()
+        assert line, "the stream ended before its first event"
+    assert json.loads(line[len(b"data: "):])["choices"][0]["finish_reason"] is None
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.update(r=post(c, "/v1/completions", {
+        "prompt": [2], "max_tokens": LONG, "ignore_eos": True})))
+    t.start()
+    assert wait_until(lambda: worker_stats(worker.address).num_running == 2)
+    worker.kill()
+    t.join(30)
+    code, err = result["r"]
+    assert code == 503 and "UNAVAILABLE" in err["error"]["message"]
+    text = resp.read().decode()
+    conn.close()
+    events = [ln[len("data: "):] for ln in text.splitlines() if ln.startswith("data: ")]
+    assert events[-1] == "[DONE]" and "UNAVAILABLE" in json.loads(events[-2])["error"]["message"]
+    assert all("error" not in json.loads(e) for e in events[:-2])
+    assert c.metric(*RETRIES) == 1  # the non-streaming request's attempt; the stream's was never tried
 
 
 BAD_BODIES = [
@@ -91,6 +167,7 @@ BAD_BODIES = [
     ({"prompt": "x", "temperature": 500}, 400, "temperature"),
     ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
     ({"prompt": "x", "max_tokens": 10**7}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 256}, 400, "max_tokens"),  # the workers' max_model_len
     ({"prompt": "x", "top_k": 1.5}, 400, "top_k"),
     ({"prompt": "x", "n": 2}, 400, "n"),
     ({"prompt": "x", "echo": True}, 400, "echo"),
@@ -108,12 +185,12 @@ BAD_BODIES = [
 
 
 @pytest.mark.parametrize("body,status,param", BAD_BODIES, ids=[b[2] + str(i) for i, b in enumerate(BAD_BODIES)])
-def test_bad_completion_bodies(fake_cluster, body, status, param):
-    c = fake_cluster(1)
+def test_bad_completion_bodies(cluster, body, status, param):
+    c = cluster(1)
     code, err = post(c, "/v1/completions", body)
     assert code == status, err
     assert err["error"]["param"] == param and err["error"]["code"] == status and err["error"]["message"]
-    assert post(c, "/v1/completions", {"prompt": [1], "max_tokens": 1})[0] == 200
+    assert good(c) == 200
 
 
 BAD_CHAT = [
@@ -127,15 +204,15 @@ BAD_CHAT = [
 
 
 @pytest.mark.parametrize("body,param", BAD_CHAT, ids=[b[1] + str(i) for i, b in enumerate(BAD_CHAT)])
-def test_bad_chat_bodies(fake_cluster, body, param):
-    c = fake_cluster(1)
+def test_bad_chat_bodies(cluster, body, param):
+    c = cluster(1)
     code, err = post(c, "/v1/chat/completions", body)
     assert code == 400 and err["error"]["param"] == param
     assert post(c, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1})[0] == 200
 
 
-def test_malformed_http(fake_cluster):
-    c = fake_cluster(1, max_message_bytes=32 << 10)
+def test_malformed_http(cluster):
+    c = cluster(1, max_message_bytes=32 << 10)
     code, err = post(c, "/v1/completions", b"{not json")
     assert code == 400 and err["error"]["param"] == "body"
     code, err = post(c, "/v1/completions", {"prompt": "x" * (64 << 10)})
@@ -149,74 +226,45 @@ def test_malformed_http(fake_cluster):
             s.recv(1024)
         except (TimeoutError, ConnectionError):
             pass
-    assert post(c, "/v1/completions", {"prompt": [1], "max_tokens": 1})[0] == 200
+    assert good(c) == 200
 
 
-def test_admission_control_is_429(fake_cluster):
-    c = fake_cluster(1, worker_opts=[{"token_delay_s": 0.05}], max_inflight=1)
+def test_admission_control_is_429(cluster):
+    c = cluster(1, max_inflight=1)
     oa = client(c)
-    stream = oa.completions.create(model=c.router.preprocessor.model_name, prompt=[1], max_tokens=50, stream=True)
+    stream = oa.completions.create(model=c.router.preprocessor.model_name, prompt=[1], max_tokens=LONG, stream=True,
+                                   extra_body={"ignore_eos": True})
     next(iter(stream))
     code, err = post(c, "/v1/completions", {"prompt": [1], "max_tokens": 1})
     assert code == 429 and err["error"]["type"] == "RateLimitError"
     stream.close()
+    assert c.wait_idle(0, ABORT_WINDOW_S)
+    assert wait_until(lambda: good(c) == 200)
 
 
-def test_client_disconnect_mid_stream_aborts(fake_cluster):
-    c = fake_cluster(1, worker_opts=[{"token_delay_s": 0.02}])
+def _raw_post(s: socket.socket, body: dict, request_id: str) -> None:
+    data = json.dumps(body).encode()
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nX-Request-Id: "
+              + request_id.encode() + b"\r\nContent-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+
+
+def test_client_disconnect_mid_stream_aborts(cluster):
+    c = cluster(1)
     host, port = c.http_url.removeprefix("http://").rsplit(":", 1)
-    body = json.dumps({"prompt": list(range(40)), "max_tokens": 500, "stream": True}).encode()
     with socket.create_connection((host, int(port)), timeout=5) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"X-Request-Id: gone-1\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        _raw_post(s, {"prompt": list(range(40)), "max_tokens": LONG, "stream": True, "ignore_eos": True}, "gone-1")
         seen = b""
         while b"data: " not in seen:  # headers and the first event may come in separate segments
             chunk = s.recv(4096)
             assert chunk, "connection closed before the first event"
             seen += chunk
-    assert wait_until(lambda: "gone-1" in c.workers[0].aborted and not c.workers[0].running)
+        assert c.stats(0).num_running == 1
+    assert c.wait_idle(0, ABORT_WINDOW_S), c.stats(0)
     # Non-streaming too: the handler is cancelled, the worker leg aborted.
-    body = json.dumps({"prompt": [1], "max_tokens": 500}).encode()
     with socket.create_connection((host, int(port)), timeout=5) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"X-Request-Id: gone-2\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-        assert wait_until(lambda: c.workers[0].running)
-    assert wait_until(lambda: "gone-2" in c.workers[0].aborted and not c.workers[0].running)
-    assert post(c, "/v1/completions", {"prompt": [1], "max_tokens": 1})[0] == 200
-
-
-def test_health_and_metrics(fake_cluster):
-    c = fake_cluster(2, worker_opts=[{"fail_codes": ["UNAVAILABLE"]}, {}])
-    assert get(c, "/health")[0] == 200
-    assert post(c, "/v1/completions", {"prompt": [1], "max_tokens": 2})[0] == 200  # retried once
-    post(c, "/v1/completions", {"prompt": "x", "temperature": -1})
-    status, text = get(c, "/metrics")
-    assert status == 200
-    for needle in ('pdcluster_router_requests_total{frontend="http",status="OK"} 1.0',
-                   'pdcluster_router_requests_total{frontend="http",status="INVALID_ARGUMENT"} 1.0',
-                   'pdcluster_router_retries_total{role="decode"} 1.0',
-                   "pdcluster_router_time_to_first_token_seconds_count 1.0",
-                   "pdcluster_router_inter_token_latency_seconds_count 1.0",
-                   'pdcluster_router_worker_inflight{address=', "pdcluster_router_worker_queue_depth{",
-                   'pdcluster_router_errors_total{code="INVALID_ARGUMENT"} 1.0'):
-        assert needle in text, needle
-    c.stop_worker(0)
-    c.stop_worker(1)
-    assert wait_until(lambda: get(c, "/health")[0] == 503)
-
-
-def test_worker_failure_before_and_after_output(fake_cluster):
-    c = fake_cluster(1, worker_opts=[{"fail_after_tokens": 1}])
-    # Not streaming: the client saw nothing yet, so it is a retryable failure -> 503 when no
-    # other worker can take it.
-    code, err = post(c, "/v1/completions", {"prompt": [1], "max_tokens": 4})
-    assert code == 503 and "UNAVAILABLE" in err["error"]["message"]
-    assert c.wait_healthy(1)
-    # Streaming: one token went out, so the stream ends with an error event, then [DONE].
-    host, port = c.http_url.removeprefix("http://").rsplit(":", 1)
-    conn = http.client.HTTPConnection(host, int(port), timeout=10)
-    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": [1], "max_tokens": 4, "stream": True}))
-    resp = conn.getresponse()
-    text = resp.read().decode()
-    assert resp.status == 200 and '"text":"<2>"' in text
-    assert '"error"' in text and text.rstrip().endswith("data: [DONE]")
+        _raw_post(s, {"prompt": [1], "max_tokens": LONG, "ignore_eos": True}, "gone-2")
+        assert wait_until(lambda: c.stats(0).num_running == 1)
+    assert c.wait_idle(0, ABORT_WINDOW_S), c.stats(0)
+    cancelled = c.metric("pdcluster_router_requests_total", {"frontend": "http", "status": "CANCELLED"})
+    assert cancelled == 2
+    assert good(c) == 200

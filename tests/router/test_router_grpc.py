@@ -1,61 +1,177 @@
-"""The router's gRPC frontend against fake workers: streaming, validation, admission, retries,
-cancellation, deadlines, health ejection and re-admission, load spreading."""
+"""The router's gRPC frontend in front of real `serve-worker` processes (demo model, CPU):
+streaming, validation, admission, retries, cancellation, deadlines, health ejection and
+re-admission, load spreading. Tokens are checked against the offline engine; freed KV blocks
+against the worker's own Stats."""
 
 from __future__ import annotations
 
 import socket
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from router.real_cluster import is_idle, wait_until, worker_stats
 
-from pdcluster._proto import common_pb2, router_pb2
+from pdcluster._proto import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 
 SP = common_pb2.SamplingParams
+LENGTH, ERROR, ABORT = common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_ERROR, common_pb2.FINISH_REASON_ABORT
+# A generation that runs for over 2 s on the demo model (even on an idle machine). A cancelled
+# one must be gone from the worker within ABORT_WINDOW_S -- long before it could end by itself.
+LONG = 210
+ABORT_WINDOW_S = 1.0
+AGGREGATED = ("pdcluster_router_disaggregated_requests_total", {"mode": "aggregated"})
+RETRIES = ("pdcluster_router_retries_total", {"role": "decode"})
 
 
-def gen(stub, timeout: float = 10.0, **kw) -> list[router_pb2.GenerateResponse]:
+def sp(max_tokens: int, **kw) -> common_pb2.SamplingParams:
+    """Greedy and exactly max_tokens long: comparable with the offline engine."""
+    return SP(max_tokens=max_tokens, temperature=0, ignore_eos=True, **kw)
+
+
+def gen(stub, timeout: float = 30.0, **kw) -> list[router_pb2.GenerateResponse]:
     kw.setdefault("prompt_token_ids", router_pb2.TokenIds(ids=[5, 6, 7]))
     kw.setdefault("stream", True)
+    kw.setdefault("sampling_params", sp(2))
     return list(stub.Generate(router_pb2.GenerateRequest(**kw), timeout=timeout))
 
 
+def tokens(out) -> list[int]:
+    return [t for r in out for t in r.token_ids]
+
+
+def long_stream(stub, request_id: str = "", ids=(1,), max_tokens: int = LONG, timeout: float = 60.0):
+    return stub.Generate(router_pb2.GenerateRequest(
+        request_id=request_id, prompt_token_ids=router_pb2.TokenIds(ids=list(ids)), sampling_params=sp(max_tokens),
+        stream=True), timeout=timeout)
+
+
 def assert_good(stub) -> None:
-    out = gen(stub, sampling_params=SP(max_tokens=2))
-    assert out[-1].finished and out[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    out = gen(stub, sampling_params=sp(2))
+    assert out[-1].finished and out[-1].finish_reason == LENGTH and len(tokens(out)) == 2
 
 
-def wait_until(cond, timeout: float = 5.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
-
-
-def test_stream_and_unary(fake_cluster):
-    c = fake_cluster(1)
-    out = gen(c.stub, sampling_params=SP(max_tokens=4), return_prompt_token_ids=True, request_id="r-1")
-    assert [list(r.token_ids) for r in out] == [[8], [9], [10], [11]]
+def test_stream_and_unary(cluster, reference):
+    c = cluster(1)
+    want = reference.generate([5, 6, 7], max_tokens=4)
+    out = gen(c.stub, sampling_params=sp(4), return_prompt_token_ids=True, request_id="r-1")
+    assert [list(r.token_ids) for r in out] == [[t] for t in want.token_ids]  # one delta per token
+    assert "".join(r.text for r in out) == want.text
     assert list(out[0].prompt_token_ids) == [5, 6, 7]
     last = out[-1]
-    assert last.request_id == "r-1" and last.usage.completion_tokens == 4 and last.usage.prompt_tokens == 3
-    assert last.route.decode_worker_id == "w0" and not last.route.disaggregated and last.first_token_time > 0
-    (one,) = gen(c.stub, sampling_params=SP(max_tokens=3), stream=False)
-    assert list(one.token_ids) == [8, 9, 10] and one.finished
-    # A text prompt is tokenized by the router; the worker sees token ids.
-    gen(c.stub, prompt_token_ids=None, prompt="Hello world", sampling_params=SP(max_tokens=1))
+    assert last.request_id == "r-1" and last.finish_reason == LENGTH
+    assert last.usage.completion_tokens == 4 and last.usage.prompt_tokens == 3
+    assert last.route.decode_worker_id == c.workers[0].worker_id and not last.route.disaggregated
+    assert last.first_token_time > 0
+    (one,) = gen(c.stub, sampling_params=sp(3), stream=False)
+    assert list(one.token_ids) == list(want.token_ids[:3]) and one.finished
+    # A text prompt is tokenized by the router; the worker generates from those ids.
     tok = c.router.preprocessor.tokenizer
-    assert list(c.workers[0].requests[-1].prompt_token_ids) == tok.encode("Hello world")
+    out = gen(c.stub, prompt_token_ids=None, prompt="Hello world", sampling_params=sp(3), return_prompt_token_ids=True)
+    assert list(out[0].prompt_token_ids) == tok.encode("Hello world")
+    assert tokens(out) == reference.tokens("Hello world", 3)
     # Chat messages are rendered with the model's template.
-    chat = router_pb2.ChatMessages(messages=[router_pb2.ChatMessage(role="user", content="Hi")],
-                                   add_generation_prompt=True)
-    gen(c.stub, prompt_token_ids=None, chat=chat, sampling_params=SP(max_tokens=1))
-    expected = tok.apply_chat_template([{"role": "user", "content": "Hi"}], True, True)
-    assert list(c.workers[0].requests[-1].prompt_token_ids) == expected
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = router_pb2.ChatMessages(messages=[router_pb2.ChatMessage(**m) for m in messages], add_generation_prompt=True)
+    out = gen(c.stub, prompt_token_ids=None, chat=chat, sampling_params=sp(3), return_prompt_token_ids=True)
+    assert list(out[0].prompt_token_ids) == tok.apply_chat_template(messages, True, True)
+    assert tokens(out) == list(reference.chat(messages, max_tokens=3).token_ids)
+
+
+def test_least_loaded_spreads_load(cluster):
+    c = cluster(3, policy="least_loaded")
+    streams = [long_stream(c.stub) for _ in range(6)]
+    try:
+        for s in streams:
+            next(s)
+        assert [c.stats(i).num_running for i in range(3)] == [2, 2, 2]
+    finally:
+        for s in streams:
+            s.cancel()
+    assert all(c.wait_idle(i, ABORT_WINDOW_S) for i in range(3))
+
+
+def test_concurrent_streams_are_independent(cluster, reference):
+    c = cluster(2)
+    prompts = {i: [100 + i, 7, 8 + i] for i in range(8)}
+    results: dict[int, list[int]] = {}
+
+    def run(i: int) -> None:
+        out = gen(c.stub, prompt_token_ids=router_pb2.TokenIds(ids=prompts[i]), sampling_params=sp(8))
+        results[i] = tokens(out)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert [results.get(i) for i in range(8)] == reference.batch_tokens([prompts[i] for i in range(8)], 8)
+
+
+def test_worker_errors_on_the_request_reach_the_client(cluster):
+    """A request the worker refuses -- its id is already running there (another router, or a
+    client talking to the worker directly) -- fails with the worker's status and words, is not
+    retried, and does not count against the worker."""
+    c = cluster(2)
+    channels = [grpc.insecure_channel(w.address) for w in c.workers]
+    try:
+        held = [worker_pb2_grpc.WorkerStub(ch).Generate(worker_pb2.WorkerGenerateRequest(
+            request_id="dup-1", prompt_token_ids=[1], sampling_params=sp(LONG), stream=True), timeout=60)
+            for ch in channels]
+        for h in held:
+            next(h)
+        with pytest.raises(grpc.RpcError) as e:
+            gen(c.stub, request_id="dup-1")
+        assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert "already running here" in e.value.details()  # the worker's message, passed through
+        assert c.metric(*RETRIES) == 0  # not retried: the request is at fault
+        assert len(c.healthy_ids()) == 2
+        # The HTTP frontend maps it too.
+        req = urllib.request.Request(c.http_url + "/v1/completions", data=b'{"prompt": [1], "max_tokens": 2}',
+                                     headers={"Content-Type": "application/json", "X-Request-Id": "dup-1"})
+        with pytest.raises(urllib.error.HTTPError) as he:
+            urllib.request.urlopen(req, timeout=10)
+        assert he.value.code == 409 and b"already running here" in he.value.read()
+        for h in held:
+            h.cancel()
+    finally:
+        for ch in channels:
+            ch.close()
+    assert c.wait_idle(0, ABORT_WINDOW_S) and c.wait_idle(1, ABORT_WINDOW_S)
+    assert_good(c.stub)
+
+
+def test_retry_before_first_token_only(cluster, reference):
+    # Failed checks alone would take 50 probes to eject: only the failed request does it here.
+    c = cluster(2, eject_after_failures=50)
+    first, second = c.workers  # round robin: a fresh router picks workers[0] first
+    assert c.wait_settled()
+    first.kill()
+    out = gen(c.stub, sampling_params=sp(4))  # the first pick fails before any token: retried
+    assert tokens(out) == reference.tokens([5, 6, 7], 4)
+    assert out[-1].route.num_retries == 1 and out[-1].route.decode_worker_id == second.worker_id
+    assert c.metric(*RETRIES) == 1
+    assert c.healthy_ids() == {second.worker_id}  # UNAVAILABLE ejected the dead worker at once
+    # (Re-admission after a restart: test_health_ejection_and_readmission.)
+    # After the first token a failure ends the stream with an error and is not retried, though
+    # another worker is there: a retry would repeat output.
+    c = cluster(2)
+    stream = long_stream(c.stub, "no-retry")
+    got = [next(stream), next(stream)]
+    serving = next(w for w in c.workers if worker_stats(w.address).num_running == 1)
+    other = next(w for w in c.workers if w is not serving)
+    serving.kill()
+    rest = list(stream)
+    assert [len(r.token_ids) for r in got] == [1, 1]
+    last = rest[-1]
+    assert last.finished and last.finish_reason == ERROR and "UNAVAILABLE" in last.error_message
+    assert serving.worker_id in last.error_message
+    assert c.metric(*RETRIES) == 0, "no retry after the first token"
+    assert other.worker_id in c.healthy_ids() and is_idle(other.address)
 
 
 BAD_INPUTS = [
@@ -68,6 +184,8 @@ BAD_INPUTS = [
     ({"sampling_params": SP(max_tokens=0)}, grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
     ({"sampling_params": SP(max_tokens=4, min_tokens=5)}, grpc.StatusCode.INVALID_ARGUMENT, "min_tokens"),
     ({"sampling_params": SP(max_tokens=10**6)}, grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
+    # The workers' max_model_len (256), learnt from them, not config.json's 2048.
+    ({"sampling_params": SP(max_tokens=254)}, grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
     ({"sampling_params": SP(logprobs=100)}, grpc.StatusCode.INVALID_ARGUMENT, "logprobs"),
     ({"sampling_params": SP(stop=[""])}, grpc.StatusCode.INVALID_ARGUMENT, "stop"),
     ({"request_id": "x" * 300}, grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
@@ -80,18 +198,19 @@ BAD_INPUTS = [
 
 
 @pytest.mark.parametrize("kw,code,field", BAD_INPUTS, ids=[b[2] + str(i) for i, b in enumerate(BAD_INPUTS)])
-def test_bad_input_matrix(fake_cluster, kw, code, field):
-    c = fake_cluster(1)
+def test_bad_input_matrix(cluster, kw, code, field):
+    c = cluster(1)
     with pytest.raises(grpc.RpcError) as e:
         gen(c.stub, **kw)
     assert e.value.code() == code
     assert field in e.value.details()
-    assert not c.workers[0].requests, "a refused request must not reach a worker"
+    assert c.metric(*AGGREGATED) == 0, "a refused request must not reach a worker"
     assert_good(c.stub)
+    assert c.metric(*AGGREGATED) == 1
 
 
-def test_oversize_message_and_garbage_bytes(fake_cluster):
-    c = fake_cluster(1, max_message_bytes=64 << 10)
+def test_oversize_message_and_garbage_bytes(cluster):
+    c = cluster(1, max_message_bytes=64 << 10)
     with pytest.raises(grpc.RpcError) as e:
         gen(c.stub, prompt_token_ids=None, prompt="x" * (100 << 10))
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -107,138 +226,74 @@ def test_oversize_message_and_garbage_bytes(fake_cluster):
     assert_good(c.stub)
 
 
-def test_admission_control_answers_resource_exhausted(fake_cluster):
-    c = fake_cluster(1, worker_opts=[{"token_delay_s": 0.05}], max_inflight=2)
-    streams = [c.stub.Generate(router_pb2.GenerateRequest(prompt_token_ids=router_pb2.TokenIds(ids=[1]),
-                                                          sampling_params=SP(max_tokens=40), stream=True), timeout=10)
-               for _ in range(2)]
+def test_admission_control_answers_resource_exhausted(cluster):
+    c = cluster(1, max_inflight=2)
+    streams = [long_stream(c.stub) for _ in range(2)]
     for s in streams:
-        next(s)  # both admitted and running
+        next(s)  # both admitted and generating
+    assert c.stats(0).num_running == 2
     t0 = time.monotonic()
     with pytest.raises(grpc.RpcError) as e:
         gen(c.stub)
-    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() - t0 < 1.0
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() - t0 < 2.0
     for s in streams:
         s.cancel()
     assert wait_until(lambda: c.lt.call(lambda: c.router.orchestrator.num_inflight) == 0)
+    assert c.wait_idle(0, ABORT_WINDOW_S)
     assert_good(c.stub)
 
 
-def test_cancel_mid_stream_aborts_on_worker(fake_cluster):
-    c = fake_cluster(1, worker_opts=[{"token_delay_s": 0.02}])
-    stream = c.stub.Generate(router_pb2.GenerateRequest(request_id="cancel-me", prompt_token_ids=router_pb2.TokenIds(
-        ids=list(range(40))), sampling_params=SP(max_tokens=200), stream=True), timeout=10)
+def test_cancel_mid_stream_aborts_on_worker(cluster):
+    c = cluster(1)
+    stream = long_stream(c.stub, "cancel-me", ids=range(40))  # 250 tokens in all
     next(stream)
-    assert c.workers[0].running  # holds KV blocks now
+    s = c.stats(0)
+    assert s.num_running == 1 and s.num_kv_blocks_used >= 3  # 40 prompt tokens: 3 blocks and growing
     stream.cancel()
-    assert wait_until(lambda: not c.workers[0].running)
-    assert "cancel-me" in c.workers[0].aborted
+    assert c.wait_idle(0, ABORT_WINDOW_S), c.stats(0)
     assert_good(c.stub)
 
 
-def test_deadline_is_forwarded_and_frees_blocks(fake_cluster):
-    c = fake_cluster(1, worker_opts=[{"token_delay_s": 0.05}])
+def test_deadline_is_forwarded_and_frees_blocks(cluster):
+    c = cluster(1)
+    worker = c.workers[0]
+    t0 = time.monotonic()
+    stream = long_stream(c.stub, "slow", ids=range(40), timeout=1.0)
+    next(stream)
+    # Freeze the router's event loop: it can neither read the worker nor cancel the leg, so only
+    # a deadline the leg itself carries can end the request on the worker. And hold the worker
+    # (SIGSTOP) past that deadline: it resumes with ~200 tokens to go, seconds of work.
+    c.lt.loop.call_soon_threadsafe(time.sleep, 4.0)
+    worker.pause()
+    time.sleep(max(0.0, t0 + 1.5 - time.monotonic()))
+    worker.resume()
+    resumed = time.monotonic()
+    assert wait_until(lambda: is_idle(worker.address), 1.5), "the worker did not stop at the forwarded deadline"
+    assert time.monotonic() - resumed < 1.5
     with pytest.raises(grpc.RpcError) as e:
-        gen(c.stub, timeout=0.5, request_id="slow", sampling_params=SP(max_tokens=100))
+        list(stream)
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert 0 < c.workers[0].deadlines[-1] <= 0.5  # the worker leg carried the client's deadline
-    assert wait_until(lambda: not c.workers[0].running)
-    assert "slow" in c.workers[0].aborted
-    assert_good(c.stub)
+    assert_good(c.stub)  # once the router's loop runs again
 
 
-def test_abort_rpc_ends_stream_with_abort(fake_cluster):
-    c = fake_cluster(1, worker_opts=[{"token_delay_s": 0.02}])
-    stream = c.stub.Generate(router_pb2.GenerateRequest(request_id="ab-1", prompt_token_ids=router_pb2.TokenIds(ids=[1]),
-                                                        sampling_params=SP(max_tokens=500), stream=True), timeout=10)
+def test_abort_rpc_ends_stream_with_abort(cluster):
+    c = cluster(1)
+    stream = long_stream(c.stub, "ab-1")
     next(stream)
     resp = c.stub.Abort(common_pb2.AbortRequest(request_ids=["ab-1", "unknown"]), timeout=5)
     assert list(resp.aborted_request_ids) == ["ab-1"]
-    last = list(stream)[-1]
-    assert last.finished and last.finish_reason == common_pb2.FINISH_REASON_ABORT
-    assert wait_until(lambda: not c.workers[0].running)
+    rest = list(stream)
+    assert rest[-1].finished and rest[-1].finish_reason == ABORT
+    assert 1 + len(tokens(rest)) < LONG
+    assert c.wait_idle(0, ABORT_WINDOW_S), c.stats(0)
 
 
-def test_retry_before_first_token_only(fake_cluster):
-    c = fake_cluster(2, worker_opts=[{"fail_codes": ["UNAVAILABLE"]}, {}])  # round robin: w0 first
-    out = gen(c.stub, sampling_params=SP(max_tokens=2))  # w0 fails before any token: retried on w1
-    assert out[-1].finished and out[-1].route.num_retries == 1 and out[-1].route.decode_worker_id == "w1"
-    assert len(c.healthy_ids()) == 1  # UNAVAILABLE ejected the failed worker at once
-    assert c.wait_healthy(2)  # and its next SERVING health check re-admits it
-    c2 = fake_cluster(2, worker_opts=[{"fail_after_tokens": 2}, {"fail_after_tokens": 2}])
-    out = gen(c2.stub, sampling_params=SP(max_tokens=5))
-    assert [len(r.token_ids) for r in out[:2]] == [1, 1]
-    assert out[-1].finish_reason == common_pb2.FINISH_REASON_ERROR and "UNAVAILABLE" in out[-1].error_message
-    assert sum(len(w.requests) for w in c2.workers) == 1, "no retry after the first token"
-
-
-def test_worker_errors_on_the_request_reach_the_client(fake_cluster):
-    c = fake_cluster(2, worker_opts=[{"fail_codes": ["INVALID_ARGUMENT"]}, {"fail_codes": ["INVALID_ARGUMENT"]}])
-    with pytest.raises(grpc.RpcError) as e:
-        gen(c.stub)
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert sum(len(w.requests) for w in c.workers) == 1  # not retried: the request is at fault
-    assert len(c.healthy_ids()) == 2
-
-
-def test_health_ejection_and_readmission(fake_cluster):
-    c = fake_cluster(2, policy="least_loaded")
-    health = health_pb2_grpc.HealthStub(c.channel)
-    port = c.stop_worker(0)
-    assert wait_until(lambda: c.healthy_ids() == {"w1"})
-    for _ in range(4):
-        assert gen(c.stub, sampling_params=SP(max_tokens=1))[-1].route.decode_worker_id == "w1"
-    entries = {w.worker_id: w for w in c.stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=5).workers}
-    assert not entries["w0"].healthy and entries["w1"].healthy and entries["w1"].stats.worker_id == "w1"
-    c.stop_worker(1)
-    assert wait_until(lambda: not c.healthy_ids())
-    with pytest.raises(grpc.RpcError) as e:
-        gen(c.stub)
-    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert wait_until(lambda: health.Check(health_pb2.HealthCheckRequest(service="pdcluster.v1.Router")).status
-                      == health_pb2.HealthCheckResponse.NOT_SERVING)
-    c.restart_worker(0, port)
-    assert wait_until(lambda: c.healthy_ids() == {"w0"})
-    assert gen(c.stub, sampling_params=SP(max_tokens=1))[-1].route.decode_worker_id == "w0"
-    assert health.Check(health_pb2.HealthCheckRequest(service="pdcluster.v1.Router")).status \
-        == health_pb2.HealthCheckResponse.SERVING
-
-
-def test_least_loaded_spreads_load(fake_cluster):
-    c = fake_cluster(3, worker_opts=[{"token_delay_s": 0.05}] * 3, policy="least_loaded")
-    streams = [c.stub.Generate(router_pb2.GenerateRequest(prompt_token_ids=router_pb2.TokenIds(ids=[1]),
-                                                          sampling_params=SP(max_tokens=20), stream=True), timeout=10)
-               for _ in range(6)]
-    firsts = [next(s) for s in streams]
-    assert firsts
-    counts = [len(w.requests) for w in c.workers]
-    assert counts == [2, 2, 2]
-    for s in streams:
-        s.cancel()
-
-
-def test_concurrent_streams_are_independent(fake_cluster):
-    c = fake_cluster(2, worker_opts=[{"token_delay_s": 0.005}] * 2)
-    results: dict[int, list[int]] = {}
-
-    def run(i: int) -> None:
-        out = gen(c.stub, prompt_token_ids=router_pb2.TokenIds(ids=[100 + i]), sampling_params=SP(max_tokens=8))
-        results[i] = [t for r in out for t in r.token_ids]
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(20)
-    assert results == {i: list(range(101 + i, 109 + i)) for i in range(8)}
-
-
-def test_tls_frontends(fake_cluster, tmp_path):
+def test_tls_frontends(cluster, tmp_path):
     import shutil
     import ssl
     import subprocess
-    import urllib.request
 
+    from pdcluster._proto import router_pb2_grpc
     from pdcluster.service.tls import TLSConfig, channel_credentials
 
     if shutil.which("openssl") is None:
@@ -253,15 +308,45 @@ def test_tls_frontends(fake_cluster, tmp_path):
     openssl("req", *ec, "-keyout", "s.key", "-out", "s.csr", "-subj", "/CN=router")
     openssl("x509", "-req", "-in", "s.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out", "s.pem",
             "-days", "2", "-extfile", "san.ext")
-    c = fake_cluster(1, tls=TLSConfig(cert=str(tmp_path / "s.pem"), key=str(tmp_path / "s.key")))
+    c = cluster(1, tls=TLSConfig(cert=str(tmp_path / "s.pem"), key=str(tmp_path / "s.key")))
     assert c.http_url.startswith("https://")
     creds = channel_credentials(TLSConfig(ca=str(tmp_path / "ca.pem")))
     with grpc.secure_channel(c.router.grpc_address, creds) as ch:
-        from pdcluster._proto import router_pb2_grpc
-
         assert_good(router_pb2_grpc.RouterStub(ch))
     with pytest.raises(grpc.RpcError):  # plaintext is refused
         gen(c.stub, timeout=3)
     ctx = ssl.create_default_context(cafile=str(tmp_path / "ca.pem"))
     with urllib.request.urlopen(c.http_url + "/health", context=ctx, timeout=5) as resp:
         assert resp.status == 200
+
+
+def test_health_ejection_and_readmission(cluster):
+    c = cluster(2, policy="least_loaded", health_timeout_s=0.3)
+    a, b = c.workers
+    health = health_pb2_grpc.HealthStub(c.channel)
+
+    def router_health() -> int:
+        return health.Check(health_pb2.HealthCheckRequest(service="pdcluster.v1.Router"), timeout=5).status
+
+    a.kill()  # crashed: failed checks eject it
+    assert wait_until(lambda: c.healthy_ids() == {b.worker_id})
+    for _ in range(4):
+        assert gen(c.stub, sampling_params=sp(1))[-1].route.decode_worker_id == b.worker_id
+    entries = {w.worker_id: w for w in c.stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=5).workers}
+    assert not entries[a.worker_id].healthy and entries[b.worker_id].healthy
+    assert entries[b.worker_id].stats.worker_id == b.worker_id
+    b.pause()  # hung (SIGSTOP): its checks time out
+    assert wait_until(lambda: not c.healthy_ids())
+    with pytest.raises(grpc.RpcError) as e:
+        gen(c.stub)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert wait_until(lambda: router_health() == health_pb2.HealthCheckResponse.NOT_SERVING)
+    with pytest.raises(urllib.error.HTTPError) as he:
+        urllib.request.urlopen(c.http_url + "/health", timeout=5)
+    assert he.value.code == 503
+    a.restart()  # a new process on the same port
+    assert wait_until(lambda: c.healthy_ids() == {a.worker_id}, 20)
+    assert gen(c.stub, sampling_params=sp(1))[-1].route.decode_worker_id == a.worker_id
+    assert router_health() == health_pb2.HealthCheckResponse.SERVING
+    b.resume()
+    assert wait_until(lambda: c.healthy_ids() == {a.worker_id, b.worker_id})

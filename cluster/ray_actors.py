@@ -1,0 +1,272 @@
+"""The Ray actors of `pdcluster up`: one WorkerActor per worker instance, one RouterActor.
+
+WorkerActor supervises `pdcluster serve-worker` as a child process on its own node:
+
+    __init__ --supervisor thread--> spawn child (PDEATHSIG: a killed actor takes its child along)
+                                    read stdout for PDCLUSTER_READY {json} -> ready()
+                                    child exits unexpectedly after ready -> os._exit(1): Ray
+                                    restarts the actor (max_restarts), which starts a new child
+    restarted incarnation, once ready -> RouterActor.register(name, new address)
+
+The actor stays thin (no torch): the engine lives in the child, which owns its TP ranks. Keys
+reach the child through its environment (owner-only /proc/PID/environ), never its command line
+or a file. Everything crossing Ray calls is plain data (dicts of str/int/float).
+
+RouterActor runs the router in-process on the actor's event loop; the launcher and restarted
+workers update its registry with register(name, address) (remove the old address, add the new).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+from typing import Any
+
+from pdcluster.cluster.ray_head import with_pdeathsig
+from pdcluster.cluster.ray_secrets import bind_host_into
+
+READY_PREFIX = "PDCLUSTER_READY "
+SERVE_WORKER = (sys.executable, "-m", "pdcluster.cluster.cli", "serve-worker")
+
+
+def _node() -> tuple[str, str]:
+    import ray
+
+    return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+
+
+class WorkerActor:
+    """spec: name, argv (serve-worker flags without host/port/worker-id), host ("node_ip" or an
+    address), log_dir, ready_timeout_s, router_name, namespace. env: secrets for the child."""
+
+    def __init__(self, spec: dict[str, Any], env: dict[str, str]) -> None:
+        import ray
+
+        self.spec = spec
+        self.node_id, self.node_ip = _node()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the property itself reads Ray's deprecated actor_id
+            self.restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
+        self.proc: subprocess.Popen | None = None
+        self.info: dict[str, Any] = {}
+        self.error: str | None = None
+        self.tail: collections.deque[str] = collections.deque(maxlen=40)
+        self._ready = threading.Event()
+        self._stopping = False
+        self._timed_out = False
+        # The thread that forks must outlive the child: PDEATHSIG fires when the forking thread ends.
+        threading.Thread(target=self._supervise, args=(env,), name="supervisor", daemon=True).start()
+
+    # -- Ray methods ----------------------------------------------------------------------------
+    def ready(self, timeout_s: float) -> dict[str, Any]:
+        """The child's readiness payload plus where it runs; RuntimeError with its log tail if it failed."""
+        if not self._ready.wait(timeout_s):
+            raise RuntimeError(f"{self.spec['name']}: no PDCLUSTER_READY within {timeout_s:g}s "
+                               f"(pid {self.proc.pid if self.proc else '?'}); last log lines:\n{self._tail()}")
+        if self.error is not None:
+            raise RuntimeError(self.error)
+        return self.describe()
+
+    def describe(self) -> dict[str, Any]:
+        return {**self.info, "name": self.spec["name"], "node_id": self.node_id, "node_ip": self.node_ip,
+                "actor_pid": os.getpid(), "child_pid": self.proc.pid if self.proc else None,
+                "restarted": self.restarted, "ready": self._ready.is_set() and self.error is None}
+
+    def stop(self, grace_s: float = 10.0) -> dict[str, Any]:
+        """SIGTERM the child (it aborts in-flight requests cleanly), SIGKILL after grace_s."""
+        self._stopping = True
+        proc = self.proc
+        if proc is None:
+            return {"child_pid": None, "returncode": None}
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)  # by pid: the one process this actor started
+            try:
+                proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        return {"child_pid": proc.pid, "returncode": proc.returncode}
+
+    # -- the child ------------------------------------------------------------------------------
+    def _supervise(self, env: dict[str, str]) -> None:
+        spec = self.spec
+        host = self.node_ip if spec.get("host", "node_ip") == "node_ip" else spec["host"]
+        argv = [*SERVE_WORKER, *spec["argv"], "--host", host, "--port", "0", "--worker-id", spec["name"]]
+        sink = self._open_log()
+        try:
+            self.proc = subprocess.Popen(with_pdeathsig(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, env={**os.environ, **bind_host_into(env, host)},
+                                         start_new_session=True)
+        except OSError as e:
+            self._fail(f"{spec['name']}: cannot start serve-worker: {e}")
+            return
+        errs = threading.Thread(target=self._pump, args=(self.proc.stderr, sink), daemon=True)
+        errs.start()
+        # No instance may hang unready forever (a restarted one has nobody waiting on it).
+        watchdog = threading.Timer(float(spec.get("ready_timeout_s", 300.0)), self._ready_deadline)
+        watchdog.daemon = True
+        watchdog.start()
+        self._pump(self.proc.stdout, sink, watch_ready=True)
+        code = self.proc.wait()
+        watchdog.cancel()
+        errs.join(2.0)
+        if self._stopping:
+            return
+        what = f"exited with {code}" if code >= 0 else f"killed by signal {-code}"
+        if self._timed_out:
+            what = f"printed no PDCLUSTER_READY within {spec.get('ready_timeout_s', 300.0):g}s (killed)"
+        if not self._ready.is_set() and not self.restarted:
+            self._fail(f"{spec['name']} (pid {self.proc.pid}) {what} before it was ready; last log lines:\n{self._tail()}")
+            return
+        # A crash: exit the actor so Ray restarts it (up to max_restarts) with a fresh child.
+        sys.stderr.write(f"[{spec['name']}] serve-worker (pid {self.proc.pid}) {what}; restarting the actor\n")
+        sys.stderr.flush()
+        os._exit(1)
+
+    def _pump(self, stream: Any, sink: Any, watch_ready: bool = False) -> None:
+        for raw in stream:
+            line = raw.decode(errors="replace")
+            if watch_ready and not self._ready.is_set() and line.startswith(READY_PREFIX):
+                try:
+                    self.info = json.loads(line[len(READY_PREFIX):])
+                except ValueError:
+                    pass
+                else:
+                    self._on_ready()
+                    continue
+            self.tail.append(line.rstrip("\n"))
+            sink.write(f"[{self.spec['name']}] {line}" if sink is sys.stderr else line)
+            sink.flush()
+
+    def _ready_deadline(self) -> None:
+        if not self._ready.is_set() and self.proc is not None and self.proc.poll() is None:
+            self._timed_out = True
+            self.proc.kill()
+
+    def _on_ready(self) -> None:
+        self._ready.set()
+        if self.restarted:
+            threading.Thread(target=self._register, name="register", daemon=True).start()
+
+    def _register(self) -> None:
+        """A restarted incarnation has a new port: tell the router (remove old, add new)."""
+        import ray
+
+        try:
+            router = ray.get_actor(self.spec["router_name"], namespace=self.spec["namespace"])
+            ray.get(router.register.remote(self.spec["name"], self.info["address"]), timeout=60)
+        except Exception as e:  # the router gone is the launcher's to report, not a reason to die
+            sys.stderr.write(f"[{self.spec['name']}] could not register with the router: {e}\n")
+
+    def _fail(self, message: str) -> None:
+        self.error = message
+        self._ready.set()
+
+    def _tail(self) -> str:
+        return "\n".join(f"    {line}" for line in list(self.tail)[-20:])
+
+    def _open_log(self) -> Any:
+        log_dir = self.spec.get("log_dir")
+        if not log_dir:
+            return sys.stderr  # Ray's log folder (and the driver's terminal while it is attached)
+        path = pathlib.Path(log_dir)
+        path.mkdir(parents=True, exist_ok=True)
+        return open(path / f"{self.spec['name']}.log", "a", encoding="utf-8")  # lives as long as the actor
+
+
+class RouterActor:
+    """spec: the router's config fields (RouterConfig names) plus name; env: the router's key pair
+    ("PUBLIC,SECRET") and the workers' public key, for KV-event subscriptions."""
+
+    def __init__(self, spec: dict[str, Any], env: dict[str, str]) -> None:
+        self.spec = dict(spec)
+        self._env = env
+        self.router: Any = None
+        self.addresses: dict[str, str] = {}  # instance name -> worker address
+        self._key_dir: str | None = None
+        self.node_id, self.node_ip = _node()
+
+    async def start(self, workers: dict[str, str]) -> dict[str, Any]:
+        from pdcluster.router.app import Router
+        from pdcluster.router.config import RouterConfig
+
+        # A worker that restarted before the router started has registered its new address already.
+        self.addresses = {**workers, **self.addresses}
+        fields = {k: v for k, v in self.spec.items() if k != "name"}
+        if self._env:
+            self._key_dir = _write_router_keys(self._env)
+        config = RouterConfig(workers=tuple(self.addresses.values()), key_dir=self._key_dir, **fields)
+        router = Router(config)
+        await router.start()
+        self.router = router
+        # Registrations that arrived while it was starting.
+        current = set(self.addresses.values())
+        for h in router.registry.handles:
+            if h.address not in current:
+                await router.registry.remove(h.address)
+        for address in current:
+            router.registry.add(address)  # idempotent
+        return await self.endpoints()
+
+    async def endpoints(self) -> dict[str, Any]:
+        ep = self.router.endpoints() if self.router is not None else {}
+        if self.spec.get("host") in ("0.0.0.0", "::"):  # a wildcard is not an address to dial
+            ep["grpc"] = f"{self.node_ip}:{self.router.grpc_port}"
+            ep["http"] = f"http://{self.node_ip}:{self.router.http_port}" if self.router.http_port else None
+        return {**ep, "node_id": self.node_id, "actor_pid": os.getpid(), "instances": dict(self.addresses)}
+
+    async def wait_for_healthy(self, count: int, timeout_s: float) -> bool:
+        return await self.router.registry.wait_for_healthy(count, timeout_s)
+
+    async def register(self, name: str, address: str) -> None:
+        old = self.addresses.get(name)
+        self.addresses[name] = address
+        if old == address or self.router is None:  # not started: start() takes the new address
+            return
+        if old is not None:
+            await self.router.registry.remove(old)  # the dead incarnation: out of the policies now
+        self.router.registry.add(address)  # takes traffic after its first SERVING check (+ GetInfo)
+
+    async def workers(self) -> list[dict[str, Any]]:
+        names = {a: n for n, a in self.addresses.items()}
+        out = []
+        for h in self.router.registry.handles:
+            s = h.stats
+            out.append({"name": names.get(h.address, ""), "worker_id": h.worker_id, "address": h.address,
+                        "role": h.role, "healthy": h.healthy, "num_inflight": h.num_inflight,
+                        "num_running": s.num_running if s else None, "num_waiting": s.num_waiting if s else None,
+                        "kv_usage": s.kv_usage if s else None})
+        return out
+
+    async def stop(self) -> None:
+        if self.router is not None:
+            await self.router.stop()
+            self.router = None
+        if self._key_dir is not None:
+            shutil.rmtree(self._key_dir, ignore_errors=True)
+            self._key_dir = None
+
+
+def _write_router_keys(env: dict[str, str]) -> str:
+    """A private key folder (0700, secret 0600) on the router's node in the layout RouterConfig's
+    key_dir expects: the router's pair and the allowed KV-event publishers' public keys."""
+    from pdcluster.security.keys import _cert_text, _write_new, keypair_from_string
+
+    root = pathlib.Path(tempfile.mkdtemp(prefix="pdcluster-router-keys-"))
+    (root / "secret").mkdir(mode=0o700)
+    (root / "public").mkdir(mode=0o700)
+    router = keypair_from_string(env["router"], "router")
+    _write_new(root / "secret" / "router.key_secret", _cert_text(router, True), 0o600, False)
+    for name in ("router", "worker"):
+        pub = keypair_from_string(env[name].partition(",")[0], name)
+        _write_new(root / "public" / f"{name}.key", _cert_text(pub, False), 0o600, False)
+    return str(root)
