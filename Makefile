@@ -7,7 +7,7 @@ setup:
 	@bash scripts/setup.sh
 
 run: setup
-	$(VENV)/bin/pdcluster serve --prefill 1 --decode 1 --connector p2p --demo-request
+	$(VENV)/bin/pdcluster up --prefill 1 --decode 1 --connector p2p --demo-request
 
 test: setup
 	$(PY) -m ruff check .

@@ -111,7 +111,7 @@ def run_router(args: argparse.Namespace) -> int:
 DEMO_PROMPT = "The prefill pool reads the whole prompt"
 
 
-async def _demo_request(grpc_address: str) -> None:
+async def demo_request(grpc_address: str) -> None:
     """Stream one request through the router with the real client, as a user would."""
     from pdcluster.client import AsyncClient, ClientError
     from pdcluster.sampling_params import SamplingParams
@@ -129,7 +129,7 @@ async def _demo_request(grpc_address: str) -> None:
 
 
 def _run_router_foreground(config: Any, *, wait_for_workers: int, launcher: Any = None,
-                           demo_request: bool = False) -> int:
+                           send_demo: bool = False) -> int:
     import asyncio
     import signal
 
@@ -146,8 +146,8 @@ def _run_router_foreground(config: Any, *, wait_for_workers: int, launcher: Any 
             if wait_for_workers:
                 await router.registry.wait_for_healthy(wait_for_workers, 30.0)
             _print_ready(router, launcher)
-            if demo_request:
-                await _demo_request(router.endpoints()["grpc"])
+            if send_demo:
+                await demo_request(router.endpoints()["grpc"])
             while not stop.is_set():
                 try:
                     await asyncio.wait_for(stop.wait(), 1.0)
@@ -217,7 +217,7 @@ def run_serve(args: argparse.Namespace) -> int:
         addresses = tuple(p.address for p in workers)
         config = _router_config(args, addresses, key_dir, model)
         return _run_router_foreground(config, wait_for_workers=len(addresses), launcher=launcher,
-                                      demo_request=args.demo_request)
+                                      send_demo=args.demo_request)
     finally:
         launcher.stop()
         if temp_keys is not None:

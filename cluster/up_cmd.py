@@ -54,6 +54,8 @@ def add_up_commands(sub: argparse._SubParsersAction) -> None:
                    help="no Ray dashboard on the local head (saves ~1 GiB; `status` then shows no restarts)")
     _add_namespace(p)
     p.add_argument("--detach", action="store_true", help="return once ready; `pdcluster down` stops it")
+    p.add_argument("--demo-request", action="store_true",
+                   help="once ready, stream one demo request through the router (the README's main job)")
     p.set_defaults(func=run_up)
     s = sub.add_parser("status", help="instances, nodes, health and load of a cluster started by `up`")
     _add_namespace(s)
@@ -140,6 +142,12 @@ def run_up(args: argparse.Namespace) -> int:
             print(f"pdcluster up: error: {e}", file=sys.stderr)
             return 1
         _print_ready(endpoints, args.detach)
+        if args.demo_request:
+            import asyncio
+
+            from pdcluster.cluster.serve_cmd import demo_request
+
+            asyncio.run(demo_request(endpoints["grpc"]))
         if args.detach:
             return 0
         _watch(launcher, stop)
