@@ -91,6 +91,12 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     add_up_commands(sub)  # up, status, down
 
 
+def _add_kvstore(sub: argparse._SubParsersAction) -> None:
+    from pdcluster.cluster.kvstore_cmd import add_kvstore_commands  # stdlib-only at import: cheap
+
+    add_kvstore_commands(sub)  # kvstore master, kvstore node
+
+
 # Helpers adding a subcommand: append to this list (one builder per subcommand family).
 _BUILDERS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_generate,
@@ -100,6 +106,7 @@ _BUILDERS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_serve_worker,
     _add_serve,
     _add_up,
+    _add_kvstore,
 ]
 
 

@@ -90,6 +90,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_transfer(args: argparse.Namespace) -> int:
+    if args.connector == "store":
+        from pdcluster.cluster.bench.store_transfer import run_store_bench
+
+        run_store_bench(args)
+        return 0
     from pdcluster.cluster.bench.transfer import run_transfer_bench
 
     run_transfer_bench(args)
@@ -107,7 +112,11 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     serve.set_defaults(func=_cmd_serve)
     transfer = bench_sub.add_parser(
         "transfer", help="KV connector throughput between two processes vs raw TCP and memcpy")
+    from pdcluster.cluster.bench.store_transfer import add_store_bench_args
     from pdcluster.cluster.bench.transfer import add_transfer_args  # argparse only at import
 
+    transfer.add_argument("--connector", choices=("p2p", "store"), default="p2p",
+                          help="p2p: connector vs raw TCP/memcpy; store: put/get vs raw TCP/memcpy and Mooncake")
     add_transfer_args(transfer)
+    add_store_bench_args(transfer.add_argument_group("store (--connector store)"), shared=True)
     transfer.set_defaults(func=_cmd_transfer)

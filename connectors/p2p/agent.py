@@ -25,6 +25,7 @@ from pdcluster.transfer import OP_READ, Region, TransferServer, issue_token, loc
 from .blocks import CacheGeometry, block_ranges, chunk_block_ids
 from .lease import LeaseError, LeaseTable
 from .options import P2POptions
+from .tp_plan import expected_notices
 from .wire import (
     FINGERPRINT,
     HS_BODY,
@@ -41,7 +42,8 @@ REPLAY_WINDOW_S = 60.0
 
 class ProducerAgent:
     def __init__(self, opts: P2POptions, fp: dict[str, Any], geo: CacheGeometry, region: Region,
-                 shm_name: str | None, tp_rank: int = 0, tp_size: int = 1) -> None:
+                 shm_name: str | None, tp_rank: int = 0, tp_size: int = 1,
+                 total_heads: int | None = None) -> None:
         self.opts = opts
         self.fingerprint = fp
         self.geo = geo
@@ -50,6 +52,7 @@ class ProducerAgent:
         self.epoch = secrets.randbits(62) | 1
         self.shm_name = shm_name
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.total_heads = total_heads if total_heads is not None else int(fp.get("num_kv_heads") or tp_size)
         self.leases = LeaseTable(opts.lease_ttl_s)
         self._data_key = secrets.token_bytes(32)  # tokens are minted and verified in this process only
         self._guard = ReplayGuard(window_s=REPLAY_WINDOW_S)
@@ -112,7 +115,16 @@ class ProducerAgent:
                 alive = [ref["lease_id"] for ref in body["leases"]
                          if self.leases.renew(ref["lease_id"], ref["transfer_id"])]
                 return self._reply(nonce, alive=alive, ttl_ms=int(self.leases.ttl_s * 1000))
-            status = self.leases.release(body["lease_id"], body["transfer_id"], body["request_id"])
+            consumer_tp = body.get("consumer_tp") or 1
+            consumer_rank = body.get("consumer_rank") or 0
+            if consumer_rank >= consumer_tp:
+                return self._error(nonce, "bad_request", f"consumer_rank {consumer_rank} >= consumer_tp {consumer_tp}")
+            try:
+                expected = expected_notices(self.total_heads, self.tp_size, consumer_tp, self.tp_rank)
+            except ValueError as e:
+                return self._error(nonce, "bad_request", str(e))
+            status = self.leases.release(body["lease_id"], body["transfer_id"], body["request_id"],
+                                         consumer_rank, expected)
             if status != "released":
                 self._count(f"refused_done_{status}")
             return self._reply(nonce, ok=status == "released", status=status)

@@ -21,7 +21,7 @@ from pdcluster.engine.outputs import SchedulerOutput
 from pdcluster.engine.request import Request
 
 from .options import P2POptions
-from .scheduler_side import P2PScheduler
+from .scheduler_side import P2PMetadata, P2PScheduler
 from .worker_side import P2PWorker
 
 
@@ -60,6 +60,9 @@ class P2PConnector(KVConnectorBase):
 
     def set_handshake_metadata(self, metadata: dict[int, Any]) -> None:
         self._s().set_handshake_metadata(metadata)
+
+    def metadata_from_dict(self, d: dict[str, Any]) -> KVConnectorMetadata:
+        return P2PMetadata.from_dict(d)
 
     def get_stats(self) -> dict[str, Any]:
         if self._sched is not None:

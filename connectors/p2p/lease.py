@@ -24,7 +24,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 _MAX_TOMBSTONES = 4096
 
@@ -45,6 +45,7 @@ class Lease:
     request_id: str
     block_ids: list[int]
     expiry: float  # clock() seconds
+    notified: set[int] = field(default_factory=set)  # consumer ranks that said done (TP)
 
 
 class LeaseTable:
@@ -90,8 +91,11 @@ class LeaseTable:
             lease.expiry = self._clock() + self.ttl_s
             return True
 
-    def release(self, lease_id: str, transfer_id: str, request_id: str) -> str:
-        """The consumer's "done": "released", or why not (expired, released, unknown, wrong_*)."""
+    def release(self, lease_id: str, transfer_id: str, request_id: str, consumer_rank: int = 0,
+                expected: int = 1) -> str:
+        """The consumer's "done": "released", or why not (expired, released, unknown, wrong_*).
+        With TP the lease ends only when `expected` distinct consumer ranks said done; each of
+        them gets "released" (the lease was alive for every read it made)."""
         with self._lock:
             try:
                 lease = self._live(lease_id)
@@ -101,7 +105,9 @@ class LeaseTable:
                 return "wrong_transfer"
             if lease.request_id != request_id:
                 return "wrong_request"
-            self._end(lease, "released")
+            lease.notified.add(consumer_rank)
+            if len(lease.notified) >= expected:
+                self._end(lease, "released")
             return "released"
 
     def expire(self) -> list[str]:

@@ -12,6 +12,12 @@ One load (request R, local blocks D, producer blocks S = lease[first_block:]):
     -> R in finished_recving; on any failure D in failed blocks too (the scheduler applies the
        failure policy), and the producer is told so it frees early.
 
+Tensor parallelism (tp_plan.py): the params name every producer rank (endpoint, epoch); this
+consumer rank reads, rank by rank, the head slices its plan assigns (a full-rank slice is the
+plain block copy above; a partial one is read whole-block into a staging buffer, or mapped over
+shared memory, and its heads copied out), then says "done" to every producer rank it owes a
+notice, carrying (consumer_rank, consumer_tp) so each producer rank counts its expected notices.
+
 Every wait has a deadline (request_timeout_s, io_timeout_s, open_retry_s). Cancellation (the
 request finished while loading) stops at the next phase boundary; an in-flight read finishes or
 times out first, so nothing writes into D after R is reported.
@@ -23,16 +29,21 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from pdcluster.engine.kv_connector import KVCacheLayout
 from pdcluster.transfer import SharedRegionCache, TransferError, local_host_id
 
 from .blocks import CacheGeometry, block_ranges, chunk_block_ids, copy_blocks
 from .heartbeat import Heartbeats
-from .options import P2POptions
+from .options import P2POptions, check_endpoint
+from .params import producer_ranks
 from .peer import ChannelPool, Handshake, HandshakeCache, LoadError, Producer, call, resolve_producer
 from .scatter_reader import ScatterReader
+from .tp_plan import head_range, notify_ranks, read_plan
 from .wire import DONE, OPEN
 
 log = logging.getLogger(__name__)
@@ -45,11 +56,15 @@ class LoadJob:
     first_block: int
     params: dict[str, Any]
     cancelled: threading.Event
+    notified: set[int] = field(default_factory=set)  # producer ranks told "done" already
+    targets: dict[int, Producer] = field(default_factory=dict)  # producer ranks owed a "done"
 
 
 class Loader:
-    def __init__(self, opts: P2POptions, fingerprint: dict[str, Any], geo: CacheGeometry, cache: memoryview) -> None:
+    def __init__(self, opts: P2POptions, fingerprint: dict[str, Any], geo: CacheGeometry, cache: memoryview,
+                 layout: KVCacheLayout | None = None) -> None:
         self.opts, self.geo, self.cache = opts, geo, cache
+        self.layout = layout or KVCacheLayout(geo.num_layers, geo.num_blocks, 1, 1, geo.block_nbytes // 4, "float32")
         self.pool = ChannelPool(opts)
         self.handshakes = HandshakeCache(self.pool, opts, fingerprint)
         self.reader = ScatterReader(opts.num_streams, opts.min_stream_bytes, opts.connect_timeout_s, opts.io_timeout_s)
@@ -121,7 +136,7 @@ class Loader:
         if error is not None:
             log.warning("p2p load of request %s failed: %s", job.request_id, error)
             if producer is not None:
-                self._notify_done(producer, job, ok=False)
+                self._notify_all(producer, job, ok=False)
         with self._lock:
             del self._jobs[job.request_id]
             self._finished.add(job.request_id)
@@ -134,16 +149,54 @@ class Loader:
                 while len(self.last_errors) > 256:
                     self.last_errors.pop(next(iter(self.last_errors)))
 
+    def _targets(self, job: LoadJob, producer: Producer) -> tuple[dict[int, Producer], dict[int, int], int]:
+        """(producer rank -> Producer for every rank this rank may talk to, rank -> epoch, P)."""
+        ranks = producer_ranks(job.params)
+        out, epochs = {}, {}
+        for r, (endpoint, epoch) in enumerate(ranks):
+            if r == 0:
+                out[r] = producer  # rank 0's endpoint: the registry's or the signed params'
+            else:
+                out[r] = Producer(producer.producer_id, check_endpoint(endpoint), producer.public_key)
+            epochs[r] = epoch
+        return out, epochs, len(ranks)
+
     def _load(self, job: LoadJob, producer: Producer) -> None:
+        lay = self.layout
+        prods, epochs, ptp = self._targets(job, producer)
+        total_heads, ctp, crank = lay.total_heads, lay.tp_size, lay.tp_rank
+        try:
+            pieces = read_plan(total_heads, ptp, ctp, crank)
+        except ValueError as e:
+            raise LoadError(f"producer {producer.producer_id!r}: {e}") from e
+        job.targets = {r: prods[r] for r in notify_ranks(total_heads, ptp, ctp, crank)}
+        read_ranks = sorted({pc.producer_rank for pc in pieces})
+        for r in read_ranks:
+            if job.cancelled.is_set():
+                raise LoadError("cancelled")
+            self._load_rank(job, prods[r], r, epochs[r], ptp, [pc for pc in pieces if pc.producer_rank == r])
+        for r in sorted(job.targets):
+            status = self._notify_done(job.targets[r], job, ok=True, rank=r)
+            if r in read_ranks and status != "released":
+                raise LoadError(f"lease {status} on producer rank {r} before the transfer was confirmed: "
+                                "the data cannot be trusted")
+
+    def _load_rank(self, job: LoadJob, producer: Producer, rank: int, epoch: int, ptp: int,
+                   pieces: list[Any]) -> None:
         p = job.params
-        hs = self.handshakes.get(producer, p["engine_epoch"])
-        if hs.epoch != p["engine_epoch"]:
-            raise LoadError(f"producer {producer.producer_id!r} restarted (epoch {hs.epoch}, params from "
-                            f"epoch {p['engine_epoch']}): its blocks are gone")
+        lay = self.layout
+        hs = self.handshakes.get(producer, epoch)
+        if hs.epoch != epoch:
+            raise LoadError(f"producer {producer.producer_id!r} rank {rank} restarted (epoch {hs.epoch}, params "
+                            f"from epoch {epoch}): its blocks are gone")
         body = hs.body
-        if body["block_nbytes"] != self.geo.block_nbytes or body["tp_size"] != 1:
-            raise LoadError(f"producer {producer.producer_id!r} has block_nbytes={body['block_nbytes']} "
-                            f"tp_size={body['tp_size']}; this consumer needs {self.geo.block_nbytes} and tp 1")
+        h0, h1 = head_range(lay.total_heads, ptp, rank)
+        src_heads = h1 - h0
+        want = lay.block_size * src_heads * lay.head_dim * lay.itemsize
+        if body["tp_size"] != ptp or body["tp_rank"] != rank or body["block_nbytes"] != want:
+            raise LoadError(f"producer {producer.producer_id!r} at {producer.endpoint} is rank {body['tp_rank']} of "
+                            f"{body['tp_size']} with block_nbytes={body['block_nbytes']}; expected rank {rank} of "
+                            f"{ptp} with {want}")
         reply = self._open(job, hs)
         src_ids = reply["block_ids"]
         if len(src_ids) != len(job.local_block_ids):
@@ -155,12 +208,58 @@ class Loader:
                 raise LoadError("cancelled")
             if job.cancelled.is_set():
                 raise LoadError("cancelled")
-            self._copy(job, hs, src_ids, reply["tokens"])
+            full = (len(pieces) == 1 and pieces[0].src_h0 == 0 and pieces[0].src_h1 == src_heads
+                    and pieces[0].dst_h0 == 0 and pieces[0].dst_h1 == lay.num_kv_heads)
+            if full:
+                self._copy(job, hs, src_ids, reply["tokens"])
+            else:
+                self._copy_heads(job, hs, src_ids, reply["tokens"], src_heads, pieces)
         finally:
             self.heartbeats.remove(p["lease_id"])
-        status = self._notify_done(producer, job, ok=True)
-        if status != "released":
-            raise LoadError(f"lease {status} before the transfer was confirmed: the data cannot be trusted")
+
+    def _cache_tensor(self) -> torch.Tensor:
+        lay = self.layout
+        t = torch.frombuffer(self.cache, dtype=_torch_dtype(lay.dtype))
+        return t.view(lay.num_layers, *lay.layer_shape)
+
+    def _copy_heads(self, job: LoadJob, hs: Handshake, src_ids: list[int], tokens: list[bytes], src_heads: int,
+                    pieces: list[Any]) -> None:
+        """Heterogeneous TP: copy head slices of the producer rank's blocks into ours."""
+        lay, body = self.layout, hs.body
+        dtype = _torch_dtype(lay.dtype)
+        src_geo = CacheGeometry(self.geo.num_layers, body["num_blocks"], body["block_nbytes"])
+        dst = self._cache_tensor()
+        dst_idx = torch.tensor(job.local_block_ids, dtype=torch.long)
+        same_host = self.opts.transport != "tcp" and body.get("shm_name") and body["host_id"] == self._host_id
+        if same_host:
+            try:
+                region = self.shm.get(body["shm_name"], body["region_nbytes"], writable=False)
+            except (OSError, ValueError) as e:
+                raise LoadError(f"cannot map the producer's shared memory: {e}") from e
+            src_all = torch.frombuffer(region.view, dtype=dtype).view(
+                lay.num_layers, 2, body["num_blocks"], lay.block_size, src_heads, lay.head_dim)
+            src = src_all[:, :, torch.tensor(src_ids, dtype=torch.long)]
+            self._add("bytes_shm", src.numel() * lay.itemsize)
+        elif self.opts.transport == "shm":
+            raise LoadError("transport 'shm' requested but the producer is not on this host or has no shared cache")
+        else:
+            # Staging: whole blocks of the producer rank, in transfer order (layer, k|v, block).
+            src_chunks = chunk_block_ids(src_ids, self.geo.num_layers)
+            if len(tokens) != len(src_chunks):
+                raise LoadError(f"producer sent {len(tokens)} tokens for {len(src_chunks)} chunks")
+            parts = []
+            addr = (body["data_host"], body["data_port"])
+            for token, chunk in zip(tokens, src_chunks):
+                ranges = block_ranges(src_geo, chunk)
+                nbytes = sum(n for _, n in ranges)
+                staging = bytearray(nbytes)
+                n = self.reader.read(addr, token, ranges, memoryview(staging), [(0, nbytes)])
+                self._add("bytes_tcp", n)
+                parts.append(torch.frombuffer(staging, dtype=dtype).view(
+                    lay.num_layers, 2, len(chunk), lay.block_size, src_heads, lay.head_dim))
+            src = torch.cat(parts, dim=2)
+        for pc in pieces:
+            dst[:, :, dst_idx, :, pc.dst_h0:pc.dst_h1] = src[:, :, :, :, pc.src_h0:pc.src_h1]
 
     def _open(self, job: LoadJob, hs: Handshake) -> dict[str, Any]:
         p = job.params
@@ -203,11 +302,28 @@ class Loader:
             n = self.reader.read(addr, token, block_ranges(src_geo, src), self.cache, block_ranges(self.geo, dst))
             self._add("bytes_tcp", n)
 
-    def _notify_done(self, producer: Producer, job: LoadJob, ok: bool) -> str:
+    def _notify_all(self, producer: Producer, job: LoadJob, ok: bool) -> None:
+        """Tell every producer rank we owe a notice and have not told yet (best effort)."""
+        targets = job.targets
+        if not targets:
+            try:
+                prods, _, ptp = self._targets(job, producer)
+                lay = self.layout
+                targets = {r: prods[r] for r in notify_ranks(lay.total_heads, ptp, lay.tp_size, lay.tp_rank)}
+            except (ValueError, LoadError):
+                targets = {0: producer}
+        for r in sorted(targets):
+            if r not in job.notified:
+                self._notify_done(targets[r], job, ok, rank=r)
+
+    def _notify_done(self, producer: Producer, job: LoadJob, ok: bool, rank: int = 0) -> str:
         p = job.params
+        job.notified.add(rank)
         try:
             reply = call(self.pool, producer, DONE, {"request_id": job.request_id, "transfer_id": p["transfer_id"],
-                                                     "lease_id": p["lease_id"], "ok": ok})
+                                                     "lease_id": p["lease_id"], "ok": ok,
+                                                     "consumer_rank": self.layout.tp_rank,
+                                                     "consumer_tp": self.layout.tp_size})
         except LoadError as e:
             log.info("p2p done notice for %s not delivered: %s", job.request_id, e)
             return "unreachable"
@@ -216,10 +332,15 @@ class Loader:
     def _release(self, request_id: str, params: dict[str, Any]) -> None:
         job = LoadJob(request_id, [], 0, params, threading.Event())
         try:
-            self._notify_done(resolve_producer(params, self.opts), job, ok=False)
+            self._notify_all(resolve_producer(params, self.opts), job, ok=False)
         except LoadError as e:
             log.info("p2p release of %s: %s", request_id, e)
 
     def _add(self, name: str, n: int) -> None:
         with self._lock:
             self.counters[name] += n
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+            "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}[name]

@@ -15,11 +15,15 @@ extra["p2p_sig"].
     remote_host, remote_port   data plane (informational: the consumer uses the handshake's)
     handshake_endpoint, producer_public_key   side channel (trusted only if signed or registered)
     lease_id, lease_expiry_time (Unix seconds, approximate: heartbeats renew it)
-    extra               {"p2p_sig": HMAC of the routing fields} when params_secret is set
+    extra               {"p2p_sig": HMAC of the routing fields} when params_secret is set;
+                        {"p2p_ranks": JSON [[handshake_endpoint, epoch], ...] per producer TP rank}
+                        when the producer has TP > 1 (signed too; every rank uses the producer's
+                        one key pair, so CURVE still authenticates each rank's endpoint)
 """
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 import time
@@ -42,8 +46,9 @@ def is_hex32(value: Any) -> bool:
 
 
 def build_params(request: Request, block_ids: list[int], block_size: int, meta: dict[str, Any],
-                 transfer_id: str, lease_id: str, lease_ttl_s: float, secret: bytes | None) -> dict[str, Any]:
-    """meta: the producer rank's handshake metadata (ProducerAgent)."""
+                 transfer_id: str, lease_id: str, lease_ttl_s: float, secret: bytes | None,
+                 all_meta: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """meta: rank 0's handshake metadata (ProducerAgent); all_meta: every rank's, in rank order."""
     params: dict[str, Any] = {
         "do_remote_prefill": True, "do_remote_decode": False, "connector": "p2p",
         "transfer_id": transfer_id, "producer_id": meta["producer_id"], "producer_rank": 0,
@@ -54,9 +59,29 @@ def build_params(request: Request, block_ids: list[int], block_size: int, meta: 
         "handshake_endpoint": meta["handshake_endpoint"], "producer_public_key": meta["public_key"],
         "lease_id": lease_id, "lease_expiry_time": time.time() + lease_ttl_s,
     }
+    if all_meta is not None and len(all_meta) > 1:
+        params["extra"] = {"p2p_ranks": json.dumps([[m["handshake_endpoint"], m["epoch"]] for m in all_meta])}
     if secret is not None:
-        params["extra"] = {"p2p_sig": params_signature(secret, params)}
+        params["extra"] = {**(params.get("extra") or {}), "p2p_sig": params_signature(secret, params)}
     return params
+
+
+def producer_ranks(params: dict[str, Any]) -> list[tuple[str, int]]:
+    """[(handshake_endpoint, epoch)] per producer rank; rank 0 from the top-level fields."""
+    tp = params.get("producer_tp_size") or 1
+    if not _is_int(tp) or not 1 <= tp <= 1024:
+        raise ValueError(f"kv_transfer_params.producer_tp_size: must be 1..1024, got {tp!r}")
+    if tp == 1:
+        return [(str(params.get("handshake_endpoint") or ""), int(params["engine_epoch"]))]
+    raw = (params.get("extra") or {}).get("p2p_ranks")
+    try:
+        ranks = json.loads(raw) if isinstance(raw, str) else None
+    except ValueError:
+        ranks = None
+    if not isinstance(ranks, list) or len(ranks) != tp or not all(
+            isinstance(r, list) and len(r) == 2 and isinstance(r[0], str) and _is_int(r[1]) for r in ranks):
+        raise ValueError(f"kv_transfer_params.extra.p2p_ranks: must list {tp} [endpoint, epoch] pairs")
+    return [(r[0], r[1]) for r in ranks]
 
 
 def check_consumer_params(params: dict[str, Any], request: Request, block_size: int) -> None:

@@ -61,7 +61,8 @@ class Handshake:
 def params_signature(secret: bytes, params: dict[str, Any]) -> str:
     """HMAC over the fields that tell a consumer where to go and whom to trust."""
     signed = msgpack.packb(["pdcluster-p2p-params-v1", params.get("producer_id"), params.get("handshake_endpoint"),
-                            bytes(params.get("producer_public_key") or b""), params.get("engine_epoch")],
+                            bytes(params.get("producer_public_key") or b""), params.get("engine_epoch")]
+                           + ([ranks] if (ranks := (params.get("extra") or {}).get("p2p_ranks")) else []),
                            use_bin_type=True)
     return hmac.new(secret, signed, hashlib.sha256).hexdigest()
 
@@ -171,16 +172,17 @@ class HandshakeCache:
     def __init__(self, pool: ChannelPool, opts: P2POptions, fingerprint: dict[str, Any]) -> None:
         self.pool, self.opts, self.fingerprint = pool, opts, fingerprint
         self._lock = threading.Lock()
-        self._cache: dict[str, Handshake] = {}
+        self._cache: dict[tuple[str, str], Handshake] = {}
 
     def get(self, producer: Producer, epoch: int, refresh: bool = False) -> Handshake:
+        key = (producer.producer_id, producer.endpoint)
         with self._lock:
-            hs = self._cache.get(producer.producer_id)
+            hs = self._cache.get(key)
         if hs is not None and not refresh and hs.epoch == epoch and hs.producer == producer:
             return hs
         hs = self._handshake(producer)
         with self._lock:
-            self._cache[producer.producer_id] = hs
+            self._cache[key] = hs
         return hs
 
     def _handshake(self, producer: Producer) -> Handshake:

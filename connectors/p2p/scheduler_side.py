@@ -37,6 +37,15 @@ class P2PMetadata(KVConnectorMetadata):
     cancels: list[str] = field(default_factory=list)
     releases: list[dict[str, Any]] = field(default_factory=list)  # request_id, params
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> P2PMetadata:
+        """Inverse of to_dict() (the TP step broadcast); TypeError/KeyError when malformed."""
+        out = cls(list(d["leases"]), list(d["loads"]), [str(x) for x in d["cancels"]], list(d["releases"]))
+        for item in out.leases + out.loads + out.releases:
+            if not isinstance(item, dict):
+                raise TypeError("p2p metadata entries must be maps")
+        return out
+
 
 def _remote_prefill(req: Request) -> dict[str, Any] | None:
     kv = req.kv_transfer_params
@@ -48,6 +57,7 @@ class P2PScheduler:
         self.opts = opts
         self.block_size = block_size
         self.worker_meta: dict[str, Any] | None = None
+        self.all_meta: list[dict[str, Any]] = []
         self._meta = P2PMetadata()
         self._num_local: dict[str, int] = {}  # local prefix hits seen by get_num_new_matched_tokens
         self._handled: set[str] = set()  # consumer requests whose load was issued or skipped
@@ -56,6 +66,7 @@ class P2PScheduler:
 
     def set_handshake_metadata(self, metadata: dict[int, Any]) -> None:
         self.worker_meta = metadata.get(0)
+        self.all_meta = [metadata[r] for r in sorted(metadata)]
 
     # -- consumer --------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, req: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -119,4 +130,4 @@ class P2PScheduler:
                                   "block_ids": leased})
         self.counters["leases_issued"] += 1
         return True, build_params(req, leased, self.block_size, self.worker_meta, transfer_id, lease_id,
-                                  self.opts.lease_ttl_s, self.opts.params_secret)
+                                  self.opts.lease_ttl_s, self.opts.params_secret, self.all_meta)

@@ -61,7 +61,10 @@ _LEASE_REF = MessageSchema("lease_ref", 1, {"lease_id": _HEX32, "transfer_id": _
 HEARTBEAT = MessageSchema("p2p_heartbeat", 1, {"nonce": _NONCE, "ts_ms": _TS,
                                                "leases": Field(list, True, (1, 1024), items=_LEASE_REF)})
 DONE = MessageSchema("p2p_done", 1, {"nonce": _NONCE, "ts_ms": _TS, "request_id": _ID, "transfer_id": _HEX32,
-                                     "lease_id": _HEX32, "ok": Field(bool, True)})
+                                     "lease_id": _HEX32, "ok": Field(bool, True),
+                                     # heterogeneous TP: which consumer rank of how many says done
+                                     "consumer_rank": Field(int, False, (0, 1 << 16)),
+                                     "consumer_tp": Field(int, False, (1, 1 << 16))})
 REPLY = MessageSchema("p2p_reply", 1, {
     "ok": Field(bool, True), "epoch": _COUNT, "error": Field((str, type(None)), False, (0, 512)),
     "block_ids": Field(list, False, (0, MAX_BLOCKS), items=Field(int, True, (0, 1 << 31))),

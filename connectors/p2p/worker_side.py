@@ -54,20 +54,21 @@ class P2PWorker:
         if self.opts.is_producer:
             shm_name = layout.shm_name if self.opts.transport != "tcp" else None
             self.agent = ProducerAgent(self.opts, self.fingerprint, geo, region, shm_name,
-                                       layout.tp_rank, layout.tp_size)
+                                       layout.tp_rank, layout.tp_size, layout.total_heads)
             try:
                 self.side = SideChannelServer(self.agent, self.opts)
             except BaseException:
                 self.agent.close()
                 raise
         if self.opts.is_consumer:
-            self.loader = Loader(self.opts, self.fingerprint, geo, region.view)
+            self.loader = Loader(self.opts, self.fingerprint, geo, region.view, layout)
 
     def handshake_metadata(self) -> dict[str, Any]:
         if self.agent is None or self.side is None:
             return {"producer_id": self.opts.engine_id}
         body = self.agent.body()
         return {"producer_id": self.opts.engine_id, "epoch": self.agent.epoch, "tp_size": body["tp_size"],
+                "tp_rank": body["tp_rank"],
                 "data_host": body["data_host"], "data_port": body["data_port"],
                 "handshake_endpoint": self.side.endpoint, "public_key": self.opts.keypair.public}
 

@@ -9,6 +9,17 @@ runs rank 0 in this process:
                                           runner.execute(so)             runner.execute(so)
                                             all-reduce / all-gather <-->   all-reduce / all-gather
       scheduler.update(so, out) <-------  out (rank 0's sampled tokens)  (identical tokens, dropped)
+                                          [with a KV connector]
+                                          gather(report) <-------------- msgpack(finished/failed sets)
+                                          completion counted over ranks
+
+With a KV connector every rank builds its own worker-side connector (rank 0: the one the engine
+handed us; ranks > 0: from the factory named in their start-up data, with the engine config's
+kv_connector / kv_connector_options) and registers its own cache. The ranks' handshake metadata
+is gathered to rank 0 once at start (handshake_metadata_all); the step's kv_connector_metadata
+travels in the step broadcast (to_dict / the connector's metadata_from_dict); after each step
+every rank's (finished_sending, finished_recving, failed blocks) is gathered to rank 0, so a
+request is reported finished only when every rank finished it.
 
 Every rank samples: after the LM head's all-gather all ranks hold bit-identical logits, and the
 samplers share the seed, so each rank's copy of the request state stays in step without a
@@ -25,6 +36,7 @@ import time
 import weakref
 from typing import Any, NoReturn
 
+import msgpack
 import torch
 
 from pdcluster.config import EngineConfig
@@ -32,11 +44,21 @@ from pdcluster.distributed.config_codec import engine_config_to_dict
 from pdcluster.distributed.errors import TPRankFailedError
 from pdcluster.distributed.group import TPGroup, attach_tp_group, make_store
 from pdcluster.distributed.launcher import RankLauncher
-from pdcluster.distributed.step_codec import MAX_CONTROL_MESSAGE_BYTES, encode_shutdown, encode_step
+from pdcluster.distributed.step_codec import (
+    MAX_CONTROL_MESSAGE_BYTES,
+    decode_report,
+    encode_report,
+    encode_shutdown,
+    encode_step,
+)
 from pdcluster.engine.outputs import ModelRunnerOutput, SchedulerOutput
 
 log = logging.getLogger(__name__)
 _HOST = "127.0.0.1"  # ranks of one instance share a host; the rendezvous never leaves loopback
+# The factory a rank > 0 imports to build its worker-side connector (by name: the engine package
+# never imports connectors/ statically).
+DEFAULT_CONNECTOR_FACTORY = "pdcluster.connectors:engine_connector_factory"
+MAX_REPORT_BYTES = 64 << 20
 # After a failed collective, how long to wait for the liveness watcher to name the dead rank.
 _DEATH_REPORT_WAIT_S = 2.0
 
@@ -57,11 +79,18 @@ class _Failure:
 
 
 class TPExecutor:
-    def __init__(self, config: EngineConfig, connector: Any = None) -> None:
+    def __init__(self, config: EngineConfig, connector: Any = None,
+                 connector_factory: str = DEFAULT_CONNECTOR_FACTORY) -> None:
         if connector is not None:
-            raise NotImplementedError(
-                "a KV connector with tensor_parallel_size > 1 is not supported yet: every rank needs its "
-                "own worker-side connector and the step metadata its own wire format")
+            if not getattr(type(connector), "supports_tensor_parallel", lambda: False)():
+                raise NotImplementedError(
+                    f"KV connector {type(connector).__name__} does not support tensor_parallel_size > 1: "
+                    "it must implement metadata_from_dict (its step metadata is broadcast to every rank)")
+            if not config.kv_connector:
+                raise ValueError("a KV connector with tensor_parallel_size > 1 needs engine_config.kv_connector "
+                                 "(every rank builds its own worker side from the config)")
+        self.connector = connector
+        self._handshake_all: dict[int, Any] = {}
         self.config = config
         self.world_size = config.parallel.tensor_parallel_size
         self.timeout_s = config.parallel.collective_timeout_s
@@ -73,7 +102,8 @@ class TPExecutor:
         threads = self._threads_per_rank()
         store = make_store(_HOST, 0, self.world_size, True, self.timeout_s)
         boot = {"config": engine_config_to_dict(config), "world_size": self.world_size, "host": _HOST,
-                "port": store.port, "timeout_s": self.timeout_s}
+                "port": store.port, "timeout_s": self.timeout_s,
+                "connector_factory": connector_factory if connector is not None else None}
         failure = self._failure
         # The callbacks must not reference self: the finalizer below holds the launcher, and a
         # path back to self would keep the executor alive until interpreter exit.
@@ -107,9 +137,13 @@ class TPExecutor:
                 if threads is not None:
                     torch.set_num_threads(threads)
                 group = TPGroup(store, 0, self.world_size, self.config.device, self.timeout_s)
-                runner = ModelRunner(self.config, rank=0)
+                runner = ModelRunner(self.config, rank=0, connector=self.connector)
                 attach_tp_group(runner.model, group)
                 group.barrier()
+                if self.connector is not None:
+                    mine = msgpack.packb(runner.handshake_metadata(), use_bin_type=True)
+                    parts = group.gather_bytes(mine, MAX_REPORT_BYTES)
+                    self._handshake_all = {r: msgpack.unpackb(b, raw=False) for r, b in enumerate(parts)}
                 result["ok"] = (group, runner)
             except BaseException as e:
                 result["error"] = e
@@ -135,6 +169,12 @@ class TPExecutor:
             self.group.broadcast_bytes(encode_step(so), MAX_CONTROL_MESSAGE_BYTES)
             self.broadcast_s += time.perf_counter() - t0
             out = self.runner.execute(so)
+            hooks = self.runner.connector_hooks
+            if hooks is not None:
+                parts = self.group.gather_bytes(encode_report(*hooks.last_report), MAX_REPORT_BYTES)
+                for rank, data in enumerate(parts[1:], start=1):
+                    hooks.add_remote(rank, *decode_report(data, MAX_REPORT_BYTES))
+                out = hooks.merge_completed(out)
         except Exception as e:
             self._fail(e)
         self.num_steps += 1
@@ -146,6 +186,14 @@ class TPExecutor:
             self._failure.set(f"tensor-parallel step failed on rank 0: {e!r}; the instance is down")
         self.launcher.kill_all()
         raise TPRankFailedError(self._failure.message) from e
+
+    def handshake_metadata(self) -> Any:
+        """Rank 0's connector handshake metadata (None without a connector)."""
+        return self.runner.handshake_metadata()
+
+    def handshake_metadata_all(self) -> dict[int, Any]:
+        """rank -> that rank's connector handshake metadata (empty without a connector)."""
+        return dict(self._handshake_all)
 
     def is_healthy(self) -> bool:
         return self._failure.message is None and not self._closed and self.launcher.alive()

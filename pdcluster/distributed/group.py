@@ -118,6 +118,26 @@ class TPGroup:
         self._ctrl.broadcast([buf], _root(0)).wait()
         return data if self.rank == 0 else buf.numpy().tobytes()  # type: ignore[return-value]
 
+    def gather_bytes(self, data: bytes, max_len: int) -> list[bytes]:
+        """Every rank contributes `data`; every rank gets all contributions in rank order (an
+        all-gather of lengths, then of payloads padded to the longest). Used for small reports
+        (connector handshake metadata, per-step completion sets) on the control group."""
+        if len(data) > max_len:
+            raise ValueError(f"control message of {len(data)} bytes exceeds {max_len}")
+        n = torch.tensor([len(data)], dtype=torch.int64)
+        lens = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        self._ctrl.allgather([lens], [n]).wait()
+        sizes = [int(t.item()) for t in lens]
+        if any(not 0 <= s <= max_len for s in sizes):
+            raise ValueError(f"control message lengths {sizes} outside [0, {max_len}]")
+        width = max(1, max(sizes))
+        buf = torch.zeros(width, dtype=torch.uint8)
+        if data:
+            buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        parts = [torch.empty(width, dtype=torch.uint8) for _ in range(self.world_size)]
+        self._ctrl.allgather([parts], [buf]).wait()
+        return [p[:s].numpy().tobytes() for p, s in zip(parts, sizes)]
+
     def barrier(self) -> None:
         """All ranks reached this point (control group, so it works before any model op)."""
         self._ctrl.broadcast([torch.zeros(1)], _root(0)).wait()

@@ -14,10 +14,12 @@ explicitly, sampling params travel as SamplingParams.to_dict(), and decoding goe
         "sched":    {req_id: num_scheduled_tokens}
         "total":    total_num_scheduled_tokens
         "finished": [req_id, ...]
+        "kv":       kv_connector_metadata.to_dict() | None   (rebuilt by the rank's connector)
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -34,10 +36,9 @@ KIND_STEP, KIND_SHUTDOWN = "step", "shutdown"
 
 
 def scheduler_output_to_dict(so: SchedulerOutput) -> dict[str, Any]:
-    if so.kv_connector_metadata is not None:
-        # The connector's per-step metadata needs its own to/from-dict pair before it can be
-        # broadcast; the executor refuses connectors with TP > 1 until then.
-        raise ValueError("SchedulerOutput.kv_connector_metadata cannot be broadcast to TP ranks yet")
+    meta = so.kv_connector_metadata
+    if meta is not None and not hasattr(meta, "to_dict"):
+        raise ValueError(f"kv_connector_metadata {type(meta).__name__} has no to_dict(): it cannot be broadcast")
     return {
         "new": [[r.req_id, list(r.prompt_token_ids), list(r.output_token_ids), r.sampling_params.to_dict(),
                  list(r.block_ids), r.num_computed_tokens, list(r.eos_token_ids)] for r in so.scheduled_new_reqs],
@@ -45,17 +46,27 @@ def scheduler_output_to_dict(so: SchedulerOutput) -> dict[str, Any]:
         "sched": dict(so.num_scheduled_tokens),
         "total": so.total_num_scheduled_tokens,
         "finished": sorted(so.finished_req_ids),
+        "kv": meta.to_dict() if meta is not None else None,
     }
 
 
-def scheduler_output_from_dict(d: dict[str, Any]) -> SchedulerOutput:
+def scheduler_output_from_dict(d: dict[str, Any], meta_decoder: Callable[[dict[str, Any]], Any] | None = None
+                               ) -> SchedulerOutput:
+    """meta_decoder rebuilds kv_connector_metadata from its dict (the rank's connector); without
+    one a non-empty "kv" is refused."""
     try:
         new = [NewRequestData(_str(rid), _ints(prompt), _ints(out), SamplingParams.from_dict(_map(sp)),
                               _ints(blocks), _int(nc), tuple(_ints(eos)))
                for rid, prompt, out, sp, blocks, nc, eos in d["new"]]
         cached = [CachedRequestData(_str(rid), _ints(blocks), _int(nc)) for rid, blocks, nc in d["cached"]]
         sched = {_str(k): _int(v) for k, v in _map(d["sched"]).items()}
-        return SchedulerOutput(new, cached, sched, _int(d["total"]), {_str(r) for r in d["finished"]})
+        so = SchedulerOutput(new, cached, sched, _int(d["total"]), {_str(r) for r in d["finished"]})
+        kv = d.get("kv")
+        if kv is not None:
+            if meta_decoder is None:
+                raise MalformedMessage("step carries kv_connector_metadata but this rank has no connector")
+            so.kv_connector_metadata = meta_decoder(_map(kv))
+        return so
     except MalformedMessage:
         raise
     except (KeyError, TypeError, ValueError) as e:  # wrong shape, wrong types, bad sampling params
@@ -71,7 +82,8 @@ def encode_shutdown() -> bytes:
     return msgpack.packb({"v": WIRE_VERSION, "kind": KIND_SHUTDOWN}, use_bin_type=True)
 
 
-def decode_control(data: bytes) -> tuple[str, SchedulerOutput | None]:
+def decode_control(data: bytes, meta_decoder: Callable[[dict[str, Any]], Any] | None = None
+                   ) -> tuple[str, SchedulerOutput | None]:
     """-> (kind, scheduler output or None). MalformedMessage for anything else."""
     msg = unpack_bounded(data, MAX_CONTROL_MESSAGE_BYTES)
     if not isinstance(msg, dict) or msg.get("v") != WIRE_VERSION:
@@ -80,7 +92,7 @@ def decode_control(data: bytes) -> tuple[str, SchedulerOutput | None]:
     if kind == KIND_SHUTDOWN:
         return kind, None
     if kind == KIND_STEP:
-        return kind, scheduler_output_from_dict(_map(msg.get("step")))
+        return kind, scheduler_output_from_dict(_map(msg.get("step")), meta_decoder)
     raise MalformedMessage(f"unknown control message kind {kind!r}")
 
 
@@ -106,3 +118,19 @@ def _map(v: Any) -> dict[str, Any]:
     if not isinstance(v, dict):
         raise MalformedMessage(f"expected a map, got {type(v).__name__}")
     return v
+
+
+def encode_report(finished_sending: set[str], finished_recving: set[str], failed_blocks: set[int]) -> bytes:
+    """One rank's connector report of a step, gathered to rank 0."""
+    return msgpack.packb([sorted(finished_sending), sorted(finished_recving), sorted(failed_blocks)],
+                         use_bin_type=True)
+
+
+def decode_report(data: bytes, max_len: int) -> tuple[set[str], set[str], set[int]]:
+    msg = unpack_bounded(data, max_len)
+    if not isinstance(msg, list) or len(msg) != 3:
+        raise MalformedMessage("malformed connector report")
+    sending, recving, failed = msg
+    if not isinstance(sending, list) or not isinstance(recving, list):
+        raise MalformedMessage("malformed connector report")
+    return {_str(r) for r in sending}, {_str(r) for r in recving}, set(_ints(failed))

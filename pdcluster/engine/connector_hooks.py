@@ -72,6 +72,9 @@ class ConnectorHooks:
         self.rank = rank
         self.completion = TransferCompletion(world_size)
         self._meta: Any = None
+        # This rank's own report of the last step (sending, recving, failed blocks): a TP rank > 0
+        # sends it to the driver, which counts it with add_remote.
+        self.last_report: tuple[set[str], set[str], set[int]] = (set(), set(), set())
         self._kv_caches: Any = None
         self._per_layer = False
         self._num_layers = 0
@@ -117,7 +120,12 @@ class ConnectorHooks:
         """This rank's report into the completion count; what every rank finished into `out`.
         With TP the driver rank adds the other ranks' reports (add_remote) before this call."""
         sending, recving = self.connector.get_finished()
-        self.completion.add(self.rank, set(sending), set(recving), set(self.connector.get_failed_blocks()))
+        self.last_report = (set(sending), set(recving), set(self.connector.get_failed_blocks()))
+        self.completion.add(self.rank, *self.last_report)
+        return self.merge_completed(out)
+
+    def merge_completed(self, out: ModelRunnerOutput) -> ModelRunnerOutput:
+        """Move what every rank has now finished into `out`."""
         done_sending, done_recving, failed = self.completion.take()
         out.finished_sending |= done_sending
         out.finished_recving |= done_recving

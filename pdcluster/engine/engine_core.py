@@ -60,9 +60,11 @@ class EngineCore:
         self.runner = runner
         self.scheduler = Scheduler(config.scheduler, config.cache, connector=sched_conn)
         self.connector = sched_conn
-        if sched_conn is not None and hasattr(runner, "handshake_metadata"):
-            # Rank 0 only until TP lands; the scheduler side learns addresses from here, never
-            # from request data.
+        if sched_conn is not None and hasattr(runner, "handshake_metadata_all"):
+            # Every TP rank's metadata, gathered by the executor; the scheduler side learns
+            # addresses from here, never from request data.
+            sched_conn.set_handshake_metadata(runner.handshake_metadata_all())
+        elif sched_conn is not None and hasattr(runner, "handshake_metadata"):
             sched_conn.set_handshake_metadata({0: runner.handshake_metadata()})
 
     def add_request(self, request: Request) -> None:

@@ -60,7 +60,14 @@ class KVTransferFailure(str, enum.Enum):
 @dataclass
 class KVConnectorMetadata:
     """Base of the per-step object the scheduler side builds and every worker rank receives.
-    Subclasses must stay plain data (msgpack-serialisable): with TP it is broadcast to the ranks."""
+    Subclasses must stay plain data (msgpack-serialisable): with TP it is broadcast to the ranks
+    as `to_dict()` and rebuilt on every other rank by the connector's `metadata_from_dict`."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (msgpack-safe) for the TP step broadcast; default: the dataclass fields."""
+        import dataclasses
+
+        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True)
@@ -186,6 +193,17 @@ class KVConnectorBase(ABC):
         that rank's handshake_metadata(). What a producer's request_finished puts in its params
         (addresses, keys, epoch) comes from here, never from request data."""
         return None
+
+    def metadata_from_dict(self, d: dict[str, Any]) -> KVConnectorMetadata:
+        """Rebuild what build_connector_meta returned from its to_dict() (TP ranks > 0 receive
+        the step's metadata this way). A connector that does not override this cannot run with
+        tensor_parallel_size > 1."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement metadata_from_dict: it cannot "
+                                  "run with tensor_parallel_size > 1")
+
+    @classmethod
+    def supports_tensor_parallel(cls) -> bool:
+        return cls.metadata_from_dict is not KVConnectorBase.metadata_from_dict
 
     def get_stats(self) -> dict[str, Any]:
         """Counters for the engine's stats (transfers, bytes, leases, refusals); plain data."""

@@ -53,7 +53,9 @@ def _serve(out: BinaryIO, cmds: queue.Queue) -> None:
     init = cmds.get()
     args = EngineArgs(**init["engine_args"])
     engine = LLMEngine.from_engine_args(args, connector=engine_connector_factory if args.kv_connector else None)
-    write_frame(out, {"event": "ready", "pid": os.getpid(), "meta": engine.core.runner.handshake_metadata()})
+    write_frame(out, {"event": "ready", "pid": os.getpid(), "meta": engine.core.runner.handshake_metadata(),
+                      "tp_pids": list(getattr(engine.core.runner, "pids", {}).values())})
+    live: set[str] = set()
     while True:
         try:
             cmd = cmds.get(timeout=0.01) if not engine.has_unfinished_requests() else cmds.get_nowait()
@@ -69,6 +71,7 @@ def _serve(out: BinaryIO, cmds: queue.Queue) -> None:
                         req, text = engine.prepare_request(r["prompt"], SamplingParams(**r["params"]),
                                                            r["request_id"], r.get("kv"), r.get("prior"))
                         engine.add_prepared(req, text)
+                        live.add(r["request_id"])
                     except ValueError as e:
                         write_frame(out, {"event": "finished", "request_id": r["request_id"], "token_ids": [],
                                           "error": str(e), "finish_reason": "error", "kv": None})
@@ -78,8 +81,19 @@ def _serve(out: BinaryIO, cmds: queue.Queue) -> None:
                 write_frame(out, {"event": "stats", "tag": cmd["tag"], "stats": engine.get_stats()})
             continue  # drain every command before stepping
         if engine.has_unfinished_requests():
-            for o in engine.step():
+            try:
+                outs = engine.step()
+            except Exception as e:  # the instance is down (a TP rank died): every request fails
+                for rid in sorted(live):
+                    write_frame(out, {"event": "finished", "request_id": rid, "token_ids": [],
+                                      "error": f"engine failed: {e}", "finish_reason": "error", "kv": None})
+                live.clear()
+                while cmds.get()["op"] != "stop":
+                    pass
+                break
+            for o in outs:
                 if o.finished:
+                    live.discard(o.request_id)
                     final = engine.get_final(o.request_id)
                     write_frame(out, {"event": "finished", "request_id": o.request_id,
                                       "token_ids": final.outputs[0].token_ids, "error": final.error,

@@ -57,6 +57,7 @@ class EngineProc:
         if self._ready is None:
             raise RuntimeError(f"engine process {self.pid} died at start; log: {self._log_path.read_text()[-3000:]}")
         self.meta = self._ready["meta"]
+        self.tp_pids: list[int] = list(self._ready.get("tp_pids") or [])
         return self
 
     def _send(self, obj: dict[str, Any]) -> None:

@@ -1,6 +1,6 @@
 """Router test fixtures: real `pdcluster serve-worker` processes (demo model, CPU) started once per
 session, routers started per test in front of them, and the offline `pdcluster.LLM` as the
-reference for tokens. The harness itself is in real_cluster.py."""
+reference for tokens. The harness itself is in tests/real_router_cluster.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from router.real_cluster import WORKER_MAX_MODEL_LEN, WORKER_NUM_KV_BLOCKS, Cluster, LoopThread, WorkerPool
+from real_router_cluster import WORKER_MAX_MODEL_LEN, WORKER_NUM_KV_BLOCKS, Cluster, LoopThread, WorkerPool
 
 
 @pytest.fixture(scope="session")

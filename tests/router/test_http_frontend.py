@@ -11,7 +11,7 @@ import threading
 
 import openai
 import pytest
-from router.real_cluster import WORKER_MAX_MODEL_LEN, wait_until, worker_stats
+from real_router_cluster import WORKER_MAX_MODEL_LEN, wait_until, worker_stats
 
 LONG = 210  # tokens: over 2 s of generation on the demo model
 ABORT_WINDOW_S = 1.0  # a cancelled request is gone from the worker long before it could finish

@@ -14,7 +14,7 @@ import urllib.request
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from router.real_cluster import is_idle, wait_until, worker_stats
+from real_router_cluster import is_idle, wait_until, worker_stats
 
 from pdcluster._proto import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 

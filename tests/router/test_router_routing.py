@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-from router.real_cluster import wait_until, worker_stats
+from real_router_cluster import wait_until, worker_stats
 
 from pdcluster._proto import common_pb2, router_pb2
 

@@ -1,0 +1,79 @@
+"""The store connector's port to an object store: a small ABC and the factory of its backends.
+
+    kvstore    the built-in store (pdcluster.kvstore; `pdcluster kvstore master|node`), the default
+    mooncake   Mooncake Store (`MooncakeDistributedStore`, optional extra `pdcluster[mooncake]`)
+
+Both hold the same objects under the same keys (StoreLayout), so a deployment that outgrows the
+built-in store moves to Mooncake by changing `backend` and its address, nothing else.
+
+Buffers are contiguous CPU tensors (or anything `pdcluster.transfer.as_byte_view` accepts for
+the built-in store). Backends that move bytes by address (Mooncake) need the memory registered
+first: the connector registers its staging arenas once with `register_buffer`.
+Every call may raise StoreBackendError (store unreachable); per-key outcomes are in the results.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+BACKENDS = ("kvstore", "mooncake")
+
+
+class StoreBackendError(Exception):
+    """The store could not be reached or answered garbage; the whole call failed."""
+
+
+class PutResult(enum.IntEnum):
+    STORED = 0  # this call wrote the object
+    EXISTS = 1  # already there, or another writer is finishing it: nothing to do
+    FAILED = 2  # not stored (no space, transfer error): the caller may retry later
+
+
+class StoreBackend(ABC):
+    name = "abstract"
+
+    @abstractmethod
+    def batch_exists(self, keys: Sequence[str]) -> list[bool]:
+        """One flag per key: the object is complete and readable."""
+
+    @abstractmethod
+    def batch_put_from(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[PutResult]:
+        """Store each buffer's bytes under its key (objects are immutable: an existing key stays)."""
+
+    @abstractmethod
+    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[bool]:
+        """Read each object into its buffer; True only when the whole object (of exactly the
+        buffer's size) landed. A miss or a failed read is False, never partial data reported good."""
+
+    @abstractmethod
+    def remove(self, keys: Sequence[str]) -> list[bool]:
+        """Remove objects; True per key that was removed."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release connections; idempotent."""
+
+    def register_buffer(self, buffer: Any) -> None:  # noqa: B027 - optional hook, no-op by default
+        """Make `buffer` (a contiguous CPU tensor) usable for zero-copy puts and gets."""
+
+    def unregister_buffer(self, buffer: Any) -> None:  # noqa: B027 - optional hook
+        """Undo register_buffer before the memory goes away."""
+
+
+def make_backend(name: str, options: dict[str, Any]) -> StoreBackend:
+    """Build backend `name` from the connector's backend options (see options.py)."""
+    if name == "kvstore":
+        from .kvstore_backend import KVStoreBackend
+
+        return KVStoreBackend.from_options(options)
+    if name == "mooncake":
+        from .mooncake_backend import MooncakeBackend  # imports mooncake only here
+
+        return MooncakeBackend.from_options(options)
+    raise ValueError(f"store backend must be one of {BACKENDS}, got {name!r}")
+
+
+__all__ = ["BACKENDS", "PutResult", "StoreBackend", "StoreBackendError", "make_backend"]
