@@ -62,6 +62,9 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill", type=int, default=0, help="prefill workers (disaggregated; needs --decode)")
     p.add_argument("--decode", type=int, default=0, help="decode workers (disaggregated; needs --prefill)")
     p.add_argument("--connector", default="p2p", help="KV connector between the pools (p2p, store, plugin)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of aggregated workers")
+    p.add_argument("--prefill-tp", type=int, default=1, help="tensor-parallel size of prefill workers")
+    p.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel size of decode workers")
     p.add_argument("--worker-args", default="", help="extra serve-worker flags, e.g. \"--max-model-len 2048\"")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for each worker")
     p.add_argument("--demo-request", action="store_true",
@@ -203,8 +206,10 @@ def run_serve(args: argparse.Namespace) -> int:
         env["PDCLUSTER_KV_CONNECTOR_OPTIONS"] = json.dumps({"params_secret": secrets.token_hex(32)})
     launcher = LocalLauncher(ready_timeout_s=args.ready_timeout, env=env)
     specs = []
+    tp_of = {"both": args.tp, "prefill": args.prefill_tp, "decode": args.decode_tp}
     for role, count in pools:
         connector = [] if role == "both" else ["--kv-connector", args.connector]
+        connector += ["--tp", str(tp_of[role])]
         specs += [WorkerSpec(f"{role}-{i}", ["--role", role, "--host", args.host, "--port", "0", "--model", model,
                                              "--worker-id", f"{role}-{i}", "--key-dir", key_dir, *connector, *extra])
                   for i in range(count)]
@@ -232,6 +237,9 @@ def _pools(args: argparse.Namespace) -> list[tuple[str, int]]:
         if args.prefill < 1 or args.decode < 1:
             raise ValueError(f"--prefill and --decode must both be at least 1, got {args.prefill} and {args.decode}")
         return [("prefill", args.prefill), ("decode", args.decode)]
+    for name in ("tp", "prefill_tp", "decode_tp"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     workers = 1 if args.workers is None else args.workers
     if workers < 1:
         raise ValueError(f"--workers must be at least 1, got {workers}")

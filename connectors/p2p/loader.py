@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -236,7 +237,10 @@ class Loader:
                 region = self.shm.get(body["shm_name"], body["region_nbytes"], writable=False)
             except (OSError, ValueError) as e:
                 raise LoadError(f"cannot map the producer's shared memory: {e}") from e
-            src_all = torch.frombuffer(region.view, dtype=dtype).view(
+            with warnings.catch_warnings():  # read-only mapping, only ever read: torch's warning is moot
+                warnings.simplefilter("ignore", UserWarning)
+                src_flat = torch.frombuffer(region.view, dtype=dtype)
+            src_all = src_flat.view(
                 lay.num_layers, 2, body["num_blocks"], lay.block_size, src_heads, lay.head_dim)
             src = src_all[:, :, torch.tensor(src_ids, dtype=torch.long)]
             self._add("bytes_shm", src.numel() * lay.itemsize)
