@@ -203,6 +203,9 @@ class Orchestrator:
             decode.kv_transfer_params.do_remote_prefill = True
             self.metrics.kv_transfer_tokens.inc(last.kv_transfer_params.num_tokens)
         async for resp in self.legs.run(state, ("decode",), decode, leg="decode"):
+            if resp.HasField("usage"):
+                # The decode worker counts only what it sampled; t0 came from the prefill leg.
+                resp.usage.completion_tokens += len(last.token_ids)
             yield resp
 
     def _observe(self, state: RequestState, resp: worker_pb2.WorkerGenerateResponse) -> None:

@@ -101,6 +101,12 @@ def _cmd_transfer(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from pdcluster.cluster.bench.sweep import run_sweep
+
+    return run_sweep(args)
+
+
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     """Registers `pdcluster bench` and its subcommands on the top-level CLI."""
     bench = sub.add_parser("bench", help="benchmarks (serve: online load generator, vLLM-compatible)")
@@ -120,3 +126,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     add_transfer_args(transfer)
     add_store_bench_args(transfer.add_argument_group("store (--connector store)"), shared=True)
     transfer.set_defaults(func=_cmd_transfer)
+    sweep = bench_sub.add_parser(
+        "sweep", help="bench serve at several rates against several cluster configurations; plots, ratios")
+    from pdcluster.cluster.bench.sweep import add_sweep_arguments  # argparse only at import
+
+    add_sweep_arguments(sweep)
+    sweep.set_defaults(func=_cmd_sweep)

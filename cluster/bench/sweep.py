@@ -1,0 +1,172 @@
+"""`pdcluster bench sweep --config SWEEP.yaml`: the same workload against several cluster
+configurations at several request rates, e.g. aggregated vs disaggregated.
+
+    for each configuration:  launch the cluster (local `pdcluster serve` or Ray `pdcluster up`)
+        for each rate:       `bench serve` in-process -> {config}-{rate}qps.json (+ the sweep record)
+        stop the cluster     (also on an error or Ctrl-C: nothing is left running)
+    from the JSONs:          PNG plots, sweep_summary.json, the ratio table vs the baseline
+
+One cluster serves all rates of its configuration: loading a model costs more than a point, and the
+initial test request of every point warms the cluster again before it is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import pathlib
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from pdcluster.cluster.bench.sweep_config import (
+    ClusterEntry,
+    SweepConfig,
+    SweepError,
+    load_sweep,
+    serve_parser,
+)
+from pdcluster.cluster.bench.sweep_report import (
+    format_points_table,
+    format_ratio_table,
+    load_points,
+    ratio_rows,
+    write_plots,
+    write_summary,
+)
+
+
+def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="sweep YAML (see examples/sweep.yaml)")
+    p.add_argument("--output-dir", default=None, help="result JSONs, logs and plots (default: the file's "
+                                                      "output_dir, else bench-sweep-DATE)")
+    p.add_argument("--launcher", choices=("local", "ray"), default=None,
+                   help="local: `pdcluster serve` on this machine (default); ray: `pdcluster up --detach`")
+    p.add_argument("--only", default=None, help="comma-separated configuration names to run (default: all)")
+
+
+def rate_word(rate: float) -> str:
+    return "inf" if rate == float("inf") else f"{rate:g}"
+
+
+def serve_args(sweep: SweepConfig, entry: ClusterEntry, rate: float, ready: Mapping[str, Any],
+               out_dir: pathlib.Path) -> argparse.Namespace:
+    """bench serve's namespace for one point: the workload, then what the sweep owns."""
+    args = serve_parser().parse_args([])
+    for dest, value in sweep.workload.items():
+        setattr(args, dest, value)
+    backend = args.backend or "pdcluster"
+    args.backend = backend
+    if backend == "pdcluster":
+        args.router = ready["grpc"]
+    else:
+        if not ready.get("http"):
+            raise SweepError(f"workload.backend: {backend} needs the cluster's HTTP frontend, which is off")
+        args.base_url = ready["http"]
+    args.tokenizer = args.tokenizer or sweep.model or ready.get("model")
+    args.request_rate = rate
+    args.save_result = True
+    args.result_dir = str(out_dir)
+    args.result_filename = f"{entry.name}-{rate_word(rate)}qps.json"
+    args.label = entry.name
+    args.disable_tqdm = True
+    return args
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def record_point(path: pathlib.Path, sweep: SweepConfig, entry: ClusterEntry, launcher: str, rate: float,
+                 ready: Mapping[str, Any], load_before: list[float] | None) -> None:
+    """Adds the sweep record to a result JSON: which configuration, how launched, the machine's load."""
+    import json
+
+    from pdcluster.cluster.bench.result import save_result
+
+    result = json.loads(path.read_text(encoding="utf-8"))
+    record = {"name": sweep.name, "config": entry.name, "spec": entry.spec, "cluster": entry.cluster,
+              "disaggregated": entry.disaggregated, "launcher": launcher, "rate": rate_word(rate),
+              "rates": [rate_word(r) for r in sweep.rates], "workload": sweep.workload, "baseline": sweep.baseline,
+              "endpoints": dict(ready), "loadavg_before": load_before, "loadavg_after": _loadavg(),
+              "file": path.name}
+    result["sweep"] = record
+    result.setdefault("environment", {})["sweep"] = record
+    save_result(result, str(path.parent), path.name)
+
+
+def run_config(sweep: SweepConfig, entry: ClusterEntry, launcher: str, out_dir: pathlib.Path) -> list[str]:
+    """Runs every rate against one cluster; returns the failures (the sweep goes on after one)."""
+    from pdcluster.cluster.bench.serve import run_serve
+    from pdcluster.cluster.bench.sweep_launch import launch
+
+    failures = []
+    print(f"\n=== {entry.name}: starting the cluster ({launcher}) ===", flush=True)
+    with launch(entry, sweep, launcher, out_dir / "logs" / f"{entry.name}.log") as ready:
+        print(f"=== {entry.name}: ready, gRPC {ready.get('grpc')} HTTP {ready.get('http')} ===", flush=True)
+        for rate in sweep.rates:
+            print(f"\n--- {entry.name} at {rate_word(rate)} req/s ---", flush=True)
+            args = serve_args(sweep, entry, rate, ready, out_dir)
+            load_before = _loadavg()
+            try:
+                status = run_serve(args)
+            except (ValueError, OSError, RuntimeError) as e:
+                failures.append(f"{entry.name} at {rate_word(rate)} req/s: {e}")
+                print(f"error: {failures[-1]}", file=sys.stderr)
+                continue
+            path = out_dir / args.result_filename
+            if path.exists():
+                record_point(path, sweep, entry, launcher, rate, ready, load_before)
+            if status != 0:
+                failures.append(f"{entry.name} at {rate_word(rate)} req/s: no request completed")
+    print(f"=== {entry.name}: cluster stopped ===", flush=True)
+    return failures
+
+
+def report(out_dir: pathlib.Path, baseline: str, title: str = "") -> int:
+    points = load_points(out_dir)
+    if not points:
+        print(f"no sweep results in {out_dir}", file=sys.stderr)
+        return 1
+    plots = write_plots(points, out_dir, title)
+    write_summary(points, baseline, out_dir / "sweep_summary.json")
+    print("\n" + format_points_table(points))
+    print(f"\nratios vs {baseline} (latency: <1 is better; goodput/throughput: >1 is better)")
+    print(format_ratio_table(ratio_rows(points, baseline)))
+    print(f"\nplots: {', '.join(str(p) for p in plots)}")
+    return 0
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    try:
+        sweep = load_sweep(args.config)
+        entries = list(sweep.configs)
+        if args.only:
+            wanted = [s.strip() for s in args.only.split(",") if s.strip()]
+            unknown = [w for w in wanted if w not in {e.name for e in entries}]
+            if unknown:
+                raise SweepError(f"--only: unknown configuration(s) {unknown}; the file has "
+                                 f"{', '.join(e.name for e in entries)}")
+            entries = [e for e in entries if e.name in wanted]
+    except SweepError as e:
+        print(f"pdcluster bench sweep: error: {e}", file=sys.stderr)
+        return 2
+    launcher = args.launcher or sweep.launcher
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out_dir = pathlib.Path(args.output_dir or sweep.output_dir or f"bench-sweep-{stamp}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    failures: list[str] = []
+    for entry in entries:
+        try:
+            failures += run_config(sweep, entry, launcher, out_dir)
+        except (RuntimeError, OSError, SweepError) as e:  # a cluster that does not start: go on with the next
+            failures.append(f"{entry.name}: {e}")
+            print(f"error: {failures[-1]}", file=sys.stderr)
+    status = report(out_dir, sweep.baseline, sweep.name)
+    for failure in failures:
+        print(f"failed: {failure}", file=sys.stderr)
+    return 1 if failures else status

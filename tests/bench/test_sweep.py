@@ -1,0 +1,190 @@
+"""`bench sweep` without a cluster: the sweep file's validation (errors name the field), the flags a
+configuration becomes, and the ratio table / plots / summary made from recorded result JSONs."""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+from typing import Any
+
+import pytest
+
+from pdcluster.cluster.bench.sweep_config import SweepError, load_sweep, parse_sweep
+from pdcluster.cluster.bench.sweep_report import (
+    format_ratio_table,
+    load_points,
+    ratio_rows,
+    write_plots,
+    write_summary,
+)
+
+EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "sweep.yaml"
+
+
+def _sweep(**over: Any) -> dict[str, Any]:
+    raw: dict[str, Any] = {
+        "rates": [1, 2.5, "inf"],
+        "workload": {"random-input-len": 256, "random_output_len": 64, "num_prompts": 8, "ignore_eos": True,
+                     "goodput": ["ttft:2000", "tpot:200"]},
+        "configs": {"aggregated": {"workers": 2}, "disaggregated": {"prefill": 1, "decode": 1, "connector": "p2p"}},
+    }
+    raw.update(over)
+    return raw
+
+
+def test_parses_a_sweep() -> None:
+    s = parse_sweep(_sweep(model="/m", baseline="aggregated"))
+    assert [c.name for c in s.configs] == ["aggregated", "disaggregated"]
+    assert s.rates == (1.0, 2.5, math.inf)
+    assert s.workload == {"random_input_len": 256, "random_output_len": 64, "num_prompts": 8, "ignore_eos": True,
+                          "goodput": ["ttft:2000", "tpot:200"]}
+    agg, dis = s.configs
+    assert agg.cluster == {"pools": {"both": {"instances": 2}}, "model": "/m"}
+    assert not agg.disaggregated and dis.disaggregated
+    assert dis.cluster["connector"] == {"name": "p2p", "options": {}}
+    assert s.baseline == "aggregated" and s.launcher == "local"
+
+
+def test_example_file_is_valid() -> None:
+    s = load_sweep(str(EXAMPLE))
+    assert {c.name for c in s.configs} >= {"aggregated", "disaggregated"}
+
+
+@pytest.mark.parametrize("over, field", [
+    ({"rates": []}, "rates:"),
+    ({"rates": [1, -2]}, "rates[1]:"),
+    ({"rates": [1, "fast"]}, "rates[1]:"),
+    ({"configs": {}}, "configs:"),
+    ({"configs": {"a": {"workers": 0}}}, "configs.a.workers:"),
+    ({"configs": {"a": {"workers": 1, "prefill": 1}}}, "configs.a:"),
+    ({"configs": {"a": {"prefill": 1}}}, "configs.a:"),
+    ({"configs": {"a": {"prefill": 1, "decode": "two"}}}, "configs.a.decode:"),
+    ({"configs": {"a": {"workers": 1, "gpus": 1}}}, "configs.a.gpus:"),
+    ({"configs": {"a/b": {"workers": 1}}}, "configs.a/b:"),
+    ({"configs": {"a": {"workers": 1, "engine": {"no_such_flag": 1}}}}, "configs.a: pools.both.engine"),
+    ({"configs": {"a": {"workers": 1, "placement": {"both": {"strategy": "diagonal"}}}}},
+     "configs.a: pools.both.placement.strategy"),
+    ({"configs": {"a": {"workers": 1, "placement": {"decode": {}}}}}, "configs.a.placement.decode:"),
+    ({"workload": {"random_input_len": "long"}}, "workload.random_input_len:"),
+    ({"workload": {"dataset_name": "sharegpt-v9"}}, "workload.dataset_name:"),
+    ({"workload": {"ignore_eos": "yes"}}, "workload.ignore_eos:"),
+    ({"workload": {"no_such": 1}}, "workload.no_such:"),
+    ({"workload": {"request_rate": 3}}, "workload.request_rate:"),
+    ({"baseline": "nope"}, "baseline:"),
+    ({"launcher": "k8s"}, "launcher:"),
+    ({"colour": "blue"}, "colour:"),
+    ({"ray": {"adress": "auto"}}, "ray.adress:"),
+])
+def test_errors_name_the_field(over: dict[str, Any], field: str) -> None:
+    with pytest.raises(SweepError) as e:
+        parse_sweep(_sweep(**over))
+    assert str(e.value).startswith(field), str(e.value)
+
+
+def test_load_sweep_errors(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(SweepError, match="cannot read"):
+        load_sweep(str(tmp_path / "missing.yaml"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("configs: [unclosed\n")
+    with pytest.raises(SweepError, match="not valid YAML"):
+        load_sweep(str(bad))
+    bad.write_text("- a list\n")
+    with pytest.raises(SweepError, match="sweep file: must be a mapping"):
+        load_sweep(str(bad))
+
+
+def test_serve_flags_of_a_configuration() -> None:
+    from pdcluster.cluster.bench.sweep_launch import serve_argv
+
+    s = parse_sweep(_sweep(model="/m", configs={
+        "agg": {"workers": 2, "engine": {"max_model_len": 1024}, "policy": "round_robin"},
+        "dis": {"prefill": 1, "decode": 2, "connector": "p2p", "connector_options": {"transport": "tcp"}}}))
+    agg, dis = (serve_argv(c) for c in s.configs)
+    assert agg[:4] == ["serve", "--grpc-port", "0", "--http-port"]
+    assert agg[agg.index("--workers") + 1] == "2" and agg[agg.index("--policy") + 1] == "round_robin"
+    assert "--max-model-len 1024" in agg[agg.index("--worker-args") + 1]
+    assert dis[dis.index("--prefill") + 1] == "1" and dis[dis.index("--decode") + 1] == "2"
+    assert dis[dis.index("--connector") + 1] == "p2p"
+    assert '{"transport": "tcp"}' in dis[dis.index("--worker-args") + 1]
+
+
+def test_ray_config_is_a_valid_cluster_config() -> None:
+    from pdcluster.cluster.bench.sweep_launch import ray_config
+    from pdcluster.cluster.config import ClusterConfig
+
+    s = parse_sweep(_sweep(ray={"num_cpus": 4}, configs={"dis": {
+        "prefill": 1, "decode": 1, "placement": {"prefill": {"strategy": "spread", "resource": "prefill_node"}}}}))
+    cfg = ClusterConfig.from_dict(ray_config(s.configs[0], s, "ns-dis"))
+    assert cfg.namespace == "ns-dis" and cfg.pools["prefill"].placement.resource == "prefill_node"
+    assert cfg.router.grpc_port == 0 and cfg.num_cpus == 4
+
+
+def test_serve_args_of_a_point(tmp_path: pathlib.Path) -> None:
+    from pdcluster.cluster.bench.sweep import serve_args
+
+    s = parse_sweep(_sweep(model="/m", workload={"backend": "openai", "num_prompts": 3}))
+    ready = {"grpc": "127.0.0.1:1", "http": "http://127.0.0.1:2"}
+    args = serve_args(s, s.configs[1], 2.5, ready, tmp_path)
+    assert args.base_url == "http://127.0.0.1:2" and args.request_rate == 2.5 and args.num_prompts == 3
+    assert args.tokenizer == "/m" and args.save_result and args.result_filename == "disaggregated-2.5qps.json"
+    s = parse_sweep(_sweep())
+    args = serve_args(s, s.configs[0], math.inf, {**ready, "model": "/served"}, tmp_path)
+    assert args.router == "127.0.0.1:1" and args.tokenizer == "/served" and args.result_filename.endswith("-infqps.json")
+
+
+# -- reports from recorded results ---------------------------------------------------------------
+
+def _result(config: str, rate: float | str, ttft: float, itl: float, goodput: float | None) -> dict[str, Any]:
+    return {"request_rate": rate, "completed": 4, "failed": 0, "median_ttft_ms": ttft, "p99_ttft_ms": 2 * ttft,
+            "p99_itl_ms": itl, "request_goodput": goodput, "output_throughput": 100.0,
+            "sweep": {"config": config, "file": f"{config}-{rate}qps.json"}}
+
+
+@pytest.fixture
+def recorded(tmp_path: pathlib.Path) -> pathlib.Path:
+    rows = [("aggregated", 1, 100.0, 10.0, 1.0), ("aggregated", 2, 200.0, 20.0, 1.5),
+            ("disaggregated", 1, 50.0, 20.0, 1.0), ("disaggregated", 2, 50.0, 10.0, 2.0),
+            ("disaggregated", "inf", 80.0, 10.0, None)]  # no baseline at inf: no ratio row
+    for config, rate, *values in rows:
+        (tmp_path / f"{config}-{rate}qps.json").write_text(json.dumps(_result(config, rate, *values)))
+    (tmp_path / "not-a-sweep.json").write_text(json.dumps({"request_rate": 1}))
+    (tmp_path / "broken.json").write_text("{")
+    return tmp_path
+
+
+def test_ratio_rows_and_table(recorded: pathlib.Path) -> None:
+    points = load_points(recorded)
+    assert sorted((p.config, p.rate) for p in points) == [
+        ("aggregated", 1.0), ("aggregated", 2.0), ("disaggregated", 1.0), ("disaggregated", 2.0),
+        ("disaggregated", math.inf)]
+    rows = ratio_rows(points, "aggregated")
+    assert [(r["rate"], r["config"]) for r in rows] == [(1.0, "disaggregated"), (2.0, "disaggregated")]
+    assert rows[0]["median_ttft_ms"] == pytest.approx(0.5) and rows[0]["p99_itl_ms"] == pytest.approx(2.0)
+    assert rows[1]["median_ttft_ms"] == pytest.approx(0.25) and rows[1]["request_goodput"] == pytest.approx(4 / 3)
+    table = format_ratio_table(rows)
+    assert "disaggregated / aggregated" in table and "0.25x" in table and "1.33x" in table
+    assert "no ratios" in format_ratio_table([])
+
+
+def test_plots_and_summary(recorded: pathlib.Path) -> None:
+    points = load_points(recorded)
+    paths = write_plots(points, recorded / "plots", "test")
+    assert {p.name for p in paths} == {"median_ttft_ms.png", "p99_ttft_ms.png", "p99_itl_ms.png",
+                                       "request_goodput.png", "sweep.png"}
+    for p in paths:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = write_summary(points, "aggregated", recorded / "sweep_summary.json")
+    assert json.loads((recorded / "sweep_summary.json").read_text()) == summary
+    assert len(summary["points"]) == 5 and summary["ratios"][0]["rate"] == "1"
+
+
+def test_cli_reports_bad_files_without_starting_anything(tmp_path: pathlib.Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    from pdcluster.cluster.cli import main
+
+    bad = tmp_path / "s.yaml"
+    bad.write_text("rates: [1]\nconfigs: {agg: {workers: 0}}\n")
+    assert main(["bench", "sweep", "--config", str(bad), "--output-dir", str(tmp_path / "out")]) == 2
+    assert "configs.agg.workers: must be a positive integer" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
