@@ -17,18 +17,16 @@ waited for before read() returns, so nothing writes into the destination afterwa
 from __future__ import annotations
 
 import socket
-import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from pdcluster.transfer import OP_READ, TransferError, parse_token
+from pdcluster.transfer.client import TransferClient, split_windows
 from pdcluster.transfer.protocol import (
     PROTO_VERSION,
     RANGE,
     REQ_HEADER,
     REQ_MAGIC,
-    RESP_HEADER,
-    RESP_MAGIC,
     ST_OK,
     STATUS_NAMES,
     recv_exact,
@@ -36,28 +34,18 @@ from pdcluster.transfer.protocol import (
 )
 
 Address = tuple[str, int]
-_ALIGN = 4096
 
 
-def split_windows(total: int, num_streams: int, min_stream_bytes: int) -> list[tuple[int, int]]:
-    """[0, total) in at most num_streams page-aligned windows of at least min_stream_bytes."""
-    k = max(1, min(num_streams, total // max(1, min_stream_bytes)))
-    step = -(-total // k)
-    step = -(-step // _ALIGN) * _ALIGN
-    return [(s, min(step, total - s)) for s in range(0, total, step)]
+class ScatterReader(TransferClient):
+    """A TransferClient (same connection pool, windows and protocol) whose READ scatters each
+    window into the destination ranges instead of one concatenated buffer."""
 
-
-class ScatterReader:
     def __init__(self, num_streams: int = 4, min_stream_bytes: int = 256 << 10,
                  connect_timeout_s: float = 5.0, io_timeout_s: float = 10.0) -> None:
-        self.num_streams = num_streams
-        self.min_stream_bytes = min_stream_bytes
-        self._connect_timeout = connect_timeout_s
-        self._io_timeout = io_timeout_s
-        self._lock = threading.Lock()
-        self._idle: dict[Address, list[socket.socket]] = {}
+        super().__init__(num_streams=num_streams, min_stream_bytes=min_stream_bytes,
+                         connect_timeout_s=connect_timeout_s, io_timeout_s=io_timeout_s,
+                         max_idle_per_peer=4 * num_streams)
         self._pool = ThreadPoolExecutor(max_workers=max(1, 2 * num_streams), thread_name_prefix="p2p-stream")
-        self._closed = False
 
     def read(self, addr: Address, token: bytes, src_ranges: Sequence[tuple[int, int]], dest: memoryview,
              dst_ranges: Sequence[tuple[int, int]]) -> int:
@@ -88,15 +76,6 @@ class ScatterReader:
             raise errors[0]
         return total
 
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            socks = [s for lst in self._idle.values() for s in lst]
-            self._idle.clear()
-        for s in socks:
-            s.close()
-        self._pool.shutdown(wait=True)
-
     # -- one window on one connection ------------------------------------------------------------
     def _window(self, addr: Address, token: bytes, num_ranges: int, table: bytes, dest: memoryview,
                 dst_ranges: list[tuple[int, int]], start: int, length: int) -> None:
@@ -126,32 +105,8 @@ class ScatterReader:
             self._checkin(addr, sock)
             return
 
-    @staticmethod
-    def _recv_status(sock: socket.socket) -> int:
-        hdr = memoryview(bytearray(RESP_HEADER.size))
-        recv_exact(sock, hdr)
-        magic, status, _r1, _r2, _n = RESP_HEADER.unpack(hdr)
-        if magic != RESP_MAGIC:
-            raise ConnectionError("bad response frame")
-        return status
-
     def _checkout(self, addr: Address, fresh: bool) -> tuple[socket.socket, bool]:
-        if not fresh:
-            with self._lock:
-                idle = self._idle.get(addr)
-                if idle:
-                    return idle.pop(), True
         try:
-            sock = socket.create_connection(addr, timeout=self._connect_timeout)
-        except OSError as e:
+            return super()._checkout(addr, fresh)
+        except OSError as e:  # a peer that cannot be reached fails the blocks, not the loader
             raise TransferError("io", f"cannot connect to {addr[0]}:{addr[1]}: {e}") from e
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.settimeout(self._io_timeout)
-        return sock, False
-
-    def _checkin(self, addr: Address, sock: socket.socket) -> None:
-        with self._lock:
-            if not self._closed and len(self._idle.setdefault(addr, [])) < 4 * self.num_streams:
-                self._idle[addr].append(sock)
-                return
-        sock.close()
