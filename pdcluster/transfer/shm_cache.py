@@ -26,11 +26,17 @@ class SharedRegionCache:
                 return region
         fresh = open_shared_region(name, writable=writable, expected_nbytes=nbytes)
         with self._lock:
-            old = self._maps.pop(key, None)
-            self._maps[key] = fresh
-        if old is not None:
-            old.close()
-        return fresh
+            region = self._maps.get(key)
+            if region is not None and region.nbytes == nbytes:
+                winner = region  # another thread mapped it meanwhile: use theirs
+            else:
+                self._maps[key] = winner = fresh
+        if winner is not fresh:
+            fresh.close()
+        # A stale mapping that was replaced is never closed here: another thread may be copying
+        # through it right now, and releasing its view would fail that copy. It unmaps when the
+        # last reference goes.
+        return winner
 
     def drop(self, name: str) -> None:
         with self._lock:

@@ -63,3 +63,40 @@ def test_buffers_of_every_kind() -> None:
         as_byte_view(b"readonly", writable=True)
     with pytest.raises(ValueError):
         as_byte_view(np.zeros((4, 4))[:, 1], writable=False)  # not contiguous
+
+
+def test_region_cache_first_use_from_many_threads_never_breaks_a_copy() -> None:
+    """Regression: threads that missed the cache together each mapped the segment, and the last
+    one closed the mapping the others were copying through (a batch get's read then failed)."""
+    import threading
+
+    from pdcluster.transfer import SharedRegionCache
+
+    owner = alloc_region(1 << 20, shared=True)
+    owner.as_numpy()[:] = np.arange(1 << 20, dtype=np.uint64).astype(np.uint8)
+    try:
+        for _ in range(20):  # the race needs the first use of a segment: start over each round
+            cache = SharedRegionCache()
+            barrier = threading.Barrier(8)
+            errors: list[BaseException] = []
+
+            def copy(cache: SharedRegionCache = cache, barrier: threading.Barrier = barrier,
+                     errors: list[BaseException] = errors) -> None:
+                barrier.wait()
+                try:
+                    region = cache.get(owner.shm_name, owner.nbytes, writable=False)
+                    for _ in range(20):
+                        out = bytearray(region.view[: 1 << 16])
+                        assert out == bytes(owner.view[: 1 << 16])
+                except BaseException as e:  # noqa: BLE001 - collected and asserted below
+                    errors.append(e)
+
+            threads = [threading.Thread(target=copy) for _ in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            cache.close()
+            assert errors == []
+    finally:
+        owner.close()
