@@ -89,9 +89,11 @@ class KVStoreClient:
         except grpc.RpcError as e:
             raise KVStoreError(f"kvstore master {method} failed: {e.code().name}: {e.details()}") from e
 
-    def _map(self, fn: Any, items: Sequence[Any]) -> list[Any]:
-        """Run fn over items, in parallel when there is more than one (results in order)."""
-        if len(items) <= 1:
+    def _map(self, fn: Any, items: Sequence[Any], replicas: Any) -> list[Any]:
+        """Run fn over items (results in order): in parallel when some go over TCP, inline when
+        every replica is a same-host shared-memory copy (a thread hand-off costs more than
+        copying a small object)."""
+        if len(items) <= 1 or all(self._local(r) for rs in replicas for r in rs):
             return [fn(x) for x in items]
         return list(self._pool.map(fn, items))
 
@@ -117,7 +119,7 @@ class KVStoreClient:
             except (TransferError, OSError, ValueError):
                 return False
 
-        ok = self._map(write, todo)
+        ok = self._map(write, todo, [p.replicas for _, p in todo])
         good = [p for (_, p), w in zip(todo, ok, strict=True) if w]
         bad = [p for (_, p), w in zip(todo, ok, strict=True) if not w]
         if bad:
@@ -189,7 +191,7 @@ class KVStoreClient:
             except KVStoreError as e:
                 return str(e)
 
-        errors = self._map(read, hits)
+        errors = self._map(read, hits, [res.replicas for _, res in hits])
         out: list[int | None] = [None] * len(keys)
         failed = []
         for (i, res), err in zip(hits, errors, strict=True):
