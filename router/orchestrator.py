@@ -167,9 +167,15 @@ class Orchestrator:
         if prefill_params.HasField("min_tokens"):
             # Keep EOS masked for the first token when the client asked for min_tokens >= 1.
             prefill_params.min_tokens = min(prefill_params.min_tokens, 1)
+        wanted = prep.sampling_params.max_tokens if prep.sampling_params.HasField("max_tokens") else 16
         prefill = worker_pb2.WorkerGenerateRequest(
             request_id=prep.request_id, prompt_token_ids=prep.prompt_token_ids, sampling_params=prefill_params,
-            stream=False, kv_transfer_params=common_pb2.KvTransferParams(do_remote_decode=True))
+            stream=False)
+        if wanted > 1:
+            # A hand-off: the prefill worker keeps the KV for the decode leg and holds back text
+            # that may still become a stop string (the decode leg emits it). One token wanted:
+            # the prefill leg is the whole request.
+            prefill.kv_transfer_params.do_remote_decode = True
         started = time.monotonic()
         last = None
         async for resp in self.legs.run(state, ("prefill",), prefill, leg="prefill"):
@@ -179,7 +185,6 @@ class Orchestrator:
             raise RouterError(grpc.StatusCode.INTERNAL,
                               f"prefill leg failed: {last.error_message if last else 'no response'}")
         state.route.disaggregated = True
-        wanted = prep.sampling_params.max_tokens if prep.sampling_params.HasField("max_tokens") else 16
         if last.finish_reason == common_pb2.FINISH_REASON_STOP or wanted <= len(last.token_ids):
             # EOS / stop token / stop string on the first token, or max_tokens=1: already complete.
             # (The producer's blocks are released by the abort below or, at worst, lease expiry.)

@@ -74,7 +74,9 @@ class LLMEngine:
     def add_prepared(self, request: Request, prompt_text: str | None) -> None:
         self.output_processor.add_request(request.request_id, prompt_text, request.prompt_token_ids,
                                           request.sampling_params,
-                                          prior_output_token_ids=request.output_token_ids)
+                                          prior_output_token_ids=request.output_token_ids,
+                                          continues_elsewhere=bool((request.kv_transfer_params or {})
+                                                                   .get("do_remote_decode")))
         self.core.add_request(request)
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,

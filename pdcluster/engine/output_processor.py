@@ -51,6 +51,13 @@ class _RequestState:
     num_cached_tokens: int = 0
     kv_transfer_params: dict | None = None
     num_prior_tokens: int = 0  # output tokens generated before this request (not in token_ids)
+    # A disaggregated prefill leg: the request goes on in a decode leg, so a finish by length is a
+    # hand-off, not the end of the text (held text and undecoded bytes stay unemitted).
+    continues_elsewhere: bool = False
+
+    @property
+    def handing_off(self) -> bool:
+        return self.continues_elsewhere and self.finish_reason == "length"
 
     @property
     def finished(self) -> bool:
@@ -73,9 +80,13 @@ class OutputProcessor:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         prior_output_token_ids: list[int] | None = None,
+        continues_elsewhere: bool = False,
     ) -> None:
         """prior_output_token_ids: output generated elsewhere (a decode leg starts with the prefill
-        leg's token): detokenization context and counted for min_tokens, never emitted again."""
+        leg's token): counted for min_tokens, never emitted again, and replayed through the text
+        state exactly as the prefill leg processed it, so a stop string that starts in the prefill
+        leg's text and ends in ours is found, and text it held back is emitted here.
+        continues_elsewhere: this is that prefill leg (see _RequestState.continues_elsewhere)."""
         prior = list(prior_output_token_ids or ())
         if request_id in self._active or request_id in self._finished:
             raise ValueError(f"request {request_id!r} already exists")
@@ -86,13 +97,20 @@ class OutputProcessor:
         if detokenize:
             assert self.tokenizer is not None
             skip = sampling_params.skip_special_tokens
-            detok = IncrementalDetokenizer(self.tokenizer, list(prompt_token_ids) + prior, skip)
-        self._active[request_id] = _RequestState(
+            detok = IncrementalDetokenizer(self.tokenizer, list(prompt_token_ids), skip)
+        state = _RequestState(
             request_id, prompt, list(prompt_token_ids), sampling_params, detok,
             logprobs=[] if sampling_params.logprobs is not None else None,
             cumulative_logprob=0.0 if sampling_params.logprobs is not None else None,
-            num_prior_tokens=len(prior),
+            num_prior_tokens=len(prior), continues_elsewhere=continues_elsewhere,
         )
+        if prior and detok is not None:
+            # Replay the prefill leg's step: what it streamed counts as emitted (for stop-string
+            # positions) but is not streamed again; what it held stays held here. It cannot have
+            # matched a whole stop string: that leg would have finished with "stop" instead.
+            self._apply_stop_strings(state, self._detokenize(state, prior, 0))
+            state.chunks.clear()
+        self._active[request_id] = state
 
     def abort_request(self, request_id: str) -> None:
         """Forget a request (client gone); later outputs for it are ignored."""
@@ -156,7 +174,7 @@ class OutputProcessor:
         if out.finish_reason == "stop" and text_ids and not params.include_stop_str_in_output:
             text_ids = text_ids[:-1]  # the eos / stop token ends the request but is not text
         new_text = self._detokenize(state, text_ids, num_before)
-        if out.finished:
+        if out.finished and not state.handing_off:
             new_text += state.detokenizer.finish()
         return self._apply_stop_strings(state, new_text)
 
@@ -188,7 +206,7 @@ class OutputProcessor:
             state.held = ""
             state.finish_reason, state.stop_reason = "stop", stop
             return self._stream(state, buf[:end])
-        if state.finished:
+        if state.finished and not state.handing_off:
             state.held = ""
             return self._stream(state, buf)
         keep_from = _partial_stop_start(buf, stops)

@@ -69,19 +69,32 @@ def test_disaggregated_equals_aggregated(demo_model: str, transport: str) -> Non
     offline = LLM(demo_model, max_model_len=256)
     want_greedy = [o.outputs[0].token_ids for o in offline.generate(PROMPTS, sp_greedy)]
     want_seeded = [o.outputs[0].token_ids for o in offline.generate(PROMPTS, sp_seeded)]
+    # A stop string that starts in the prefill leg's token and ends in the decode leg's.
+    t0_text = offline.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=1))[0].outputs[0].text
+    full_text = offline.generate([PROMPTS[1]], sp_greedy)[0].outputs[0].text
+    assert t0_text and len(full_text) > len(t0_text)
+    sp_stop = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                             stop=[full_text[len(t0_text) - 1:len(t0_text) + 1]])
+    want_stop = offline.generate([PROMPTS[1]], sp_stop)[0].outputs[0]
+    assert want_stop.finish_reason == "stop" and len(want_stop.token_ids) >= 2
     proc, ready = _start_cluster(demo_model, transport)
     try:
         with Client(ready["grpc"], timeout=120) as client:
             got_greedy = [client.generate(p, sp_greedy).token_ids for p in PROMPTS]
             got_seeded = [client.generate(p, sp_seeded).token_ids for p in PROMPTS]
             streamed = [d.token_ids for d in client.generate_stream(PROMPTS[2], sp_greedy)]
+            got_stop = client.generate(PROMPTS[1], sp_stop)
+            stop_deltas = [d.text for d in client.generate_stream(PROMPTS[1], sp_stop)]
         assert got_greedy == want_greedy
         assert got_seeded == want_seeded
         assert [t for ids in streamed for t in ids] == want_greedy[2]  # first token streamed once
+        assert (got_stop.text, got_stop.finish_reason, got_stop.stop_reason, got_stop.token_ids) == \
+            (want_stop.text, "stop", want_stop.stop_reason, want_stop.token_ids)
+        assert "".join(stop_deltas) == want_stop.text  # no part of the stop string was streamed
         metrics = urllib.request.urlopen(ready["http"] + "/metrics", timeout=10).read().decode()
         disagg = [ln for ln in metrics.splitlines()
                   if ln.startswith('pdcluster_router_disaggregated_requests_total{mode="disaggregated"}')]
-        assert disagg and float(disagg[0].split()[-1]) == 2 * len(PROMPTS) + 1, metrics
+        assert disagg and float(disagg[0].split()[-1]) == 2 * len(PROMPTS) + 3, metrics
         # The producer frees its blocks once the consumer says it is done reading; the consumer's
         # are ordinary finished-request blocks.
         for address in ready["workers"]:

@@ -190,3 +190,38 @@ def test_request_bookkeeping(tok: Tokenizer) -> None:
     add(op, "gone")
     op.abort_request("gone")
     assert not op.has_unfinished_requests()
+
+
+def _disaggregated(tok: Tokenizer, ids: list[int], **params: object) -> tuple[str, str | None, int | str | None]:
+    """A prefill leg that samples ids[0] and hands off, then a decode leg that continues after it
+    (as the router drives them): the client sees the prefill leg's text, then the decode leg's."""
+    pre = OutputProcessor(tok)
+    pre.add_request("r", "prompt", PROMPT, SamplingParams(max_tokens=1, **params), continues_elsewhere=True)
+    first, _ = pre.process_outputs([EngineCoreOutput("r", ids[:1], finish_reason="length")])
+    out = first[0].outputs[0]
+    if out.finish_reason != "length":  # the first token already ended the request
+        return out.text, out.finish_reason, out.stop_reason
+    dec = OutputProcessor(tok)
+    dec.add_request("r", "prompt", PROMPT, SamplingParams(max_tokens=100, **params), prior_output_token_ids=ids[:1])
+    outs, _ = run(dec, ids[1:])
+    last = outs[-1].outputs[0]
+    return out.text + text_of(outs), last.finish_reason, last.stop_reason
+
+
+@pytest.mark.parametrize("params", [
+    {},
+    {"stop": ["lo w"]},  # spans the first token's text and the next ones
+    {"stop": ["he"]},
+    {"stop": ["he"], "min_tokens": 1},  # the floor sits inside the first token's text
+    {"stop": ["o wor", "好世"], "include_stop_str_in_output": True},
+    {"stop": ["世"]},  # multi-byte: the first tokens may be bytes of one character
+])
+@pytest.mark.parametrize("text", ["hello world", "你好世界 😀 hello", "😀 hello"])
+def test_disaggregated_legs_stream_the_same_text_as_one_request(tok: Tokenizer, params: dict, text: str) -> None:
+    ids = tok.encode(text)
+    op = OutputProcessor(tok)
+    add(op, **params)
+    outs, _ = run(op, ids)
+    last = outs[-1].outputs[0]
+    want = (text_of(outs), last.finish_reason, last.stop_reason)
+    assert _disaggregated(tok, ids, **params) == want
