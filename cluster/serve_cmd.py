@@ -62,6 +62,8 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill", type=int, default=0, help="prefill workers (disaggregated; needs --decode)")
     p.add_argument("--decode", type=int, default=0, help="decode workers (disaggregated; needs --prefill)")
     p.add_argument("--connector", default="p2p", help="KV connector between the pools (p2p, store, plugin)")
+    p.add_argument("--kvstore-node-size", default="1G",
+                   help="--connector store: shared-memory bytes of the kvstore node started beside the workers")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of aggregated workers")
     p.add_argument("--prefill-tp", type=int, default=1, help="tensor-parallel size of prefill workers")
     p.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel size of decode workers")
@@ -132,7 +134,7 @@ async def demo_request(grpc_address: str) -> None:
 
 
 def _run_router_foreground(config: Any, *, wait_for_workers: int, launcher: Any = None,
-                           send_demo: bool = False) -> int:
+                           send_demo: bool = False, ready_extra: dict[str, Any] | None = None) -> int:
     import asyncio
     import signal
 
@@ -148,7 +150,7 @@ def _run_router_foreground(config: Any, *, wait_for_workers: int, launcher: Any 
         try:
             if wait_for_workers:
                 await router.registry.wait_for_healthy(wait_for_workers, 30.0)
-            _print_ready(router, launcher)
+            _print_ready(router, launcher, ready_extra)
             if send_demo:
                 await demo_request(router.endpoints()["grpc"])
             while not stop.is_set():
@@ -166,10 +168,11 @@ def _run_router_foreground(config: Any, *, wait_for_workers: int, launcher: Any 
     return 0
 
 
-def _print_ready(router: Any, launcher: Any) -> None:
+def _print_ready(router: Any, launcher: Any, extra: dict[str, Any] | None = None) -> None:
     ep = router.endpoints()
     if launcher is not None:
         ep["worker_pids"] = [p.pid for p in launcher.processes]
+    ep.update(extra or {})
     print(f"pdcluster router: gRPC {ep['grpc']}" + (f", OpenAI HTTP {ep['http']}/v1" if ep["http"] else ""))
     print(f"  model {ep['model']!r}, policy {ep['policy']}, workers {', '.join(ep['workers'])}")
     print(f"{READY_PREFIX} {json.dumps(ep, separators=(',', ':'))}", flush=True)
@@ -188,22 +191,21 @@ def run_serve(args: argparse.Namespace) -> int:
     # (stopping the workers) instead of killing this process on the spot.
     signal.signal(signal.SIGTERM, _raise_system_exit)
     model = args.model or _demo_model()
-    temp_keys = None
+    # Private to this user (mode 0700): generated keys, and the kvstore's logs for --connector store.
+    workdir = tempfile.mkdtemp(prefix="pdcluster-serve-")
     key_dir = args.key_dir
     if key_dir is None:
         from pdcluster.security.keys import init_keys
 
-        temp_keys = tempfile.mkdtemp(prefix="pdcluster-keys-")  # mode 0700: private to this user
-        key_dir = init_keys(f"{temp_keys}/keys", ("router", "worker", "client")).root.as_posix()
+        key_dir = init_keys(f"{workdir}/keys", ("router", "worker", "client")).root.as_posix()
     extra = shlex.split(args.worker_args)
     pools = _pools(args)
-    env = {}
-    if pools != [("both", args.workers or 1)]:
-        import secrets
-
-        # Producers sign the side-channel endpoint they put in kv_transfer_params with this
-        # cluster secret; it reaches the workers through the environment, never a command line.
-        env["PDCLUSTER_KV_CONNECTOR_OPTIONS"] = json.dumps({"params_secret": secrets.token_hex(32)})
+    try:
+        env, stores, ready_extra = _connector_env(args, pools, workdir)
+    except (RuntimeError, OSError) as e:
+        print(f"pdcluster serve: error: {e}", file=sys.stderr)
+        shutil.rmtree(workdir, ignore_errors=True)
+        return 1
     launcher = LocalLauncher(ready_timeout_s=args.ready_timeout, env=env)
     specs = []
     tp_of = {"both": args.tp, "prefill": args.prefill_tp, "decode": args.decode_tp}
@@ -222,11 +224,38 @@ def run_serve(args: argparse.Namespace) -> int:
         addresses = tuple(p.address for p in workers)
         config = _router_config(args, addresses, key_dir, model)
         return _run_router_foreground(config, wait_for_workers=len(addresses), launcher=launcher,
-                                      send_demo=args.demo_request)
+                                      send_demo=args.demo_request, ready_extra=ready_extra)
     finally:
         launcher.stop()
-        if temp_keys is not None:
-            shutil.rmtree(temp_keys, ignore_errors=True)
+        if stores is not None:
+            stores.stop()  # after the workers: they flush nothing more into it
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _connector_env(args: argparse.Namespace, pools: list[tuple[str, int]],
+                   workdir: str) -> tuple[dict[str, str], Any, dict[str, Any]]:
+    """The workers' environment for the pools' KV connector, the store processes started for it
+    (or None), and what the ready line adds. Secrets and addresses reach the workers through the
+    environment, never a command line."""
+    if pools == [("both", args.workers or 1)]:
+        return {}, None, {}
+    if args.connector == "p2p":
+        import secrets
+
+        # Producers sign the side-channel endpoint they put in kv_transfer_params with this secret.
+        return {"PDCLUSTER_KV_CONNECTOR_OPTIONS": json.dumps({"params_secret": secrets.token_hex(32)})}, None, {}
+    if args.connector == "store":
+        from pdcluster.connectors.store.local_procs import LocalStores
+
+        stores = LocalStores(f"{workdir}/kvstore")  # master + one node on 127.0.0.1, logs here
+        try:
+            master = stores.kvstore(node_size=args.kvstore_node_size)
+        except BaseException:
+            stores.stop()
+            raise
+        log.info("kvstore master %s (logs: %s)", master, stores.workdir)
+        return {"PDCLUSTER_KV_CONNECTOR_OPTIONS": json.dumps({"master": master})}, stores, {"kvstore_master": master}
+    return {}, None, {}  # a plugin: its options come from --worker-args / the environment
 
 
 def _pools(args: argparse.Namespace) -> list[tuple[str, int]]:

@@ -122,9 +122,12 @@ def _kv_connector_config(args: argparse.Namespace) -> tuple[str | None, dict[str
             log.warning("--role %s without --kv-connector: this worker serves only local requests "
                         "(remote %s legs are refused)", args.role, args.role)
         return None, {}
-    if args.key_dir and not ({"keypair", "keys_dir"} & set(options)):
+    from pdcluster.connectors.registry import resolve_connector_class
+
+    takes = resolve_connector_class(args.kv_connector).deployment_options
+    if args.key_dir and {"keys_dir", "key_name"} <= takes and not ({"keypair", "keys_dir"} & set(options)):
         options.update(keys_dir=args.key_dir, key_name=args.key_name)
-    if args.worker_id and "engine_id" not in options:
+    if args.worker_id and "engine_id" in takes and "engine_id" not in options:
         options["engine_id"] = args.worker_id
     return args.kv_connector, options
 

@@ -27,6 +27,7 @@ from .worker_side import P2PWorker
 
 class P2PConnector(KVConnectorBase):
     name = "p2p"
+    deployment_options = frozenset({"keys_dir", "key_name", "engine_id"})
 
     def __init__(self, role: KVConnectorRole, engine_config: EngineConfig, options: dict[str, Any]) -> None:
         self.opts = P2POptions.from_dict(options, engine_config)

@@ -145,6 +145,12 @@ class KVConnectorBase(ABC):
     finished_sending. What the scheduler expects: see each method.
     """
 
+    # Options a deployment (`pdcluster serve-worker`, `serve`, `up`) fills in for this connector,
+    # if it takes them and the operator did not set them: "keys_dir"/"key_name" (the worker's
+    # CURVE key pair), "engine_id" (the worker id). A connector with strict option checking lists
+    # only what it understands, so it never receives another connector's settings.
+    deployment_options: frozenset[str] = frozenset()
+
     def __init__(self, role: KVConnectorRole,
                  failure_policy: KVTransferFailure | str = KVTransferFailure.FAIL) -> None:
         self.role = role

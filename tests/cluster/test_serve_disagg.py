@@ -30,11 +30,11 @@ def demo_model(tmp_path_factory) -> str:
     return ensure_demo_model(tmp_path_factory.mktemp("demo") / "model")
 
 
-def _start_cluster(model: str, transport: str):
-    opts = json.dumps({"transport": transport})
+def _start_cluster(model: str, transport: str | None, connector: str = "p2p"):
+    opts = f" --kv-connector-options '{json.dumps({'transport': transport})}'" if transport else ""
     cmd = [sys.executable, "-m", "pdcluster.cluster.cli", "serve", "--model", model, "--prefill", "1",
            "--decode", "1", "--grpc-port", "0", "--http-port", "0", "--policy", "round_robin",
-           "--worker-args", f"--max-model-len 256 --kv-connector-options '{opts}'"]
+           "--connector", connector, "--kvstore-node-size", "64M", "--worker-args", f"--max-model-len 256{opts}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             start_new_session=True)
     deadline = time.monotonic() + 240
@@ -106,3 +106,41 @@ def test_disaggregated_equals_aggregated(demo_model: str, transport: str) -> Non
     finally:
         _stop(proc)
     assert proc.returncode is not None
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if entry.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(entry))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def test_disaggregated_through_the_store_equals_aggregated(demo_model: str) -> None:
+    """`serve --connector store` starts a kvstore master and node beside the workers; the decode
+    leg finds the prefill leg's blocks in it by their hashes."""
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(demo_model, max_model_len=256).generate(PROMPTS, sp)]
+    proc, ready = _start_cluster(demo_model, None, connector="store")
+    try:
+        children = _children(proc.pid)
+        assert len(children) == 4  # prefill and decode workers, kvstore master and node
+        with Client(ready["grpc"], timeout=120) as client:
+            got = [client.generate(p, sp).token_ids for p in PROMPTS]
+        assert got == want
+        metrics = urllib.request.urlopen(ready["http"] + "/metrics", timeout=10).read().decode()
+        moved = [ln for ln in metrics.splitlines() if ln.startswith("pdcluster_router_kv_transfer_tokens_total")]
+        assert moved and float(moved[0].split()[-1]) > 0, "the decode legs were told of no KV to load"
+        from pdcluster.kvstore import KVStoreClient
+
+        with KVStoreClient(ready["kvstore_master"]) as kv:
+            stats = kv.stats()
+        assert stats["objects"] > 0 and stats["hit_rate"] > 0, stats  # the decode legs read from it
+    finally:
+        _stop(proc)
+    assert proc.returncode == 0
+    assert not [pid for pid in children if os.path.exists(f"/proc/{pid}")], "a child outlived serve"

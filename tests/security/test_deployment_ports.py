@@ -1,0 +1,195 @@
+"""Every port a local deployment opens: loopback only, and hostile or plaintext peers change nothing.
+
+`pdcluster serve` is started as a real process tree (router, prefill and decode workers, and for
+the store connector a kvstore master and node). The test finds every TCP socket that tree listens
+on from /proc (it does not trust the ready line to name them all), then hits each one with:
+random bytes, a plaintext HTTP request, a plaintext (NULL-mechanism) ZMQ peer, a plaintext gRPC
+call to a method nobody serves, and a connection that sends half a frame and stays open. After
+that every process must still run and the cluster must still answer a request with the same
+tokens as before.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+import zmq
+
+from pdcluster import SamplingParams
+from pdcluster.client import Client
+
+PROMPT = list(range(5, 30))
+PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def demo_model(tmp_path_factory) -> str:
+    from pdcluster.models.demo import ensure_demo_model
+
+    return ensure_demo_model(tmp_path_factory.mktemp("demo") / "model")
+
+
+def _start(model: str, extra: list[str]) -> tuple[subprocess.Popen, dict]:
+    cmd = [sys.executable, "-m", "pdcluster.cluster.cli", "serve", "--model", model, "--grpc-port", "0",
+           "--http-port", "0", "--worker-args", "--max-model-len 256", *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    deadline = time.monotonic() + 240
+    for line in proc.stdout:  # type: ignore[union-attr]
+        if line.startswith("PDCLUSTER_READY "):
+            return proc, json.loads(line.split(" ", 1)[1])
+        if time.monotonic() > deadline:
+            break
+    _stop(proc)
+    raise RuntimeError(f"cluster did not come up (exit {proc.poll()})")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)  # serve stops its children by pid
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the session serve leads: only our own tree
+            proc.wait(10)
+
+
+def _tree(root: int) -> list[int]:
+    """root and all its descendants (workers run in sessions of their own, so follow parents)."""
+    parent: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parent[int(entry)] = int(fields[1])  # field 4 of stat: the parent pid
+    found, frontier = [root], [root]
+    while frontier:
+        kids = [pid for pid, ppid in parent.items() if ppid in frontier]
+        found += kids
+        frontier = kids
+    return found
+
+
+def _listening(pids: list[int]) -> dict[tuple[str, int], int]:
+    """(address, port) -> pid for every listening TCP socket of these processes."""
+    inodes: dict[str, int] = {}
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                except OSError:
+                    continue
+                if link.startswith("socket:["):
+                    inodes[link[8:-1]] = pid
+        except OSError:
+            continue
+    out = {}
+    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            local, state, inode = cols[1], cols[3], cols[9]
+            if state != "0A" or inode not in inodes:  # 0A: LISTEN
+                continue
+            hexaddr, hexport = local.split(":")
+            raw = bytes.fromhex(hexaddr)
+            if v6:
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+                addr = socket.inet_ntop(socket.AF_INET6, raw)
+            else:
+                addr = socket.inet_ntop(socket.AF_INET, raw[::-1])
+            out[(addr, int(hexport, 16))] = inodes[inode]
+    return out
+
+
+def _hostile(port: int, rng: random.Random, ctx: zmq.Context, zmq_silent: bool) -> list[socket.socket]:
+    """Throw everything at one port; returns sockets left half-open on purpose."""
+    garbage = bytes(rng.getrandbits(8) for _ in range(4096))
+    with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+        try:
+            s.sendall(garbage)
+            s.recv(1024)
+        except OSError:
+            pass  # the peer hung up on us: fine
+    with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+        try:
+            s.sendall(b"GET /../../etc/passwd HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999\r\n\r\n")
+            s.recv(1024)
+        except OSError:
+            pass
+    z = ctx.socket(zmq.DEALER)  # a plaintext ZMQ peer: a CURVE server must never answer it
+    z.setsockopt(zmq.LINGER, 0)
+    z.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        z.send_multipart([b"", b"\x93\x01\x02\x03", garbage[:512]])
+        # (A plain HTTP/gRPC port may "answer": libzmq reads its reply as a legacy ZMTP 1.0 frame.)
+        assert not (z.poll(300) and zmq_silent), f"port {port} answered a plaintext ZMQ peer"
+    finally:
+        z.close(0)
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        try:
+            ch.unary_unary("/pdcluster.v1.Nope/Nope")(garbage[:100], timeout=2)
+            raise AssertionError(f"port {port} served an unknown gRPC method")
+        except grpc.RpcError as e:
+            assert e.code() != grpc.StatusCode.OK
+    half = socket.create_connection(("127.0.0.1", port), timeout=2)
+    half.sendall(b"\x00\x00\x10")  # the start of a length prefix, then silence
+    return [half]
+
+
+@pytest.fixture(params=[["--prefill", "1", "--decode", "1", "--connector", "p2p", "--policy", "prefix_aware"],
+                        ["--prefill", "1", "--decode", "1", "--connector", "store"]],
+                ids=["p2p-prefix_aware", "store"])
+def cluster(request, demo_model: str) -> Iterator[tuple[subprocess.Popen, dict]]:
+    proc, ready = _start(demo_model, request.param)
+    try:
+        yield proc, ready
+    finally:
+        _stop(proc)
+
+
+def test_every_port_is_loopback_and_survives_hostile_peers(cluster) -> None:
+    proc, ready = cluster
+    with Client(ready["grpc"], timeout=120) as c:
+        before = c.generate(PROMPT, PARAMS).token_ids
+    assert len(before) == PARAMS.max_tokens
+    pids = _tree(proc.pid)
+    ports = _listening(pids)
+    # Router gRPC + HTTP, two workers' gRPC, and their connector / KV-event sockets at least.
+    assert len(ports) >= 6, ports
+    loopback = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
+    assert all(addr in loopback for addr, _ in ports), f"non-loopback listener: {ports}"
+    rng = random.Random(0)
+    ctx = zmq.Context()
+    held: list[socket.socket] = []
+    try:
+        known_http2 = {int(a.rsplit(":", 1)[1]) for a in [ready["grpc"], ready["http"], *ready["workers"]]}
+        for _, port in sorted(ports):
+            held += _hostile(port, rng, ctx, zmq_silent=port not in known_http2)
+        with Client(ready["grpc"], timeout=120) as c:  # with the half-open connections still held
+            after = c.generate(PROMPT, PARAMS).token_ids
+    finally:
+        for s in held:
+            s.close()
+        ctx.destroy(linger=0)
+    assert after == before
+    assert all(os.path.exists(f"/proc/{pid}") for pid in pids), "a process died"
+    assert proc.poll() is None
