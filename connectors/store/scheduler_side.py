@@ -20,6 +20,8 @@ promise waits (None: ask again) up to wait_for_producer_s for those blocks to ap
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -33,6 +35,8 @@ from .backend import StoreBackend, StoreBackendError, make_backend
 from .events import StoredBlockTracker
 from .meta import BlockSpec, StoreConnectorMetadata
 from .options import StoreOptions
+
+_PRODUCER_ID = f"{socket.gethostname()}-{os.getpid()}"
 
 log = logging.getLogger(__name__)
 MAX_RECENT = 1 << 16
@@ -124,9 +128,14 @@ class StoreScheduler:
         p = req.kv_transfer_params
         if not isinstance(p, dict) or not p.get("do_remote_prefill") or p.get("connector") != "store":
             return 0
-        num = p.get("store_num_tokens")
+        # Through the router, params travel as the KvTransferParams proto: num_tokens is a field,
+        # the store_* keys come back as strings (its `extra` map).
+        num = p.get("num_tokens", p.get("store_num_tokens"))
+        if isinstance(num, str) and num.isdigit():
+            num = int(num)
         last = p.get("store_last_hash")
-        if not isinstance(num, int) or not isinstance(last, str) or p.get("store_key_prefix") != self.layout.key_prefix:
+        if not isinstance(num, int) or isinstance(num, bool) or not isinstance(last, str) \
+                or p.get("store_key_prefix") != self.layout.key_prefix:
             return 0
         blocks = min(num // self.block_size, len(req.block_hashes))
         # Mismatched params (another prompt's) must not make this request wait for nothing.
@@ -220,9 +229,13 @@ class StoreScheduler:
         if not isinstance(p, dict) or not p.get("do_remote_decode"):
             return None
         blocks = min(req.num_prompt_tokens // self.block_size, len(req.block_hashes))
-        return {"connector": "store", "store_key_prefix": self.layout.key_prefix,
-                "store_num_tokens": blocks * self.block_size,
-                "store_last_hash": req.block_hashes[blocks - 1].hex() if blocks else None}
+        if not blocks:
+            return None  # not one full block to save: the decode leg computes the prompt itself
+        # producer_id and num_tokens are what every consumer leg carries (service/roles.py); the
+        # store finds blocks by hash, so the producer's identity is for diagnostics only.
+        return {"connector": "store", "producer_id": _PRODUCER_ID, "num_tokens": blocks * self.block_size,
+                "store_key_prefix": self.layout.key_prefix, "store_num_tokens": blocks * self.block_size,
+                "store_last_hash": req.block_hashes[blocks - 1].hex()}
 
     def take_events(self) -> list[KVEvent]:
         return self.tracker.take()
