@@ -49,6 +49,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--skip-initial-test", action="store_true",
                    help="do not send one test request before the run (it checks the flags early)")
+    g.add_argument("--num-warmups", type=int, default=0,
+                   help="warm-up requests sent all at once and awaited before the measured run, not "
+                        "counted in the results (same shape as the workload, other prompts)")
 
     g = p.add_argument_group("dataset")
     g.add_argument("--dataset-name", choices=DATASETS, default="random")

@@ -1,6 +1,7 @@
 """`pdcluster bench serve`: build the workload, drive the target, report like vLLM.
 
     flags -> tokenizer + PromptBuilder -> requests + send times -> initial test request
+          -> --num-warmups warm-up requests (awaited, not measured)
           -> run_benchmark -> compute_metrics -> summary table (+ result JSON)
 """
 
@@ -8,14 +9,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import math
 import sys
+import time
+import uuid
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from pdcluster.cluster.bench.arrivals import arrival_offsets, trace_offsets
-from pdcluster.cluster.bench.backend import DEFAULT_ENDPOINTS, BackendConfig, make_backend
+from pdcluster.cluster.bench.backend import DEFAULT_ENDPOINTS, Backend, BackendConfig, make_backend
 from pdcluster.cluster.bench.cli import PERCENTILE_METRICS
 from pdcluster.cluster.bench.datasets import load_jsonl, sample_prefix_repetition, sample_random
 from pdcluster.cluster.bench.environment import collect_environment, parse_metadata
@@ -31,6 +35,9 @@ from pdcluster.cluster.bench.trace import read_trace, trace_requests
 
 DEFAULT_NUM_PROMPTS = 1000
 MAX_ERRORS_SHOWN = 10
+# Warm-up prompts of a synthetic dataset are drawn with this seed offset: the same shape as the
+# measured ones, other tokens, so a prefix cache cannot make the measured requests cheaper.
+WARMUP_SEED_OFFSET = 1_000_003
 
 
 @dataclass(frozen=True)
@@ -100,6 +107,40 @@ def build_workload(args: argparse.Namespace, builder: PromptBuilder) -> Workload
     return Workload(requests, offsets)
 
 
+def warmup_requests(args: argparse.Namespace, builder: PromptBuilder, workload: Workload | None,
+                    n: int) -> list[BenchRequest]:
+    """`n` requests shaped like the workload's, to be sent and awaited before it, never measured.
+
+    Synthetic datasets (random, prefix-repetition) are sampled again with another seed; a file's
+    requests (JSONL, trace) are reused in turn. Every one has its own id."""
+    if n < 0:
+        raise ValueError(f"--num-warmups must be >= 0, got {n}")
+    if n == 0:
+        return []
+    dataset = "trace" if args.trace_file else args.dataset_name
+    if dataset in ("random", "prefix-repetition"):
+        warm = copy.copy(args)
+        warm.num_prompts, warm.seed = n, args.seed + WARMUP_SEED_OFFSET
+        pool = build_workload(warm, builder).requests
+    else:
+        pool = list((workload or build_workload(args, builder)).requests)
+    run = uuid.uuid4().hex[:8]
+    return [replace(pool[i % len(pool)], request_id=f"bench-{run}-warmup-{i}") for i in range(n)]
+
+
+async def send_warmups(backend: Backend, requests: list[BenchRequest], max_concurrency: int | None) -> RunResult:
+    """All at once (at most --max-concurrency in flight), as vLLM's warm-up; awaited in full."""
+    return await run_benchmark(backend, requests, np.zeros(len(requests)), max_concurrency, disable_tqdm=True)
+
+
+def report_warmup(run: RunResult) -> None:
+    failed = [r.error for r in run.results if not r.success]
+    print(f"Warmup run completed: {len(run.results) - len(failed)}/{len(run.results)} requests in "
+          f"{run.duration:.2f} s.")
+    if failed:
+        print(f"warning: {len(failed)} warm-up request(s) failed; first error: {failed[0]}", file=sys.stderr)
+
+
 def _describe_traffic(args: argparse.Namespace, workload: Workload) -> str:
     if args.trace_file or args.dataset_name == "trace":
         span = float(workload.send_offsets[-1]) if len(workload.send_offsets) else 0.0
@@ -110,8 +151,8 @@ def _describe_traffic(args: argparse.Namespace, workload: Workload) -> str:
             f"Maximum request concurrency: {args.max_concurrency}")
 
 
-async def _drive(args: argparse.Namespace, config: BackendConfig,
-                 workload: Workload) -> tuple[RunResult, str | None]:
+async def _drive(args: argparse.Namespace, config: BackendConfig, workload: Workload,
+                 warmups: list[BenchRequest]) -> tuple[RunResult, str | None]:
     async with make_backend(config) as backend:
         requests = with_request_ids(workload.requests)
         if not args.skip_initial_test:
@@ -120,7 +161,11 @@ async def _drive(args: argparse.Namespace, config: BackendConfig,
             probe = await backend.request(replace(requests[0], request_id=f"{requests[0].request_id}-probe"))
             if not probe.success:
                 raise ValueError(f"initial test run failed; check the benchmark flags. Error: {probe.error}")
-            print("Initial test run completed. Starting main benchmark run...")
+            print("Initial test run completed.")
+        if warmups:
+            print(f"Warming up with {len(warmups)} requests...")
+            report_warmup(await send_warmups(backend, warmups, args.max_concurrency))
+        print("Starting main benchmark run...")
         run = await run_benchmark(backend, requests, workload.send_offsets, args.max_concurrency,
                                   args.disable_tqdm)
         return run, getattr(backend, "model", None)
@@ -137,11 +182,12 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError("--tokenizer (or --model as a local HF directory) is required to build prompts")
     builder = PromptBuilder(load_tokenizer(tokenizer_id))
     workload = build_workload(args, builder)
+    warmups = warmup_requests(args, builder, workload, args.num_warmups)
     print(_describe_traffic(args, workload))
     if math.isfinite(args.request_rate) and (args.trace_file or args.dataset_name == "trace"):
         print("note: --request-rate and --burstiness are ignored when replaying a trace", file=sys.stderr)
 
-    run, served_model = asyncio.run(_drive(args, config, workload))
+    run, served_model = asyncio.run(_drive(args, config, workload, warmups))
     metrics = compute_metrics(run.results, run.duration, percentiles, slos or None, count_tokens=builder.count)
     failures = [r.error for r in run.results if not r.success]
     for i, error in enumerate(failures[:MAX_ERRORS_SHOWN]):
@@ -153,7 +199,28 @@ def run_serve(args: argparse.Namespace) -> int:
         model_id=args.model or served_model, tokenizer_id=str(tokenizer_id), num_prompts=len(workload.requests),
         request_rate=args.request_rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
         metadata=metadata, environment=collect_environment(metadata), label=args.label)
+    result["num_warmups"] = len(warmups)
     if args.save_result:
         path = save_result(result, args.result_dir, args.result_filename, args.label)
         print(f"Result saved to {path}")
     return 0 if metrics.completed > 0 else 1
+
+
+def run_warmup(args: argparse.Namespace, n: int) -> RunResult:
+    """Only the warm-up of `bench serve`'s flags (no initial test, no measured run): `n` requests
+    shaped like the workload, all at once, awaited. `bench sweep` runs it once per cluster."""
+    config = backend_config(args)
+    tokenizer_id = args.tokenizer or args.model
+    if tokenizer_id is None:
+        raise ValueError("--tokenizer (or --model as a local HF directory) is required to build prompts")
+    builder = PromptBuilder(load_tokenizer(tokenizer_id))
+    warmups = warmup_requests(args, builder, None, n)
+
+    async def drive() -> RunResult:
+        async with make_backend(config) as backend:
+            return await send_warmups(backend, warmups, args.max_concurrency)
+
+    start = time.perf_counter()
+    run = asyncio.run(drive()) if warmups else RunResult([], 0.0, start)
+    report_warmup(run)
+    return run

@@ -2,12 +2,18 @@
 configurations at several request rates, e.g. aggregated vs disaggregated.
 
     for each configuration:  launch the cluster (local `pdcluster serve` or Ray `pdcluster up`)
-        for each rate:       `bench serve` in-process -> {config}-{rate}qps.json (+ the sweep record)
+        warm-up:             `warmup_prompts` requests of the workload's shape, awaited, not measured
+        for each rate:
+          for each repeat:   `bench serve` in-process -> {config}-{rate}qps[-r{i}].json (+ the sweep record)
         stop the cluster     (also on an error or Ctrl-C: nothing is left running)
-    from the JSONs:          PNG plots, sweep_summary.json, the ratio table vs the baseline
+    from the JSONs:          PNG plots (error bars: min..max over repeats), sweep_summary.json,
+                             the ratio table of medians vs the baseline
 
-One cluster serves all rates of its configuration: loading a model costs more than a point, and the
-initial test request of every point warms the cluster again before it is measured.
+One cluster serves all rates of its configuration: loading a model costs more than a point. Its
+first load pays one-off costs (first-shape kernels, allocator growth), hence the warm-up; the
+initial test request of every point warms it again before it is measured. Repeat i of a point uses
+the workload's seed + i: other prompts and arrival times, so the spread is the run-to-run noise of
+the cluster and the machine and no repeat hits a prefix cache that an earlier one filled.
 """
 
 from __future__ import annotations
@@ -50,8 +56,13 @@ def rate_word(rate: float) -> str:
     return "inf" if rate == float("inf") else f"{rate:g}"
 
 
+def point_filename(config: str, rate: float, repeat: int = 0, repeats: int = 1) -> str:
+    """{config}-{rate}qps.json; with repeats, {config}-{rate}qps-r{1..K}.json."""
+    return f"{config}-{rate_word(rate)}qps{f'-r{repeat + 1}' if repeats > 1 else ''}.json"
+
+
 def serve_args(sweep: SweepConfig, entry: ClusterEntry, rate: float, ready: Mapping[str, Any],
-               out_dir: pathlib.Path) -> argparse.Namespace:
+               out_dir: pathlib.Path, repeat: int = 0) -> argparse.Namespace:
     """bench serve's namespace for one point: the workload, then what the sweep owns."""
     args = serve_parser().parse_args([])
     for dest, value in sweep.workload.items():
@@ -68,7 +79,8 @@ def serve_args(sweep: SweepConfig, entry: ClusterEntry, rate: float, ready: Mapp
     args.request_rate = rate
     args.save_result = True
     args.result_dir = str(out_dir)
-    args.result_filename = f"{entry.name}-{rate_word(rate)}qps.json"
+    args.result_filename = point_filename(entry.name, rate, repeat, sweep.repeats)
+    args.seed = args.seed + repeat
     args.label = entry.name
     args.disable_tqdm = True
     return args
@@ -82,7 +94,8 @@ def _loadavg() -> list[float] | None:
 
 
 def record_point(path: pathlib.Path, sweep: SweepConfig, entry: ClusterEntry, launcher: str, rate: float,
-                 ready: Mapping[str, Any], load_before: list[float] | None) -> None:
+                 ready: Mapping[str, Any], load_before: list[float] | None, repeat: int = 0,
+                 warmup: Mapping[str, Any] | None = None) -> None:
     """Adds the sweep record to a result JSON: which configuration, how launched, the machine's load."""
     import json
 
@@ -93,14 +106,37 @@ def record_point(path: pathlib.Path, sweep: SweepConfig, entry: ClusterEntry, la
               "disaggregated": entry.disaggregated, "launcher": launcher, "rate": rate_word(rate),
               "rates": [rate_word(r) for r in sweep.rates], "workload": sweep.workload, "baseline": sweep.baseline,
               "endpoints": dict(ready), "loadavg_before": load_before, "loadavg_after": _loadavg(),
-              "file": path.name}
+              "repeat": repeat, "repeats": sweep.repeats, "seed": sweep.workload.get("seed", 0) + repeat,
+              "cluster_warmup": dict(warmup) if warmup is not None else None, "file": path.name}
     result["sweep"] = record
     result.setdefault("environment", {})["sweep"] = record
     save_result(result, str(path.parent), path.name)
 
 
+def warm_up_cluster(sweep: SweepConfig, entry: ClusterEntry, ready: Mapping[str, Any],
+                    out_dir: pathlib.Path) -> dict[str, Any] | None:
+    """The per-cluster warm-up: `warmup_prompts` requests of the workload's shape (not its prompts),
+    all at once, awaited; recorded in every point's sweep record, never measured."""
+    from pdcluster.cluster.bench.serve import run_warmup
+
+    if sweep.warmup_prompts <= 0:
+        return None
+    print(f"\n--- {entry.name}: warm-up, {sweep.warmup_prompts} requests ---", flush=True)
+    args = serve_args(sweep, entry, sweep.rates[0], ready, out_dir)
+    try:
+        run = run_warmup(args, sweep.warmup_prompts)
+    except ValueError as e:  # a workload the cluster cannot serve: this configuration fails, the sweep goes on
+        raise RuntimeError(f"warm-up: {e}") from None
+    completed = sum(r.success for r in run.results)
+    if completed == 0:
+        errors = [r.error for r in run.results if r.error]
+        raise RuntimeError(f"every warm-up request failed: {errors[0] if errors else 'no result'}")
+    return {"prompts": sweep.warmup_prompts, "completed": completed, "seconds": round(run.duration, 3)}
+
+
 def run_config(sweep: SweepConfig, entry: ClusterEntry, launcher: str, out_dir: pathlib.Path) -> list[str]:
-    """Runs every rate against one cluster; returns the failures (the sweep goes on after one)."""
+    """Runs every rate (each `repeats` times) against one cluster; returns the failures (the sweep
+    goes on after one)."""
     from pdcluster.cluster.bench.serve import run_serve
     from pdcluster.cluster.bench.sweep_launch import launch
 
@@ -108,21 +144,25 @@ def run_config(sweep: SweepConfig, entry: ClusterEntry, launcher: str, out_dir: 
     print(f"\n=== {entry.name}: starting the cluster ({launcher}) ===", flush=True)
     with launch(entry, sweep, launcher, out_dir / "logs" / f"{entry.name}.log") as ready:
         print(f"=== {entry.name}: ready, gRPC {ready.get('grpc')} HTTP {ready.get('http')} ===", flush=True)
+        warmup = warm_up_cluster(sweep, entry, ready, out_dir)
         for rate in sweep.rates:
-            print(f"\n--- {entry.name} at {rate_word(rate)} req/s ---", flush=True)
-            args = serve_args(sweep, entry, rate, ready, out_dir)
-            load_before = _loadavg()
-            try:
-                status = run_serve(args)
-            except (ValueError, OSError, RuntimeError) as e:
-                failures.append(f"{entry.name} at {rate_word(rate)} req/s: {e}")
-                print(f"error: {failures[-1]}", file=sys.stderr)
-                continue
-            path = out_dir / args.result_filename
-            if path.exists():
-                record_point(path, sweep, entry, launcher, rate, ready, load_before)
-            if status != 0:
-                failures.append(f"{entry.name} at {rate_word(rate)} req/s: no request completed")
+            for repeat in range(sweep.repeats):
+                what = f"{entry.name} at {rate_word(rate)} req/s" + (
+                    f", repeat {repeat + 1}/{sweep.repeats}" if sweep.repeats > 1 else "")
+                print(f"\n--- {what} ---", flush=True)
+                args = serve_args(sweep, entry, rate, ready, out_dir, repeat)
+                load_before = _loadavg()
+                try:
+                    status = run_serve(args)
+                except (ValueError, OSError, RuntimeError) as e:
+                    failures.append(f"{what}: {e}")
+                    print(f"error: {failures[-1]}", file=sys.stderr)
+                    continue
+                path = out_dir / args.result_filename
+                if path.exists():
+                    record_point(path, sweep, entry, launcher, rate, ready, load_before, repeat, warmup)
+                if status != 0:
+                    failures.append(f"{what}: no request completed")
     print(f"=== {entry.name}: cluster stopped ===", flush=True)
     return failures
 

@@ -7,6 +7,8 @@ the field: `configs.disaggregated.decode: must be a positive integer, got 0`.
     output_dir: benchmarks/results/sweep # --output-dir overrides
     rates: [1, 2, 4]                     # requests per second ("inf": all at once)
     baseline: aggregated                 # the ratio table divides by it (default: the first config)
+    warmup_prompts: 4                    # sent once per cluster, before its first rate (0: none)
+    repeats: 3                           # runs of every (config, rate) point: median and min/max
     workload:                            # `bench serve` flags by name (dashes or underscores)
       random_input_len: 256
       num_prompts: 32
@@ -38,7 +40,8 @@ RESERVED_WORKLOAD = frozenset({"request_rate", "host", "port", "base_url", "rout
 CONFIG_FIELDS = ("workers", "prefill", "decode", "tp", "connector", "connector_options", "engine", "placement",
                  "policy")
 TOP_FIELDS = ("name", "model", "launcher", "output_dir", "rates", "baseline", "workload", "configs", "ray",
-              "ready_timeout_s")
+              "ready_timeout_s", "warmup_prompts", "repeats")
+DEFAULT_WARMUP_PROMPTS = 4
 RAY_FIELDS = ("address", "num_cpus", "namespace", "dashboard", "worker_host")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # becomes part of file names
 
@@ -70,6 +73,8 @@ class SweepConfig:
     baseline: str = ""
     ray: dict[str, Any] = field(default_factory=dict)
     ready_timeout_s: float = 600.0
+    warmup_prompts: int = DEFAULT_WARMUP_PROMPTS  # per cluster, once, before its first rate
+    repeats: int = 1              # runs per (config, rate); repeat i uses workload seed + i
 
 
 def serve_parser() -> argparse.ArgumentParser:
@@ -234,6 +239,13 @@ def parse_sweep(raw: Any) -> SweepConfig:
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
             raise SweepError(f"ready_timeout_s: must be a positive number of seconds, got {t!r}")
         out["ready_timeout_s"] = float(t)
+    if d.get("warmup_prompts") is not None:
+        w = d["warmup_prompts"]
+        if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+            raise SweepError(f"warmup_prompts: must be a number of requests >= 0 (0: no warm-up), got {w!r}")
+        out["warmup_prompts"] = w
+    if d.get("repeats") is not None:
+        out["repeats"] = _positive_int(d["repeats"], "repeats")
     out["ray"] = _mapping(d.get("ray") or {}, "ray", RAY_FIELDS)
     return SweepConfig(**out)
 

@@ -144,7 +144,9 @@ def ray_cluster(entry: ClusterEntry, sweep: SweepConfig, log_path: pathlib.Path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w", encoding="utf-8") as log, tempfile.TemporaryDirectory(prefix="pdcluster-sweep-") as tmp:
         config_path = pathlib.Path(tmp) / f"{entry.name}.yaml"
-        config_path.write_text(yaml.safe_dump(ray_config(entry, sweep, namespace), sort_keys=False))
+        # Through JSON: pools sharing one engine dict would otherwise be written as YAML anchors.
+        config_path.write_text(yaml.safe_dump(json.loads(json.dumps(ray_config(entry, sweep, namespace))),
+                                              sort_keys=False))
         argv = CLI + ["up", "--config", str(config_path), "--detach", *(["--address", address] if address else [])]
         log.write(f"$ {shlex.join(argv)}\n{config_path.read_text()}\n")
         log.flush()

@@ -4,6 +4,10 @@ configuration against the baseline at each rate.
 
 Ratios are other / baseline: below 1 is better for latencies, above 1 better for goodput and
 throughput.
+
+With `repeats: K` a (config, rate) point has K result JSONs: a Group. Its value of a metric is the
+median over the repeats (what the tables, ratios and plot lines show), with min, max and the sample
+standard deviation beside it (the plots' error bars span min..max).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,9 +37,63 @@ class Point:
     rate: float
     result: dict[str, Any]
 
+    @property
+    def repeat(self) -> int:
+        return int((self.result.get("sweep") or {}).get("repeat") or 0)
+
     def value(self, metric: str) -> float | None:
         v = self.result.get(metric)
         return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+@dataclass(frozen=True)
+class Stat:
+    """One metric over the repeats of a point: median, extremes, sample std (0 for one value)."""
+
+    median: float
+    min: float
+    max: float
+    std: float
+    n: int
+
+
+def aggregate(values: Iterable[float | None]) -> Stat | None:
+    """The Stat of the values present (None: that repeat has no such metric); None if none is."""
+    xs = sorted(float(v) for v in values if v is not None and math.isfinite(v))
+    if not xs:
+        return None
+    return Stat(median=statistics.median(xs), min=xs[0], max=xs[-1],
+                std=statistics.stdev(xs) if len(xs) > 1 else 0.0, n=len(xs))
+
+
+@dataclass(frozen=True)
+class Group:
+    """The repeats of one (config, rate) point, in repeat order."""
+
+    config: str
+    rate: float
+    points: tuple[Point, ...]
+
+    def stat(self, metric: str) -> Stat | None:
+        return aggregate(p.value(metric) for p in self.points)
+
+    def value(self, metric: str) -> float | None:
+        st = self.stat(metric)
+        return None if st is None else st.median
+
+    def total(self, field: str) -> int | None:
+        vals = [p.result.get(field) for p in self.points]
+        return sum(vals) if all(isinstance(v, int) for v in vals) else None
+
+
+def group_points(points: Iterable[Point]) -> list[Group]:
+    """Points grouped by (config, rate): configs in first-seen order, rates ascending."""
+    pts = list(points)
+    by_key: dict[tuple[str, float], list[Point]] = {}
+    for p in pts:
+        by_key.setdefault((p.config, p.rate), []).append(p)
+    return [Group(c, r, tuple(sorted(by_key[(c, r)], key=lambda p: p.repeat)))
+            for c in _configs(pts) for r in _rates(pts) if (c, r) in by_key]
 
 
 def rate_of(result: dict[str, Any]) -> float:
@@ -65,8 +124,9 @@ def _rates(points: Iterable[Point]) -> list[float]:
 
 
 def ratio_rows(points: Sequence[Point], baseline: str) -> list[dict[str, Any]]:
-    """One row per (rate, other config): {"rate", "config", "<metric>": other / baseline or None}."""
-    by_key = {(p.config, p.rate): p for p in points}
+    """One row per (rate, other config): {"rate", "config", "<metric>": other / baseline or None},
+    of the medians over repeats."""
+    by_key = {(g.config, g.rate): g for g in group_points(points)}
     rows = []
     for rate in _rates(points):
         base = by_key.get((baseline, rate))
@@ -97,17 +157,25 @@ def format_ratio_table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join([fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*ln) for ln in lines])
 
 
+def format_stat(st: Stat | None) -> str:
+    """"12.3" for one run, "12.3 [10.1-15.0]" (median [min-max]) over repeats."""
+    if st is None:
+        return "-"
+    return f"{st.median:.1f}" if st.n == 1 else f"{st.median:.1f} [{st.min:.1f}-{st.max:.1f}]"
+
+
 def format_points_table(points: Sequence[Point]) -> str:
-    head = ["config", "rate", "completed", "failed"] + [label for _, label in METRICS]
-    lines = [[p.config, _fmt_rate(p.rate), str(p.result.get("completed")), str(p.result.get("failed"))]
-             + ["-" if p.value(m) is None else f"{p.value(m):.1f}" for m, _ in METRICS] for p in points]
+    head = ["config", "rate", "runs", "completed", "failed"] + [label for _, label in METRICS]
+    lines = [[g.config, _fmt_rate(g.rate), str(len(g.points)), str(g.total("completed")), str(g.total("failed"))]
+             + [format_stat(g.stat(m)) for m, _ in METRICS] for g in group_points(points)]
     widths = [max(len(str(c)) for c in col) for col in zip(head, *lines, strict=True)]
     fmt = "  ".join(f"{{:>{w}}}" for w in widths)
     return "\n".join([fmt.format(*head)] + [fmt.format(*ln) for ln in lines])
 
 
 def write_plots(points: Sequence[Point], out_dir: str | pathlib.Path, title: str = "") -> list[pathlib.Path]:
-    """One PNG per metric (rate on x, one line per configuration) and sweep.png with all four."""
+    """One PNG per metric (rate on x, one line per configuration: the median over repeats, error
+    bars from min to max) and sweep.png with all four."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display on a benchmark machine
@@ -116,6 +184,7 @@ def write_plots(points: Sequence[Point], out_dir: str | pathlib.Path, title: str
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     labels = dict(METRICS)
+    groups = group_points(points)
     configs = _configs(points)
     # An infinite rate has no place on a numeric axis; it is plotted one step past the largest.
     finite = [r for r in _rates(points) if math.isfinite(r)]
@@ -123,11 +192,16 @@ def write_plots(points: Sequence[Point], out_dir: str | pathlib.Path, title: str
 
     def draw(ax: Any, metric: str) -> None:
         for config in configs:
-            pts = sorted((p for p in points if p.config == config and p.value(metric) is not None),
-                         key=lambda p: p.rate)
-            if pts:
-                ax.plot([inf_x if math.isinf(p.rate) else p.rate for p in pts], [p.value(metric) for p in pts],
-                        marker="o", label=config)
+            stats = [(g.rate, st) for g in groups if g.config == config and (st := g.stat(metric)) is not None]
+            if not stats:
+                continue
+            xs = [inf_x if math.isinf(r) else r for r, _ in stats]
+            ys = [st.median for _, st in stats]
+            if any(st.n > 1 for _, st in stats):
+                err = [[st.median - st.min for _, st in stats], [st.max - st.median for _, st in stats]]
+                ax.errorbar(xs, ys, yerr=err, marker="o", capsize=4, label=f"{config} (median, min-max)")
+            else:
+                ax.plot(xs, ys, marker="o", label=config)
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel(labels[metric])
         ax.grid(True, alpha=0.3)
@@ -156,11 +230,18 @@ def write_plots(points: Sequence[Point], out_dir: str | pathlib.Path, title: str
 
 def write_summary(points: Sequence[Point], baseline: str, path: str | pathlib.Path) -> dict[str, Any]:
     """sweep_summary.json: the plotted numbers and the ratios, small enough to read in a diff."""
+    def spread(g: Group) -> dict[str, Any]:
+        return {m: None if (st := g.stat(m)) is None else {"min": st.min, "max": st.max, "std": st.std, "n": st.n}
+                for m, _ in METRICS}
+
     summary = {
         "baseline": baseline,
-        "points": [{"config": p.config, "rate": _fmt_rate(p.rate), "completed": p.result.get("completed"),
-                    "failed": p.result.get("failed"), **{m: p.value(m) for m, _ in METRICS},
-                    "file": p.result.get("sweep", {}).get("file")} for p in points],
+        "aggregate": "median over repeats; spread: min, max, sample std",
+        "points": [{"config": g.config, "rate": _fmt_rate(g.rate), "repeats": len(g.points),
+                    "completed": g.total("completed"), "failed": g.total("failed"),
+                    **{m: g.value(m) for m, _ in METRICS}, "spread": spread(g),
+                    "files": [p.result.get("sweep", {}).get("file") for p in g.points]}
+                   for g in group_points(points)],
         "ratios": [{**r, "rate": _fmt_rate(r["rate"])} for r in ratio_rows(points, baseline)],
     }
     pathlib.Path(path).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")

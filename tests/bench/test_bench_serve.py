@@ -131,3 +131,41 @@ def test_a_tokenizer_is_required(main, capsys, tmp_path) -> None:
     assert "--tokenizer" in capsys.readouterr().err
     assert main(["bench", "serve", "--tokenizer", str(tmp_path)]) == 2
     assert "tokenizer.json" in capsys.readouterr().err
+
+
+def test_warmups_are_sent_first_and_not_counted(main, fake_server, tokenizer_dir, tmp_path, capsys) -> None:
+    fake_server.ttft, fake_server.itl = 0.01, 0.0
+    rc = main(["bench", "serve", "--base-url", fake_server.url, "--tokenizer", tokenizer_dir, "--num-prompts", "3",
+               "--random-input-len", "12", "--random-output-len", "2", "--num-warmups", "4", "--max-concurrency", "2",
+               "--save-result", "--result-dir", str(tmp_path), "--result-filename", "w.json", "--disable-tqdm"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "Warming up with 4 requests..." in out and "Warmup run completed: 4/4" in out
+    assert out.index("Warmup run completed") < out.index("Serving Benchmark Result")
+    r = json.loads((tmp_path / "w.json").read_text())
+    assert (r["num_warmups"], r["completed"], r["num_prompts"], len(r["ttfts"])) == (4, 3, 3, 3)
+    ids = fake_server.request_ids
+    assert len(ids) == 1 + 4 + 3 and ids[0].endswith("-probe")
+    assert all("-warmup-" in i for i in ids[1:5]) and not any("-warmup-" in i for i in ids[5:])
+    assert fake_server.max_in_flight <= 2  # --max-concurrency caps the warm-up too
+    # The same shape (max_tokens, about the same prompt length), other prompts: no prefix-cache hits.
+    warm, measured = fake_server.bodies[1:5], fake_server.bodies[5:]
+    assert all(b["max_tokens"] == 2 for b in warm)
+    assert not {b["prompt"] for b in warm} & {b["prompt"] for b in measured}
+
+
+def test_warmups_of_a_file_reuse_its_prompts(main, fake_server, tokenizer_dir, tmp_path) -> None:
+    fake_server.ttft = fake_server.itl = 0.0
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt": " fox", "output_len": 1}\n{"prompt": " dog", "output_len": 2}\n')
+    rc = main(["bench", "serve", "--base-url", fake_server.url, "--tokenizer", tokenizer_dir, "--dataset-name",
+               "jsonl", "--dataset-path", str(data), "--num-warmups", "3", "--skip-initial-test", "--disable-tqdm"])
+    assert rc == 0
+    assert sorted(b["prompt"] for b in fake_server.bodies[:3]) == [" dog", " fox", " fox"]
+    assert len(fake_server.bodies) == 5
+
+
+def test_negative_warmups_are_refused(main, tokenizer_dir, capsys) -> None:
+    assert main(["bench", "serve", "--tokenizer", tokenizer_dir, "--num-prompts", "2", "--random-input-len", "4",
+                 "--num-warmups", "-1", "--disable-tqdm"]) == 2
+    assert "--num-warmups" in capsys.readouterr().err

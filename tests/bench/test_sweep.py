@@ -12,7 +12,11 @@ import pytest
 
 from pdcluster.cluster.bench.sweep_config import SweepError, load_sweep, parse_sweep
 from pdcluster.cluster.bench.sweep_report import (
+    Stat,
+    aggregate,
+    format_points_table,
     format_ratio_table,
+    group_points,
     load_points,
     ratio_rows,
     write_plots,
@@ -44,11 +48,16 @@ def test_parses_a_sweep() -> None:
     assert not agg.disaggregated and dis.disaggregated
     assert dis.cluster["connector"] == {"name": "p2p", "options": {}}
     assert s.baseline == "aggregated" and s.launcher == "local"
+    assert s.warmup_prompts == 4 and s.repeats == 1  # a warm-up by default, one run per point
+    s = parse_sweep(_sweep(warmup_prompts=0, repeats=3))
+    assert s.warmup_prompts == 0 and s.repeats == 3
 
 
-def test_example_file_is_valid() -> None:
+def test_example_files_are_valid() -> None:
     s = load_sweep(str(EXAMPLE))
     assert {c.name for c in s.configs} >= {"aggregated", "disaggregated"}
+    smoke = load_sweep(str(EXAMPLE.with_name("sweep-ray-smoke.yaml")))
+    assert smoke.launcher == "ray" and smoke.model is None and smoke.ray["address"] == "local"
 
 
 @pytest.mark.parametrize("over, field", [
@@ -75,6 +84,10 @@ def test_example_file_is_valid() -> None:
     ({"launcher": "k8s"}, "launcher:"),
     ({"colour": "blue"}, "colour:"),
     ({"ray": {"adress": "auto"}}, "ray.adress:"),
+    ({"warmup_prompts": -1}, "warmup_prompts:"),
+    ({"warmup_prompts": "some"}, "warmup_prompts:"),
+    ({"repeats": 0}, "repeats:"),
+    ({"repeats": 1.5}, "repeats:"),
 ])
 def test_errors_name_the_field(over: dict[str, Any], field: str) -> None:
     with pytest.raises(SweepError) as e:
@@ -131,14 +144,29 @@ def test_serve_args_of_a_point(tmp_path: pathlib.Path) -> None:
     s = parse_sweep(_sweep())
     args = serve_args(s, s.configs[0], math.inf, {**ready, "model": "/served"}, tmp_path)
     assert args.router == "127.0.0.1:1" and args.tokenizer == "/served" and args.result_filename.endswith("-infqps.json")
+    # Repeats: one file each, and other prompts and arrivals (seed + repeat).
+    s = parse_sweep(_sweep(repeats=3, workload={"seed": 7}))
+    args = serve_args(s, s.configs[0], 1.0, ready, tmp_path, repeat=2)
+    assert args.result_filename == "aggregated-1qps-r3.json" and args.seed == 9
+    assert serve_args(s, s.configs[0], 1.0, ready, tmp_path).seed == 7
+
+
+def test_aggregate_by_hand() -> None:
+    # [1, 2, 3, 10]: median (2 + 3) / 2; mean 4, squared deviations 9 + 4 + 1 + 36 = 50, std sqrt(50 / 3).
+    st = aggregate([3.0, 1.0, None, 2.0, 10.0])
+    assert st == Stat(median=2.5, min=1.0, max=10.0, std=pytest.approx(4.0824829), n=4)
+    assert aggregate([5.0]) == Stat(5.0, 5.0, 5.0, 0.0, 1)
+    assert aggregate([7.0, 1.0, 4.0]) == Stat(4.0, 1.0, 7.0, 3.0, 3)  # deviations 3, 3, 0: sqrt(18 / 2)
+    assert aggregate([None, float("nan")]) is None and aggregate([]) is None
 
 
 # -- reports from recorded results ---------------------------------------------------------------
 
-def _result(config: str, rate: float | str, ttft: float, itl: float, goodput: float | None) -> dict[str, Any]:
+def _result(config: str, rate: float | str, ttft: float, itl: float, goodput: float | None,
+            repeat: int = 0) -> dict[str, Any]:
     return {"request_rate": rate, "completed": 4, "failed": 0, "median_ttft_ms": ttft, "p99_ttft_ms": 2 * ttft,
             "p99_itl_ms": itl, "request_goodput": goodput, "output_throughput": 100.0,
-            "sweep": {"config": config, "file": f"{config}-{rate}qps.json"}}
+            "sweep": {"config": config, "file": f"{config}-{rate}qps.json", "repeat": repeat}}
 
 
 @pytest.fixture
@@ -177,6 +205,43 @@ def test_plots_and_summary(recorded: pathlib.Path) -> None:
     summary = write_summary(points, "aggregated", recorded / "sweep_summary.json")
     assert json.loads((recorded / "sweep_summary.json").read_text()) == summary
     assert len(summary["points"]) == 5 and summary["ratios"][0]["rate"] == "1"
+
+
+@pytest.fixture
+def repeated(tmp_path: pathlib.Path) -> pathlib.Path:
+    """Three repeats per point; files named as the sweep names them, written out of order."""
+    rows = [("aggregated", 1, [(100.0, 10.0, 1.0), (140.0, 30.0, 0.8), (120.0, 20.0, 0.9)]),
+            ("disaggregated", 1, [(60.0, 5.0, 1.0), (40.0, 5.0, 1.0), (50.0, 8.0, 0.9)])]
+    for config, rate, reps in rows:
+        for i, values in reversed(list(enumerate(reps))):
+            r = _result(config, rate, *values, repeat=i)
+            r["sweep"]["file"] = f"{config}-{rate}qps-r{i + 1}.json"
+            (tmp_path / r["sweep"]["file"]).write_text(json.dumps(r))
+    return tmp_path
+
+
+def test_repeats_are_aggregated(repeated: pathlib.Path) -> None:
+    points = load_points(repeated)
+    groups = group_points(points)
+    assert [(g.config, g.rate, [p.repeat for p in g.points]) for g in groups] == [
+        ("aggregated", 1.0, [0, 1, 2]), ("disaggregated", 1.0, [0, 1, 2])]
+    agg, dis = groups
+    assert agg.stat("median_ttft_ms") == Stat(120.0, 100.0, 140.0, 20.0, 3)  # deviations 20, 20, 0
+    assert agg.stat("p99_ttft_ms") == Stat(240.0, 200.0, 280.0, 40.0, 3)
+    assert dis.value("p99_itl_ms") == 5.0 and agg.total("completed") == 12
+    # Ratios of medians: 50 / 120 and 5 / 20; goodput 1.0 / 0.9.
+    [row] = ratio_rows(points, "aggregated")
+    assert row["median_ttft_ms"] == pytest.approx(50 / 120) and row["p99_itl_ms"] == pytest.approx(0.25)
+    assert row["request_goodput"] == pytest.approx(1 / 0.9)
+    table = format_points_table(points)
+    assert "120.0 [100.0-140.0]" in table and "50.0 [40.0-60.0]" in table and "  3  " in table
+    summary = write_summary(points, "aggregated", repeated / "sweep_summary.json")
+    p0 = summary["points"][0]
+    assert p0["repeats"] == 3 and p0["median_ttft_ms"] == 120.0 and p0["completed"] == 12
+    assert p0["spread"]["median_ttft_ms"] == {"min": 100.0, "max": 140.0, "std": 20.0, "n": 3}
+    assert p0["files"] == [f"aggregated-1qps-r{i}.json" for i in (1, 2, 3)]
+    paths = write_plots(points, repeated, "repeats")  # error bars: min..max
+    assert all(p.read_bytes()[:4] == b"\x89PNG" for p in paths)
 
 
 def test_cli_reports_bad_files_without_starting_anything(tmp_path: pathlib.Path,
