@@ -254,7 +254,10 @@ def _connector_env(args: argparse.Namespace, pools: list[tuple[str, int]],
             stores.stop()
             raise
         log.info("kvstore master %s (logs: %s)", master, stores.workdir)
-        return {"PDCLUSTER_KV_CONNECTOR_OPTIONS": json.dumps({"master": master})}, stores, {"kvstore_master": master}
+        # Every instance sharing this store is one of ours: name their TP sizes so blocks are cut
+        # into as few shards as they need (the connector's default assumes TP 1, 2, 4 and 8).
+        options = {"master": master, "tp_sizes": sorted({args.prefill_tp, args.decode_tp})}
+        return {"PDCLUSTER_KV_CONNECTOR_OPTIONS": json.dumps(options)}, stores, {"kvstore_master": master}
     return {}, None, {}  # a plugin: its options come from --worker-args / the environment
 
 

@@ -46,9 +46,10 @@ def pack_layer(kv_layer: torch.Tensor, layer: int, block_ids: list[int], objects
     cache = kv_layer.unsqueeze(0)  # (1, 2, nb, N, H, C): the kernels' one-layer cache
     dst = logical(objects[:, :, layer:layer + 1])  # (2, 1, n, ...)
     if cache.is_cuda:
-        tmp = torch.empty(dst.shape, dtype=cache.dtype, device=cache.device)
-        pack_kv_blocks_triton(cache, _ids(block_ids, cache.device), tmp, layout.layout, h0, h1)
-        dst.copy_(tmp)
+        with torch.cuda.device(cache.device):  # Triton launches on the thread's current device
+            tmp = torch.empty(dst.shape, dtype=cache.dtype, device=cache.device)
+            pack_kv_blocks_triton(cache, _ids(block_ids, cache.device), tmp, layout.layout, h0, h1)
+            dst.copy_(tmp)
     else:
         pack_kv_blocks_torch(cache, _ids(block_ids, cache.device), dst, layout.layout, h0, h1)
 
@@ -67,8 +68,11 @@ def unpack_blocks(objects: torch.Tensor, kv_cache: torch.Tensor, block_ids: list
         return
     src = logical(objects)
     if kv_cache.is_cuda:
-        dev = src.to(kv_cache.device, non_blocking=False)
-        unpack_kv_blocks_triton(dev, kv_cache, _ids(block_ids, kv_cache.device), layout.layout, h0, h1)
+        # The store's load thread calls this: a new thread's current CUDA device is 0, not the
+        # rank's, and Triton launches on the current device (TP rank r's cache is on cuda:r).
+        with torch.cuda.device(kv_cache.device):
+            dev = src.to(kv_cache.device, non_blocking=False)
+            unpack_kv_blocks_triton(dev, kv_cache, _ids(block_ids, kv_cache.device), layout.layout, h0, h1)
     else:
         unpack_kv_blocks_torch(src, kv_cache, _ids(block_ids, kv_cache.device), layout.layout, h0, h1)
 

@@ -8,7 +8,11 @@ One class for both engine roles; each instance delegates to its half:
 Unlike P2P there is no hand-off between two named engines: every instance saves the full blocks
 it computes and loads the longest prefix any instance stored, so aggregated instances share
 prefixes and a disaggregated decode leg finds its prefill leg's blocks by their hashes. The
-objects are cut into StoreLayout shards, so instances of different TP sizes share them.
+objects are cut into StoreLayout shards, so instances of different TP sizes share them (given the
+same `tp_sizes` or `store_tp_size` option everywhere). With tensor_parallel_size > 1 every rank
+builds its own worker half; the step metadata reaches ranks > 0 through metadata_from_dict, and a
+request's load (or save) counts as done only once every rank reported its shards done, while a
+block any rank failed to load is failed for all (pdcluster/engine/connector_hooks.py).
 Options: options.py. Built by the registry as StoreConnector(role, engine_config, options).
 """
 
@@ -69,6 +73,11 @@ class StoreConnector(KVConnectorBase):
 
     def take_events(self) -> list[KVEvent]:
         return self._s().take_events()
+
+    def metadata_from_dict(self, d: dict[str, Any]) -> KVConnectorMetadata:
+        # TP ranks > 0 receive each step's metadata as its to_dict() inside the step broadcast;
+        # every rank then loads and saves only the StoreLayout shards of its own KV heads.
+        return StoreConnectorMetadata.from_dict(d)
 
     def get_stats(self) -> dict[str, Any]:
         return self._sched.stats() if self._sched is not None else self._w().stats()

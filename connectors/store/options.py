@@ -8,9 +8,14 @@
     model_id             identity of the weights in the key fingerprint (default: the model
                          directory's name + architecture); set it when different weights share a name
     layout               "LBHNC" (default, head-major) | "LBNHC" (token-major)
-    store_tp_size        logical shards per block; default gcd(lcm(tp_sizes), num KV heads)
-    tp_sizes             TP sizes of every instance sharing the store (default: this instance's):
-                         all of them must agree on store_tp_size, so give the same list everywhere
+    store_tp_size        logical shards per block (part of every key: instances share blocks only
+                         when they agree on it); default gcd(lcm(tp_sizes), num KV heads)
+    tp_sizes             TP sizes of the instances sharing the store, the same list on every one of
+                         them (default [1, 2, 4, 8] plus this instance's TP: instances of any of
+                         those sizes share keys without configuration, e.g. a TP=2 prefill pool and
+                         a TP=1 decode pool). A deployment of one TP size can give just that size
+                         (fewer, larger objects per block: [1] stores each block as one object);
+                         one with a TP above 8 must list its sizes on every instance
     load, save           read from / write to the store (default both: any instance reuses any prefix)
     save_decode_blocks   also save blocks filled by generated tokens (default True: multi-turn reuse)
     failure_policy       "recompute" (default: a store is a cache, an object evicted between lookup
@@ -41,6 +46,9 @@ BACKEND_KEYS = {"master", "replica_num", "num_streams", "use_shm", "rpc_timeout_
 _FLOATS = ("wait_for_producer_s", "event_poll_s", "retry_after_error_s", "save_wait_s")
 _INTS = ("save_staging_mib", "load_staging_mib")
 _BOOLS = ("load", "save", "save_decode_blocks")
+# TP sizes assumed to share the store when the tp_sizes option is not given (every power of two a
+# single 8-accelerator node runs): store_tp_size is then the same on all of them.
+DEFAULT_TP_SIZES = (1, 2, 4, 8)
 _KNOWN = BACKEND_KEYS | set(_FLOATS) | set(_INTS) | set(_BOOLS) | {
     "backend", "namespace", "model_id", "layout", "store_tp_size", "tp_sizes", "failure_policy"}
 
@@ -96,9 +104,14 @@ def build_layout(o: dict[str, Any], engine_config: EngineConfig) -> StoreLayout:
     layout = str(o.get("layout", "LBHNC"))
     if layout not in LAYOUTS:
         raise ValueError(f"store layout must be one of {LAYOUTS}, got {layout!r}")
-    tp_sizes = o.get("tp_sizes") or [local_tp]
-    if not isinstance(tp_sizes, (list, tuple)) or not all(isinstance(t, int) and t > 0 for t in tp_sizes):
-        raise ValueError(f"store option tp_sizes must be a list of positive integers, got {tp_sizes!r}")
+    tp_sizes = o.get("tp_sizes")
+    if tp_sizes is None:
+        # Not the local TP alone: then a TP=2 and a TP=1 instance would cut blocks into different
+        # shards, name them differently, and silently never share one.
+        tp_sizes = sorted({*DEFAULT_TP_SIZES, local_tp})
+    if not isinstance(tp_sizes, (list, tuple)) or not tp_sizes \
+            or not all(isinstance(t, int) and not isinstance(t, bool) and t > 0 for t in tp_sizes):
+        raise ValueError(f"store option tp_sizes must be a non-empty list of positive integers, got {tp_sizes!r}")
     if local_tp not in tp_sizes:
         raise ValueError(f"store option tp_sizes={list(tp_sizes)} must include this instance's "
                          f"tensor_parallel_size={local_tp}")
@@ -125,4 +138,4 @@ def _number(name: str, value: Any, allow_zero: bool) -> float:
     return float(value)
 
 
-__all__ = ["StoreOptions", "build_layout"]
+__all__ = ["DEFAULT_TP_SIZES", "StoreOptions", "build_layout"]

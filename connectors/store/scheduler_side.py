@@ -73,8 +73,10 @@ class StoreScheduler:
         self._cancels: list[str] = []
         self._recent: OrderedDict[bytes, float] = OrderedDict()  # hash -> when this instance saved it
         self._down_until = 0.0
+        self._foreign: set[str] = set()  # decode legs whose producer used another key prefix (counted once)
+        self._warned_prefixes: set[Any] = set()
         self.counters: dict[str, int] = {"lookups": 0, "lookup_errors": 0, "hit_tokens": 0, "query_tokens": 0,
-                                         "load_requests": 0, "save_blocks": 0}
+                                         "load_requests": 0, "save_blocks": 0, "foreign_key_prefix": 0}
 
     # -- lookup ----------------------------------------------------------------------------------
     def _lookup(self, req: Request, max_age_s: float) -> list[bool] | None:
@@ -134,12 +136,30 @@ class StoreScheduler:
         if isinstance(num, str) and num.isdigit():
             num = int(num)
         last = p.get("store_last_hash")
-        if not isinstance(num, int) or isinstance(num, bool) or not isinstance(last, str) \
-                or p.get("store_key_prefix") != self.layout.key_prefix:
+        if not isinstance(num, int) or isinstance(num, bool) or not isinstance(last, str):
+            return 0
+        prefix = p.get("store_key_prefix")
+        if prefix != self.layout.key_prefix:
+            self._foreign_prefix(req, prefix)
             return 0
         blocks = min(num // self.block_size, len(req.block_hashes))
         # Mismatched params (another prompt's) must not make this request wait for nothing.
         return blocks if blocks and req.block_hashes[blocks - 1].hex() == last else 0
+
+    def _foreign_prefix(self, req: Request, prefix: Any) -> None:
+        """A decode leg whose producer names blocks differently can never load them: say so (once
+        per prefix), it is a deployment error, not a cache miss."""
+        if req.request_id in self._foreign:
+            return
+        self._foreign.add(req.request_id)
+        self.counters["foreign_key_prefix"] += 1
+        if prefix not in self._warned_prefixes and len(self._warned_prefixes) < 64:
+            self._warned_prefixes.add(prefix)
+            log.warning("store connector: request %s's producer stored its prompt under key prefix %r, this "
+                        "instance uses %r: they differ in namespace, model, dtype, layout, block size or "
+                        "store_tp_size (give every instance sharing the store the same tp_sizes or "
+                        "store_tp_size), so this instance computes the prompt itself",
+                        req.request_id, prefix, self.layout.key_prefix)
 
     def update_state_after_alloc(self, req: Request, block_ids: list[int], num_external_tokens: int) -> None:
         rid = req.request_id
@@ -216,6 +236,7 @@ class StoreScheduler:
         st = self._reqs.pop(rid, None)
         for d in (self._lookups, self._first_seen, self._match):
             d.pop(rid, None)
+        self._foreign.discard(rid)
         if st is not None and st.loading:
             self._cancels.append(rid)
         params = self._producer_params(req)
@@ -229,13 +250,12 @@ class StoreScheduler:
         if not isinstance(p, dict) or not p.get("do_remote_decode"):
             return None
         blocks = min(req.num_prompt_tokens // self.block_size, len(req.block_hashes))
-        if not blocks:
-            return None  # not one full block to save: the decode leg computes the prompt itself
         # producer_id and num_tokens are what every consumer leg carries (service/roles.py); the
-        # store finds blocks by hash, so the producer's identity is for diagnostics only.
+        # store finds blocks by hash, so the producer's identity is for diagnostics only. Without
+        # one full block (num_tokens 0) the decode leg computes the prompt itself.
         return {"connector": "store", "producer_id": _PRODUCER_ID, "num_tokens": blocks * self.block_size,
                 "store_key_prefix": self.layout.key_prefix, "store_num_tokens": blocks * self.block_size,
-                "store_last_hash": req.block_hashes[blocks - 1].hex()}
+                "store_last_hash": req.block_hashes[blocks - 1].hex() if blocks else ""}
 
     def take_events(self) -> list[KVEvent]:
         return self.tracker.take()

@@ -74,11 +74,14 @@ class RoleHandler:
 
 
 def check_consumer_params(kv: dict[str, Any]) -> dict[str, Any]:
-    """What every consumer leg needs, whatever the connector: who produced the KV, which
-    incarnation of it, and how many prompt tokens it covers."""
-    missing = [k for k in ("producer_id", "num_tokens") if not kv.get(k)]
-    if missing:
-        raise ValueError(f"kv_transfer_params: a decode leg needs {', '.join(missing)}")
+    """What every consumer leg needs, whatever the connector: who produced the KV, and how many
+    prompt tokens it covers (unset means none: proto3 does not send a zero; a store producer
+    with less than one full block covers none, and the decode leg computes the prompt)."""
+    if not kv.get("producer_id"):
+        raise ValueError("kv_transfer_params: a decode leg needs producer_id")
+    num = kv.get("num_tokens", 0)
+    if isinstance(num, bool) or not isinstance(num, int) or num < 0:
+        raise ValueError(f"kv_transfer_params.num_tokens must be a non-negative integer, got {num!r}")
     return dict(kv)
 
 

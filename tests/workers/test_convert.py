@@ -105,6 +105,8 @@ def test_roles_with_connector() -> None:
         DecodeRole("p2p").accept({**CONSUMER, "connector": "store"})
     with pytest.raises(ValueError, match="producer_id"):
         DecodeRole("p2p").accept({"do_remote_prefill": True, "num_tokens": 3})
+    with pytest.raises(ValueError, match="num_tokens"):
+        DecodeRole("p2p").accept({"do_remote_prefill": True, "producer_id": "p", "num_tokens": -1})
 
 
 def test_hit_rate_window() -> None:

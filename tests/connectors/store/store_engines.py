@@ -12,10 +12,12 @@ from pdcluster.engine.outputs import RequestOutput
 from pdcluster.sampling_params import SamplingParams
 
 
-def make_engine(model: str, options: dict[str, Any] | None, *, num_blocks: int = 64, role: str = "both") -> LLMEngine:
-    args = EngineArgs(model=model, num_kv_blocks=num_blocks, max_model_len=512, block_size=16, seed=0,
+def make_engine(model: str, options: dict[str, Any] | None, *, num_blocks: int = 64, role: str = "both",
+                tp: int = 1, max_model_len: int = 512) -> LLMEngine:
+    """tp > 1: rank 0 runs here, ranks 1.. are child processes (engine.core.runner.pids)."""
+    args = EngineArgs(model=model, num_kv_blocks=num_blocks, max_model_len=max_model_len, block_size=16, seed=0,
                       dtype="float32", kv_connector="store" if options is not None else None, kv_role=role,
-                      kv_connector_options=options)
+                      kv_connector_options=options, tensor_parallel_size=tp)
     return LLMEngine.from_engine_args(args, connector=engine_connector_factory if options is not None else None)
 
 
@@ -24,9 +26,11 @@ def greedy(max_tokens: int = 8) -> SamplingParams:
 
 
 def generate(engine: LLMEngine, prompts: dict[str, list[int]], sp: SamplingParams | None = None,
-             timeout_s: float = 120.0) -> dict[str, RequestOutput]:
+             timeout_s: float = 120.0, kv: dict[str, dict[str, Any]] | None = None,
+             prior: dict[str, list[int]] | None = None) -> dict[str, RequestOutput]:
+    """kv / prior: per request id, kv_transfer_params and prefill_output_token_ids (a decode leg)."""
     for rid, prompt in prompts.items():
-        req, text = engine.prepare_request(prompt, sp or greedy(), rid, None, None)
+        req, text = engine.prepare_request(prompt, sp or greedy(), rid, (kv or {}).get(rid), (prior or {}).get(rid))
         engine.add_prepared(req, text)
     done: dict[str, RequestOutput] = {}
     deadline = time.monotonic() + timeout_s

@@ -63,7 +63,9 @@ def test_step_larger_than_staging_is_saved_in_chunks(demo_model: str, kvstore_ma
     prompts = {k: [random.Random(k).randrange(3, 500) for _ in range(10 * 16)] for k in "xy"}
     # 1 MiB of staging holds 16 of the demo model's 64 KiB objects; both 10-block prefills run in
     # one step, so its 20-block save does not fit: packed after the forward, 16 + 4, none lost.
-    e = make_engine(demo_model, {"master": kvstore_master, "namespace": "staging", "save_staging_mib": 1})
+    # tp_sizes=[1]: one object per block (by default blocks are cut into the shards TP 1..8 share).
+    e = make_engine(demo_model, {"master": kvstore_master, "namespace": "staging", "save_staging_mib": 1,
+                                 "tp_sizes": [1]})
     ref = make_engine(demo_model, None)
     try:
         got = generate(e, prompts)

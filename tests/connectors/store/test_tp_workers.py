@@ -2,8 +2,7 @@
 real StoreWorkers, a real kvstore) save their shards, a TP=1 rank loads them, and the reverse.
 Also: KV events count a block stored only once every rank's shards landed.
 
-The engine-level P(TP=2) <-> D(TP=1) test waits for the TP executor to carry connector metadata
-(pdcluster/distributed/executor.py refuses a connector with tensor_parallel_size > 1 today)."""
+The engine-level P(TP=2) <-> D(TP=1) tests, real TP ranks included, are in test_store_tp_engines.py."""
 
 from __future__ import annotations
 
