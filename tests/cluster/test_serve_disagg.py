@@ -128,7 +128,7 @@ def test_disaggregated_through_the_store_equals_aggregated(demo_model: str) -> N
     proc, ready = _start_cluster(demo_model, None, connector="store")
     try:
         children = _children(proc.pid)
-        assert len(children) == 4  # prefill and decode workers, kvstore master and node
+        assert len(children) == 4, children  # prefill and decode workers, kvstore master and node
         with Client(ready["grpc"], timeout=120) as client:
             got = [client.generate(p, sp).token_ids for p in PROMPTS]
         assert got == want
@@ -142,5 +142,5 @@ def test_disaggregated_through_the_store_equals_aggregated(demo_model: str) -> N
         assert stats["objects"] > 0 and stats["hit_rate"] > 0, stats  # the decode legs read from it
     finally:
         _stop(proc)
-    assert proc.returncode == 0
+    assert proc.returncode == 0, f"serve exited with {proc.returncode}"
     assert not [pid for pid in children if os.path.exists(f"/proc/{pid}")], "a child outlived serve"
