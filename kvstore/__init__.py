@@ -1,7 +1,7 @@
 """pdcluster.kvstore: a small Mooncake-style distributed object store for KV blocks.
 
-master (metadata, two-phase puts, leases, eviction, op log) -- storage nodes (memory segments
-served on the pdcluster data plane) -- client (zero-copy put/get into caller buffers).
+master (metadata, two-phase puts, write arenas, leases, eviction, op log) -- storage nodes (memory
+segments served on the pdcluster data plane) -- client (zero-copy put/get into caller buffers).
 Entry points: `python -m pdcluster.kvstore.master`, `python -m pdcluster.kvstore.node`, or
 `run_master(args)` / `run_node(args)` with `add_master_args` / `add_node_args`.
 

@@ -44,12 +44,17 @@ class MasterConfig:
     max_batch: int = 4096
     max_object_size: int = 1 << 34
     max_replicas: int = 8
+    # A write arena is at most this fraction of a segment: arenas are speculative space that
+    # eviction cannot touch, so in a small store they must not crowd out the objects.
+    arena_max_fraction: float = 1 / 16
 
     def __post_init__(self) -> None:
         if not 0 < self.low_watermark <= self.high_watermark <= 1:
             raise ValueError("need 0 < low_watermark <= high_watermark <= 1")
         if min(self.lease_ttl_s, self.put_timeout_s, self.node_timeout_s) <= 0 or self.grace_s < 0:
             raise ValueError("timeouts must be positive")
+        if not 0 < self.arena_max_fraction <= 1:
+            raise ValueError("need 0 < arena_max_fraction <= 1")
 
 
 @dataclass(eq=False)

@@ -109,13 +109,15 @@ def add_master_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--node-timeout-s", type=float, default=d.node_timeout_s)
     p.add_argument("--high-watermark", type=float, default=d.high_watermark)
     p.add_argument("--low-watermark", type=float, default=d.low_watermark)
+    p.add_argument("--arena-max-fraction", type=float, default=d.arena_max_fraction,
+                   help="largest write arena, as a fraction of a segment")
     add_tls_server_args(p)
 
 
 def build_master(args: argparse.Namespace) -> MasterServer:
     config = MasterConfig(lease_ttl_s=args.lease_ttl_s, put_timeout_s=args.put_timeout_s, grace_s=args.grace_s,
                           node_timeout_s=args.node_timeout_s, high_watermark=args.high_watermark,
-                          low_watermark=args.low_watermark)
+                          low_watermark=args.low_watermark, arena_max_fraction=args.arena_max_fraction)
     if bool(args.tls_cert) != bool(args.tls_key):
         raise ValueError("--tls-cert and --tls-key go together")
     creds = server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None

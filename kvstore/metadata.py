@@ -8,12 +8,16 @@ Lifecycle of an object:
 
     put_start -> PENDING --put_end--> PUBLISHED --remove / evict / node loss--> gone
                   +--put_revoke / timeout / segment loss--> gone
+    arena_reserve -> arena --arena_commit (any number of times)--> PUBLISHED objects
+                       +--arena_release / expiry / node loss--> gone (its untaken rest quarantined)
 
 Invariants:
 - Only PUBLISHED objects are visible (get/exists); a key has at most one object.
 - Bytes of a gone object are reused only after every token that could touch them has expired:
-  free_at = max(lease_until, write_expiry) + grace. Until then they sit in the quarantine.
-- Eviction skips pinned, leased (lease_until > now) and PENDING objects.
+  free_at = max(lease_until, write_expiry) + grace. Until then they sit in the quarantine. A gone
+  arena's untaken space likewise waits for its (fixed) write_expiry + grace.
+- Eviction skips pinned, leased (lease_until > now) and PENDING objects, and never touches
+  arenas (they are like PENDING puts: counted as used until they go). Arena rules: arena.py.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .allocator import ExtentAllocator
+from .arena import Arena
 from .entities import PENDING, PUBLISHED, MasterConfig, Node, Obj, Placement, Segment, Status
 
 SegSpec = tuple[int, int, str, int]  # segment_id, size, shm_name, incarnation
@@ -36,6 +41,7 @@ class MetadataStore:
         self.cfg = config
         self.nodes: dict[str, Node] = {}
         self.objects: dict[str, Obj] = {}
+        self.arenas: dict[str, Arena] = {}
         self.lru: OrderedDict[str, None] = OrderedDict()  # PUBLISHED keys, least recently used first
         self.quarantine: list[tuple[int, int, list[Placement]]] = []  # heap of (free_at, seq, extents)
         self.quarantined_bytes = 0
@@ -64,16 +70,11 @@ class MetadataStore:
     # -- puts --------------------------------------------------------------------------------
     def put_start(self, key: str, size: int, replica_num: int, pinned: bool, now: int) -> tuple[Status, Obj | None]:
         cfg = self.cfg
-        if not key or len(key.encode()) > cfg.max_key_len or not 0 < size <= cfg.max_object_size:
+        if not self._valid_key(key) or not 0 < size <= cfg.max_object_size:
             return Status.INVALID, None
-        if (obj := self.objects.get(key)) is not None:
-            return (Status.ALREADY_EXISTS if obj.state == PUBLISHED else Status.IN_PROGRESS), None
-        replica_num = max(1, min(replica_num, cfg.max_replicas))
-        placements = self._place(size, replica_num)
-        evicted = 0
-        while not placements and evicted < 256 and self._evict_one(now):  # make room, LRU first
-            evicted += 1
-            placements = self._place(size, replica_num)
+        if (st := self._key_taken(key)) is not None:
+            return st, None
+        placements = self._place_evicting(size, replica_num, now)
         if not placements:
             self.counters["put_no_space"] += 1
             return Status.NO_SPACE, None
@@ -84,6 +85,24 @@ class MetadataStore:
                     "wexp": wexp, "pl": [encode_placement(p) for p in placements]})
         self.counters["puts_started"] += 1
         return Status.OK, self.objects[key]
+
+    def _valid_key(self, key: str) -> bool:
+        return bool(key) and len(key.encode()) <= self.cfg.max_key_len
+
+    def _key_taken(self, key: str) -> Status | None:
+        obj = self.objects.get(key)
+        if obj is None:
+            return None
+        return Status.ALREADY_EXISTS if obj.state == PUBLISHED else Status.IN_PROGRESS
+
+    def _place_evicting(self, size: int, replica_num: int, now: int) -> list[Placement]:
+        replica_num = max(1, min(replica_num, self.cfg.max_replicas))
+        placements = self._place(size, replica_num)
+        evicted = 0
+        while not placements and evicted < 256 and self._evict_one(now):  # make room, LRU first
+            evicted += 1
+            placements = self._place(size, replica_num)
+        return placements
 
     def _place(self, size: int, replica_num: int) -> list[Placement]:
         """Best effort: up to replica_num extents on distinct nodes, emptiest segments first."""
@@ -118,6 +137,70 @@ class MetadataStore:
             return Status.NOT_FOUND
         self._delete_logged(obj, now, "puts_revoked")
         return Status.OK
+
+    # -- arenas (one-RPC puts; rules in arena.py) ----------------------------------------------
+    def arena_reserve(self, size: int, replica_num: int, now: int) -> tuple[Status, Arena | None]:
+        """An arena of `size` bytes or less: at most arena_max_fraction of the largest segment.
+        Never evicts: an arena is speculative space (the client falls back to two-phase puts,
+        which do evict), and making room for it would push out objects just published."""
+        if not 0 < size <= self.cfg.max_object_size:
+            return Status.INVALID, None
+        cap = int(max((s.alloc.capacity for s in self.segments()), default=0) * self.cfg.arena_max_fraction)
+        size = min(size, cap - cap % self.cfg.align)
+        replica_num = max(1, min(replica_num, self.cfg.max_replicas))
+        placements = self._place(size, replica_num) if size > 0 else []
+        if not placements:
+            self.counters["arena_no_space"] += 1
+            return Status.NO_SPACE, None
+        arena_id = secrets.token_hex(16)
+        wexp = now + self._ms(self.cfg.put_timeout_s)  # fixed: see arena.py
+        self._do_arena_reserve(arena_id, wexp, placements)
+        self._emit({"op": "arena", "id": arena_id, "wexp": wexp,
+                    "pl": [encode_placement(p) + [p.alloc_size] for p in placements]})
+        self.counters["arenas_reserved"] += 1
+        return Status.OK, self.arenas[arena_id]
+
+    def arena_commit(self, arena_id: str, items: Sequence[tuple[str, int, int]], pinned: bool,
+                     now: int) -> tuple[Status, list[Status]]:
+        """Publish each (key, offset, size) written into the arena. NOT_FOUND (for the call and
+        every item) once the arena is gone or its write tokens expired."""
+        arena = self.arenas.get(arena_id)
+        if arena is None or now > arena.write_expiry_ms:
+            return Status.NOT_FOUND, [Status.NOT_FOUND] * len(items)
+        statuses, done = [], []
+        for key, off, size in items:
+            if not self._valid_key(key) or not 0 < size or not arena.fits(off, self._round(size), self.cfg.align):
+                statuses.append(Status.INVALID)
+            elif (st := self._key_taken(key)) is not None:
+                statuses.append(st)
+            else:  # applied one by one so a later item overlapping this one is INVALID
+                self._do_arena_commit(arena_id, [(key, off, size)], pinned)
+                done.append([key, off, size])
+                statuses.append(Status.OK)
+        if done:
+            self._emit({"op": "acommit", "id": arena_id, "pinned": pinned, "items": done})
+            self.counters["puts_completed"] += len(done)
+            self.counters["arena_objects"] += len(done)
+            self.evict_to_watermark(now)
+        return Status.OK, statuses
+
+    def arena_release(self, arena_id: str, now: int) -> Status:
+        arena = self.arenas.get(arena_id)
+        if arena is None:
+            return Status.NOT_FOUND
+        self._release_logged(arena, now, "arenas_released")
+        return Status.OK
+
+    def _round(self, size: int) -> int:
+        return max(self.cfg.align, -(-size // self.cfg.align) * self.cfg.align)
+
+    def _release_logged(self, arena: Arena, now: int, counter: str) -> None:
+        # Not sooner than expiry + grace, even when released early: the client's WRITE tokens
+        # cover the whole arena until its expiry.
+        free_at = arena.write_expiry_ms + self._ms(self.cfg.grace_s)
+        self._do_arena_release(arena.arena_id, free_at, now)
+        self._emit({"op": "arel", "id": arena.arena_id, "free_at": free_at})
+        self.counters[counter] += 1
 
     # -- reads -------------------------------------------------------------------------------
     def get(self, key: str, now: int) -> Obj | None:
@@ -192,6 +275,8 @@ class MetadataStore:
         """Periodic: reclaim timed-out puts, drop silent nodes, release quarantine, evict."""
         for obj in [o for o in self.objects.values() if o.state == PENDING and now > o.write_expiry_ms]:
             self._delete_logged(obj, now, "puts_timed_out")
+        for arena in [a for a in self.arenas.values() if now > a.write_expiry_ms]:
+            self._release_logged(arena, now, "arenas_expired")
         dead_after = self._ms(self.cfg.node_timeout_s)
         for node_id in [n.node_id for n in self.nodes.values() if now - n.last_seen_ms > dead_after]:
             self.counters["nodes_lost"] += 1
@@ -211,6 +296,22 @@ class MetadataStore:
         obj.state = PUBLISHED
         self.lru[key] = None
         self.published_bytes += obj.size
+
+    def _do_arena_reserve(self, arena_id: str, wexp: int, placements: list[Placement]) -> None:
+        self.arenas[arena_id] = Arena(arena_id, placements[0].alloc_size, placements, wexp)
+
+    def _do_arena_commit(self, arena_id: str, items: Sequence[tuple[str, int, int]], pinned: bool) -> None:
+        arena = self.arenas[arena_id]
+        for key, off, size in items:
+            n = self._round(size)
+            arena.take(off, n)  # from here on the object owns (and eventually frees) this range
+            self.objects[key] = Obj(key, size, arena.sub_placements(off, n), PENDING, arena_id, pinned,
+                                    arena.write_expiry_ms)
+            self._do_publish(key)
+
+    def _do_arena_release(self, arena_id: str, free_at: int, now: int) -> None:
+        arena = self.arenas.pop(arena_id)
+        self._retire(arena.owned_extents(), free_at, now)
 
     def _delete_logged(self, obj: Obj, now: int, counter: str) -> None:
         free_at = max(obj.lease_until_ms, obj.write_expiry_ms) + self._ms(self.cfg.grace_s)
@@ -276,6 +377,11 @@ class MetadataStore:
             if obj.state == PENDING or not obj.placements:  # no partial puts, no empty objects
                 self._do_delete(obj.key, max(obj.lease_until_ms, obj.write_expiry_ms) + grace, now)
                 self.counters["objects_lost"] += 1
+        # An arena that lost a replica goes whole (like a PENDING put); its extents on the gone
+        # segments are skipped by _retire/_free, the rest waits out the arena's tokens.
+        for arena in [a for a in self.arenas.values() if any(id(p.seg) in gone for p in a.placements)]:
+            self._do_arena_release(arena.arena_id, arena.write_expiry_ms + grace, now)
+            self.counters["arenas_lost"] += 1
 
     # -- stats -------------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:
@@ -284,7 +390,8 @@ class MetadataStore:
             "objects": len(self.lru), "pending_puts": len(self.objects) - len(self.lru),
             "object_bytes": self.published_bytes, "used_bytes": self.used(),
             "capacity_bytes": self.capacity(), "quarantined_bytes": self.quarantined_bytes,
-            "nodes": len(self.nodes), "segments": len(self.segments()), "hits": hits, "misses": misses,
+            "nodes": len(self.nodes), "segments": len(self.segments()), "arenas": len(self.arenas),
+            "hits": hits, "misses": misses,
             "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
             "evictions": self.counters["evictions"], **{k: v for k, v in self.counters.items()
                                                         if k not in ("hits", "misses", "evictions")},

@@ -8,7 +8,9 @@ After replay (`finish_recovery`):
 - PENDING puts are dropped (their bytes quarantined until their write tokens expire);
 - every object is treated as leased for one lease period, because read tokens issued before
   the crash may still be valid;
-- every node gets a full node_timeout to heartbeat before it is declared dead.
+- every node gets a full node_timeout to heartbeat before it is declared dead;
+- arenas stay as they were: their space is reserved (and commits into them accepted) until their
+  fixed expiry, then tick() quarantines the rest until expiry + grace, as without the restart.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from .entities import PENDING, PUBLISHED, Placement
 from .metadata import MetadataStore, encode_placement
 from .oplog import OpLogCorrupt
 
-SNAPSHOT_VERSION = 1
+SNAPSHOT_VERSION = 2  # 2 added arenas; 1 (no arenas) still loads
 
 
 def _placements(store: MetadataStore, raw: Any, size: int | None, alloc_sizes: list[int] | None = None,
@@ -55,6 +57,17 @@ def apply_record(store: MetadataStore, rec: dict[str, Any], now: int) -> None:
             store._do_start(str(rec["key"]), size, str(rec["put_id"]), bool(rec["pinned"]), int(rec["wexp"]), pl)
         elif op == "put":
             store._do_publish(str(rec["key"]))
+        elif op == "arena":
+            pl = _placements(store, rec["pl"], None, [int(e[4]) for e in rec["pl"]])
+            store._do_arena_reserve(str(rec["id"]), int(rec["wexp"]), pl)
+        elif op == "acommit":
+            if rec["id"] not in store.arenas:
+                raise OpLogCorrupt(f"commit into unknown arena {rec['id']!r}")
+            items = [(str(k), int(off), int(size)) for k, off, size in rec["items"]]
+            store._do_arena_commit(str(rec["id"]), items, bool(rec["pinned"]))
+        elif op == "arel":
+            if rec["id"] in store.arenas:  # may already be gone with its segment
+                store._do_arena_release(str(rec["id"]), int(rec["free_at"]), now)
         elif op == "del":
             if rec["key"] in store.objects:  # may already be gone with its segment
                 store._do_delete(str(rec["key"]), int(rec["free_at"]), now)
@@ -79,12 +92,15 @@ def snapshot_state(store: MetadataStore) -> dict[str, Any]:
                         [encode_placement(p) for p in o.placements]])
     quarantine = [[free_at, [encode_placement(p) + [p.alloc_size] for p in ext if store._live(p)]]
                   for free_at, _, ext in store.quarantine]
-    return {"version": SNAPSHOT_VERSION, "nodes": nodes, "objects": objects, "quarantine": quarantine}
+    arenas = [[a.arena_id, a.write_expiry_ms, [encode_placement(p) + [p.alloc_size] for p in a.placements],
+               [list(r) for r in a.taken()]] for a in store.arenas.values()]
+    return {"version": SNAPSHOT_VERSION, "nodes": nodes, "objects": objects, "quarantine": quarantine,
+            "arenas": arenas}
 
 
 def load_snapshot(store: MetadataStore, snap: dict[str, Any], now: int) -> None:
     try:
-        if snap.get("version") != SNAPSHOT_VERSION:
+        if snap.get("version") not in (1, SNAPSHOT_VERSION):
             raise OpLogCorrupt(f"unsupported snapshot version {snap.get('version')!r}")
         for node_id, host, port, host_id, segs in snap["nodes"]:
             specs = [(int(s[0]), int(s[1]), str(s[2]), int(s[3])) for s in segs]
@@ -97,6 +113,16 @@ def load_snapshot(store: MetadataStore, snap: dict[str, Any], now: int) -> None:
         for free_at, ext in snap["quarantine"]:
             pl = _placements(store, ext, None, [int(e[4]) for e in ext])
             store._retire(pl, int(free_at), now)
+        for arena_id, wexp, pl, taken in snap.get("arenas", []):
+            # The arena owns only what no object took (those ranges were reserved by their objects
+            # or their quarantine above): reserve exactly that.
+            store._do_arena_reserve(str(arena_id), int(wexp),
+                                    _placements(store, pl, None, [int(e[4]) for e in pl], reserve=False))
+            arena = store.arenas[str(arena_id)]
+            for start, end in taken:
+                arena.take(int(start), int(end) - int(start))
+            for p in arena.owned_extents():
+                p.seg.alloc.reserve(p.offset, p.alloc_size)
     except OpLogCorrupt:
         raise
     except (KeyError, TypeError, ValueError, IndexError) as e:

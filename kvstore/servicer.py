@@ -1,8 +1,9 @@
 """gRPC servicer of the master: validates requests, calls MetadataStore under the lock, mints tokens.
 
-Tokens are bound to exactly one object's bytes on one segment: READ tokens expire with the get's
-lease, WRITE tokens with the put's deadline. The store guarantees those bytes are not reused
-before expiry + grace, so a token can never reach another object's data.
+Tokens are bound to exactly one object's bytes (or one write arena's extent) on one segment: READ
+tokens expire with the get's lease, WRITE tokens with the put's or arena's deadline. The store
+guarantees those bytes are not reused before expiry + grace, so a token can never reach another
+object's data.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pdcluster._proto import kvstore_pb2_grpc as pb_grpc
 from pdcluster.transfer import OP_READ, OP_WRITE
 
 from .core import MasterCore
-from .entities import Obj, Status
+from .entities import Node, Placement, Segment, Status
 
 
 class MasterServicer(pb_grpc.KVStoreMasterServicer):
@@ -24,37 +25,57 @@ class MasterServicer(pb_grpc.KVStoreMasterServicer):
         self.core = core
         self.store = core.store
         self.cfg = core.config
+        self._templates: dict[int, tuple[Segment, tuple[str, int, str], pb.KVReplica]] = {}
 
     def _check_batch(self, n: int, ctx: grpc.ServicerContext) -> None:
         if n > self.cfg.max_batch:
             ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"batch of {n} exceeds {self.cfg.max_batch}")
 
-    def _replicas(self, obj: Obj, op: int, expiry_ms: int) -> list[pb.KVReplica]:
-        out = []
-        for p in obj.placements:
-            node = self.store.nodes[p.seg.node_id]
-            out.append(pb.KVReplica(
-                node_id=node.node_id, segment_id=p.seg.segment_id, data_host=node.data_host,
-                data_port=node.data_port, host_id=node.host_id, shm_name=p.seg.shm_name,
-                segment_size=p.seg.size, offset=p.offset, size=obj.size,
-                token=self.core.token(p, op, obj.size, expiry_ms)))
-        return out
+    def _add_replicas(self, out: Any, placements: list[Placement], size: int, op: int, expiry_ms: int,
+                      shm_host_id: str = "") -> None:
+        """Append a KVReplica per placement to the repeated field `out`. shm_host_id: the caller
+        copies replicas on that host through shared memory, which needs no token, so none is
+        minted for them. Replicas are copied from a per-segment template and then patched:
+        building an 11-field message from keyword arguments costs several times more, and that
+        was most of the master's per-key time."""
+        for p in placements:
+            node: Node = self.store.nodes[p.seg.node_id]
+            r = out.add()
+            r.CopyFrom(self._template(node, p.seg))
+            r.offset = p.offset
+            r.size = size
+            if not (shm_host_id and node.host_id == shm_host_id and p.seg.shm_name):
+                r.token = self.core.token(p, op, size, expiry_ms)
+
+    def _template(self, node: Node, seg: Segment) -> pb.KVReplica:
+        # Called under core.lock (like everything that reads the store), which also guards the cache.
+        where = (node.data_host, node.data_port, node.host_id)
+        hit = self._templates.get(id(seg))
+        if hit is None or hit[0] is not seg or hit[1] != where:  # new segment, or its node moved
+            if len(self._templates) > 4 * len(self.store.segments()) + 64:
+                self._templates.clear()  # drop templates of unmounted segments now and then
+            t = pb.KVReplica(node_id=node.node_id, segment_id=seg.segment_id, data_host=node.data_host,
+                             data_port=node.data_port, host_id=node.host_id, shm_name=seg.shm_name,
+                             segment_size=seg.size)
+            hit = self._templates[id(seg)] = (seg, where, t)
+        return hit[2]
 
     # -- objects -----------------------------------------------------------------------------
     def PutStart(self, req: pb.KVPutStartRequest, ctx: grpc.ServicerContext) -> pb.KVPutStartResponse:
         self._check_batch(len(req.items), ctx)
-        results = []
+        resp = pb.KVPutStartResponse()
         with self.core.lock:
             now = self.core.clock()
             for item in req.items:
                 status, obj = self.store.put_start(item.key, item.size, req.replica_num or 1, req.pinned, now)
-                res = pb.KVPutStartResult(key=item.key, status=int(status))
+                res = resp.results.add()
+                res.key = item.key
+                res.status = int(status)
                 if obj is not None:
                     res.put_id = obj.put_id
                     res.token_expiry_ms = obj.write_expiry_ms
-                    res.replicas.extend(self._replicas(obj, OP_WRITE, obj.write_expiry_ms))
-                results.append(res)
-        return pb.KVPutStartResponse(results=results)
+                    self._add_replicas(res.replicas, obj.placements, obj.size, OP_WRITE, obj.write_expiry_ms)
+        return resp
 
     def PutEnd(self, req: pb.KVPutEndRequest, ctx: grpc.ServicerContext) -> pb.KVPutEndResponse:
         self._check_batch(len(req.puts), ctx)
@@ -69,21 +90,45 @@ class MasterServicer(pb_grpc.KVStoreMasterServicer):
             return pb.KVPutRevokeResponse(statuses=[int(self.store.put_revoke(p.key, p.put_id, now))
                                                     for p in req.puts])
 
+    def ReserveArena(self, req: pb.KVReserveArenaRequest, ctx: grpc.ServicerContext) -> pb.KVReserveArenaResponse:
+        with self.core.lock:
+            status, arena = self.store.arena_reserve(req.size, req.replica_num or 1, self.core.clock())
+            if arena is None:
+                return pb.KVReserveArenaResponse(status=int(status))
+            resp = pb.KVReserveArenaResponse(status=int(Status.OK), arena_id=arena.arena_id, size=arena.size,
+                                             align=self.cfg.align, token_expiry_ms=arena.write_expiry_ms)
+            self._add_replicas(resp.replicas, arena.placements, arena.size, OP_WRITE, arena.write_expiry_ms)
+            return resp
+
+    def CommitArena(self, req: pb.KVCommitArenaRequest, ctx: grpc.ServicerContext) -> pb.KVCommitArenaResponse:
+        self._check_batch(len(req.items), ctx)
+        items = [(it.key, it.offset, it.size) for it in req.items]
+        with self.core.lock:
+            status, statuses = self.store.arena_commit(req.arena_id, items, req.pinned, self.core.clock())
+        return pb.KVCommitArenaResponse(status=int(status), statuses=[int(s) for s in statuses])
+
+    def ReleaseArena(self, req: pb.KVReleaseArenaRequest, ctx: grpc.ServicerContext) -> pb.KVReleaseArenaResponse:
+        with self.core.lock:
+            return pb.KVReleaseArenaResponse(status=int(self.store.arena_release(req.arena_id, self.core.clock())))
+
     def GetReplicas(self, req: pb.KVGetReplicasRequest, ctx: grpc.ServicerContext) -> pb.KVGetReplicasResponse:
         self._check_batch(len(req.keys), ctx)
-        results = []
+        resp = pb.KVGetReplicasResponse()
         with self.core.lock:
             now = self.core.clock()
             for key in req.keys:
+                res = resp.results.add()
+                res.key = key
                 obj = self.store.get(key, now)
                 if obj is None:
-                    results.append(pb.KVGetReplicasResult(key=key, status=int(Status.NOT_FOUND)))
+                    res.status = int(Status.NOT_FOUND)
                     continue
+                res.size = obj.size
+                res.lease_expiry_ms = obj.lease_until_ms
                 # The token dies with the lease the store just granted.
-                results.append(pb.KVGetReplicasResult(
-                    key=key, status=int(Status.OK), size=obj.size, lease_expiry_ms=obj.lease_until_ms,
-                    replicas=self._replicas(obj, OP_READ, obj.lease_until_ms)))
-        return pb.KVGetReplicasResponse(results=results)
+                self._add_replicas(res.replicas, obj.placements, obj.size, OP_READ, obj.lease_until_ms,
+                                   req.shm_host_id)
+        return resp
 
     def Exists(self, req: pb.KVExistsRequest, ctx: grpc.ServicerContext) -> pb.KVExistsResponse:
         with self.core.lock:

@@ -120,11 +120,77 @@ class KVPutRevokeResponse(_message.Message):
     statuses: _containers.RepeatedScalarFieldContainer[KVStatus]
     def __init__(self, statuses: _Optional[_Iterable[_Union[KVStatus, str]]] = ...) -> None: ...
 
+class KVReserveArenaRequest(_message.Message):
+    __slots__ = ("size", "replica_num")
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_NUM_FIELD_NUMBER: _ClassVar[int]
+    size: int
+    replica_num: int
+    def __init__(self, size: _Optional[int] = ..., replica_num: _Optional[int] = ...) -> None: ...
+
+class KVReserveArenaResponse(_message.Message):
+    __slots__ = ("status", "arena_id", "size", "align", "replicas", "token_expiry_ms")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ARENA_ID_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    ALIGN_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_EXPIRY_MS_FIELD_NUMBER: _ClassVar[int]
+    status: KVStatus
+    arena_id: str
+    size: int
+    align: int
+    replicas: _containers.RepeatedCompositeFieldContainer[KVReplica]
+    token_expiry_ms: int
+    def __init__(self, status: _Optional[_Union[KVStatus, str]] = ..., arena_id: _Optional[str] = ..., size: _Optional[int] = ..., align: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[KVReplica, _Mapping]]] = ..., token_expiry_ms: _Optional[int] = ...) -> None: ...
+
+class KVArenaItem(_message.Message):
+    __slots__ = ("key", "offset", "size")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    offset: int
+    size: int
+    def __init__(self, key: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
+
+class KVCommitArenaRequest(_message.Message):
+    __slots__ = ("arena_id", "items", "pinned")
+    ARENA_ID_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    arena_id: str
+    items: _containers.RepeatedCompositeFieldContainer[KVArenaItem]
+    pinned: bool
+    def __init__(self, arena_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[KVArenaItem, _Mapping]]] = ..., pinned: _Optional[bool] = ...) -> None: ...
+
+class KVCommitArenaResponse(_message.Message):
+    __slots__ = ("status", "statuses")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    status: KVStatus
+    statuses: _containers.RepeatedScalarFieldContainer[KVStatus]
+    def __init__(self, status: _Optional[_Union[KVStatus, str]] = ..., statuses: _Optional[_Iterable[_Union[KVStatus, str]]] = ...) -> None: ...
+
+class KVReleaseArenaRequest(_message.Message):
+    __slots__ = ("arena_id",)
+    ARENA_ID_FIELD_NUMBER: _ClassVar[int]
+    arena_id: str
+    def __init__(self, arena_id: _Optional[str] = ...) -> None: ...
+
+class KVReleaseArenaResponse(_message.Message):
+    __slots__ = ("status",)
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    status: KVStatus
+    def __init__(self, status: _Optional[_Union[KVStatus, str]] = ...) -> None: ...
+
 class KVGetReplicasRequest(_message.Message):
-    __slots__ = ("keys",)
+    __slots__ = ("keys", "shm_host_id")
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    SHM_HOST_ID_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, keys: _Optional[_Iterable[str]] = ...) -> None: ...
+    shm_host_id: str
+    def __init__(self, keys: _Optional[_Iterable[str]] = ..., shm_host_id: _Optional[str] = ...) -> None: ...
 
 class KVGetReplicasResult(_message.Message):
     __slots__ = ("key", "status", "size", "replicas", "lease_expiry_ms")

@@ -49,6 +49,21 @@ class KVStoreMasterStub:
                 request_serializer=pdcluster_dot_v1_dot_kvstore__pb2.KVPutRevokeRequest.SerializeToString,
                 response_deserializer=pdcluster_dot_v1_dot_kvstore__pb2.KVPutRevokeResponse.FromString,
                 _registered_method=True)
+        self.ReserveArena = channel.unary_unary(
+                '/pdcluster.v1.KVStoreMaster/ReserveArena',
+                request_serializer=pdcluster_dot_v1_dot_kvstore__pb2.KVReserveArenaRequest.SerializeToString,
+                response_deserializer=pdcluster_dot_v1_dot_kvstore__pb2.KVReserveArenaResponse.FromString,
+                _registered_method=True)
+        self.CommitArena = channel.unary_unary(
+                '/pdcluster.v1.KVStoreMaster/CommitArena',
+                request_serializer=pdcluster_dot_v1_dot_kvstore__pb2.KVCommitArenaRequest.SerializeToString,
+                response_deserializer=pdcluster_dot_v1_dot_kvstore__pb2.KVCommitArenaResponse.FromString,
+                _registered_method=True)
+        self.ReleaseArena = channel.unary_unary(
+                '/pdcluster.v1.KVStoreMaster/ReleaseArena',
+                request_serializer=pdcluster_dot_v1_dot_kvstore__pb2.KVReleaseArenaRequest.SerializeToString,
+                response_deserializer=pdcluster_dot_v1_dot_kvstore__pb2.KVReleaseArenaResponse.FromString,
+                _registered_method=True)
         self.GetReplicas = channel.unary_unary(
                 '/pdcluster.v1.KVStoreMaster/GetReplicas',
                 request_serializer=pdcluster_dot_v1_dot_kvstore__pb2.KVGetReplicasRequest.SerializeToString,
@@ -109,6 +124,27 @@ class KVStoreMasterServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PutRevoke(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReserveArena(self, request, context):
+        """One-RPC puts: reserve a write arena once (extents + write tokens for the whole of it), write
+        many objects into it, publish each batch with one CommitArena. The arena's space that no
+        object took is reused only after its write tokens expired (+ grace), released or not.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitArena(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseArena(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -181,6 +217,21 @@ def add_KVStoreMasterServicer_to_server(servicer, server):
                     servicer.PutRevoke,
                     request_deserializer=pdcluster_dot_v1_dot_kvstore__pb2.KVPutRevokeRequest.FromString,
                     response_serializer=pdcluster_dot_v1_dot_kvstore__pb2.KVPutRevokeResponse.SerializeToString,
+            ),
+            'ReserveArena': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReserveArena,
+                    request_deserializer=pdcluster_dot_v1_dot_kvstore__pb2.KVReserveArenaRequest.FromString,
+                    response_serializer=pdcluster_dot_v1_dot_kvstore__pb2.KVReserveArenaResponse.SerializeToString,
+            ),
+            'CommitArena': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitArena,
+                    request_deserializer=pdcluster_dot_v1_dot_kvstore__pb2.KVCommitArenaRequest.FromString,
+                    response_serializer=pdcluster_dot_v1_dot_kvstore__pb2.KVCommitArenaResponse.SerializeToString,
+            ),
+            'ReleaseArena': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseArena,
+                    request_deserializer=pdcluster_dot_v1_dot_kvstore__pb2.KVReleaseArenaRequest.FromString,
+                    response_serializer=pdcluster_dot_v1_dot_kvstore__pb2.KVReleaseArenaResponse.SerializeToString,
             ),
             'GetReplicas': grpc.unary_unary_rpc_method_handler(
                     servicer.GetReplicas,
@@ -304,6 +355,87 @@ class KVStoreMaster:
             '/pdcluster.v1.KVStoreMaster/PutRevoke',
             pdcluster_dot_v1_dot_kvstore__pb2.KVPutRevokeRequest.SerializeToString,
             pdcluster_dot_v1_dot_kvstore__pb2.KVPutRevokeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReserveArena(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdcluster.v1.KVStoreMaster/ReserveArena',
+            pdcluster_dot_v1_dot_kvstore__pb2.KVReserveArenaRequest.SerializeToString,
+            pdcluster_dot_v1_dot_kvstore__pb2.KVReserveArenaResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitArena(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdcluster.v1.KVStoreMaster/CommitArena',
+            pdcluster_dot_v1_dot_kvstore__pb2.KVCommitArenaRequest.SerializeToString,
+            pdcluster_dot_v1_dot_kvstore__pb2.KVCommitArenaResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseArena(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdcluster.v1.KVStoreMaster/ReleaseArena',
+            pdcluster_dot_v1_dot_kvstore__pb2.KVReleaseArenaRequest.SerializeToString,
+            pdcluster_dot_v1_dot_kvstore__pb2.KVReleaseArenaResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -135,3 +135,52 @@ def test_snapshot_drops_old_logs_and_fsync_always(tmp_path) -> None:
     logs = [f for f in os.listdir(tmp_path) if f.startswith("oplog.")]
     assert len(logs) == 1 and os.path.getsize(os.path.join(tmp_path, logs[0])) == 0
     c.close()
+
+
+@pytest.mark.parametrize("snapshot_midway", [False, True])
+def test_restart_replays_arenas_and_their_objects(tmp_path, snapshot_midway: bool) -> None:
+    clock = Clock()
+    c = core(tmp_path, clock)
+    s = c.store
+    with c.lock:
+        s.mount("n0", "127.0.0.1", 9000, "h", [(1, 1 << 20, "pdcluster-a", 11)], clock())
+        s.mount("n1", "127.0.0.1", 9001, "h", [(1, 1 << 20, "pdcluster-b", 12)], clock())
+        _, a = s.arena_reserve(64 << 10, 2, clock())
+        s.arena_commit(a.arena_id, [("a0", 0, 1000), ("a1", 1024, 3000)], False, clock())
+        _, b = s.arena_reserve(8192, 1, clock())
+        s.arena_commit(b.arena_id, [("b0", 0, 100)], True, clock())
+        s.arena_release(b.arena_id, clock())
+    if snapshot_midway:
+        c.snapshot()
+    with c.lock:
+        assert s.arena_commit(a.arena_id, [("a2", 8192, 500)], False, clock())[1] == [Status.OK]
+        s.remove("a1", clock())
+    want, used, taken = published(c), s.used(), a.taken()
+    c.close()  # like a crash
+    clock.t += 1000
+    c2 = core(tmp_path, clock)
+    s2 = c2.store
+    assert published(c2) == want and s2.used() == used and s2.quarantined_bytes == s.quarantined_bytes
+    assert list(s2.arenas) == [a.arena_id]  # the released one stays released
+    a2 = s2.arenas[a.arena_id]
+    assert a2.taken() == taken and a2.write_expiry_ms == a.write_expiry_ms and a2.size == a.size
+    with c2.lock:  # the arena keeps taking commits (its client's tokens are still live) ...
+        assert s2.arena_commit(a.arena_id, [("a3", 16384, 10), ("x", 0, 10)], False, clock()) == (
+            Status.OK, [Status.OK, Status.INVALID])
+        st, obj = s2.put_start("new", 4000, 1, False, clock())  # ... and nothing else gets its space
+        p = obj.placements[0]
+        arena_ext = {q.seg.node_id: (q.offset, q.offset + q.alloc_size) for q in a2.placements}
+        lo, hi = arena_ext[p.seg.node_id]
+        assert st == Status.OK and (p.offset >= hi or p.offset + p.alloc_size <= lo)
+        s2.put_end("new", obj.put_id, clock())
+    clock.t = a.write_expiry_ms + 1
+    c2.tick()
+    assert not s2.arenas and s2.quarantined_bytes > 0  # expired: the rest waits out the grace
+    clock.t = a.write_expiry_ms + 2000
+    c2.tick()
+    objects_bytes = sum(p.alloc_size for o in s2.objects.values() for p in o.placements)
+    assert s2.quarantined_bytes == 0 and s2.used() == objects_bytes
+    c2.close()
+    c3 = core(tmp_path, clock)  # the expiry was logged too
+    assert not c3.store.arenas and c3.store.used() == objects_bytes and "a3" in published(c3)
+    c3.close()
