@@ -6,13 +6,18 @@ private memory (bytearray, numpy array, CPU torch tensor, mmap) or a named share
 
 Shared segments deliberately avoid `multiprocessing.shared_memory`: its resource tracker unlinks
 segments it thinks leaked when *any* process that opened them exits. Here only the creating
-process (the owner) unlinks, in `close()`; openers just unmap. Access control for shared
+process (the owner) unlinks, in `close()`; openers just unmap. An owner that is killed cannot
+unlink, so every owner holds a shared flock on its segment for its lifetime (the kernel drops it
+when the process dies, whatever its pid namespace), and the first segment a process creates
+first reaps this user's segments that nobody holds any more (`reap_orphaned_segments`). Access control for shared
 segments is the file mode (0600: same OS user) plus the control plane only telling authorised
 clients the segment name.
 """
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import mmap
 import os
 import re
@@ -21,6 +26,7 @@ import tempfile
 import threading
 from typing import Any
 
+log = logging.getLogger(__name__)
 SHM_PREFIX = "pdcluster-"
 _SHM_NAME = re.compile(r"^pdcluster-[A-Za-z0-9_.-]{1,100}$")
 
@@ -55,8 +61,9 @@ class Region:
     """A registered buffer. `view` is a flat writable byte memoryview of `nbytes`."""
 
     def __init__(self, view: memoryview, *, owner_ref: Any = None, shm_name: str | None = None,
-                 owns_shm: bool = False, mm: mmap.mmap | None = None) -> None:
+                 owns_shm: bool = False, mm: mmap.mmap | None = None, lock_fd: int | None = None) -> None:
         self.view = view
+        self._lock_fd = lock_fd  # an owner's open segment file, flocked while the segment lives
         self.nbytes = view.nbytes
         self.shm_name = shm_name
         self._owner_ref = owner_ref  # keeps the underlying object alive
@@ -104,6 +111,9 @@ class Region:
                 os.unlink(_shm_path(self.shm_name))
             except FileNotFoundError:
                 pass
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # drops the flock
+            self._lock_fd = None
         try:
             self.view.release()
             if self._mmap is not None:
@@ -130,18 +140,81 @@ def alloc_region(nbytes: int, shared: bool = False, name: str | None = None) -> 
         raise ValueError("nbytes must be positive")
     if not shared:
         return Region.from_buffer(bytearray(nbytes))
+    _reap_once()
     name = name or f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
     path = _shm_path(name)
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    # Built under a hidden name and locked before it gets its real one: a reaper never sees a
+    # segment of ours without our lock on it.
+    tmp = os.path.join(shm_dir(), f".{name}.{secrets.token_hex(4)}.new")
+    fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
         os.ftruncate(fd, nbytes)
         mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            os.link(tmp, path)  # unlike rename, never replaces an existing segment
+        except BaseException:
+            mm.close()
+            raise
     except BaseException:
-        os.unlink(path)
+        os.close(fd)
         raise
     finally:
-        os.close(fd)
-    return Region(memoryview(mm), shm_name=name, owns_shm=True, mm=mm)
+        os.unlink(tmp)
+    return Region(memoryview(mm), shm_name=name, owns_shm=True, mm=mm, lock_fd=fd)
+
+
+_reaped = False
+_reap_lock = threading.Lock()
+
+
+def _reap_once() -> None:
+    global _reaped
+    with _reap_lock:
+        if _reaped:
+            return
+        _reaped = True
+    try:
+        gone = reap_orphaned_segments()
+    except OSError as e:  # best effort: never stop a segment from being made
+        log.warning("could not look for orphaned shared-memory segments: %s", e)
+        return
+    if gone:
+        log.info("removed %d orphaned shared-memory segment(s) of dead processes: %s", len(gone), ", ".join(gone))
+
+
+def reap_orphaned_segments() -> list[str]:
+    """Unlink this user's pdcluster segments whose owner is gone (nobody holds their flock).
+    Returns their names. Peers that still map one keep their mapping; it just has no name."""
+    gone = []
+    root = shm_dir()
+    uid = os.getuid()
+    for name in os.listdir(root):
+        half_made = name.startswith("." + SHM_PREFIX) and name.endswith(".new")  # killed mid-create
+        if not half_made and not (name.startswith(SHM_PREFIX) and _SHM_NAME.match(name)):
+            continue
+        path = os.path.join(root, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue  # gone meanwhile, or not ours to open
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != uid:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its owner is alive
+            try:
+                if os.stat(path).st_ino == st.st_ino:  # still the file we locked
+                    os.unlink(path)
+                    gone.append(name)
+            except FileNotFoundError:
+                pass
+        finally:
+            os.close(fd)
+    return gone
 
 
 def open_shared_region(name: str, *, writable: bool, expected_nbytes: int | None = None) -> Region:

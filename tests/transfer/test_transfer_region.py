@@ -100,3 +100,38 @@ def test_region_cache_first_use_from_many_threads_never_breaks_a_copy() -> None:
             assert errors == []
     finally:
         owner.close()
+
+
+def test_segments_of_killed_owners_are_reaped_and_live_ones_kept() -> None:
+    """A SIGKILLed owner cannot unlink its segment; the next process that makes one removes it,
+    and never a segment whose owner still runs."""
+    import signal
+    import subprocess
+    import sys
+
+    from pdcluster.transfer.region import reap_orphaned_segments
+
+    code = ("import sys, time; from pdcluster.transfer import alloc_region; r = alloc_region(1 << 16, shared=True); "
+            "print(r.shm_name, flush=True); time.sleep(120)")
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        names = [p.stdout.readline().strip() for p in procs]  # type: ignore[union-attr]
+        paths = [os.path.join(shm_dir(), n) for n in names]
+        assert all(os.path.exists(p) for p in paths)
+        procs[0].send_signal(signal.SIGKILL)
+        procs[0].wait(10)
+        assert os.path.exists(paths[0])  # the leak this guards against
+        mine = alloc_region(4096, shared=True)  # our own live segment must survive the reap too
+        try:
+            gone = reap_orphaned_segments()
+            assert names[0] in gone and not os.path.exists(paths[0])
+            assert names[1] not in gone and os.path.exists(paths[1])  # its owner is alive
+            assert os.path.exists(os.path.join(shm_dir(), mine.shm_name))
+        finally:
+            mine.close()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
+    assert not os.path.exists(paths[1]) or names[1] in reap_orphaned_segments()
