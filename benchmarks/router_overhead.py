@@ -1,7 +1,7 @@
 """What the router adds in front of a real worker: latency per request and per streamed token,
 and its CPU cost per request.
 
-    python benchmarks/router_overhead.py [--pairs 300] [--tokens 8] [--seconds 5] [--skip-throughput]
+    python benchmarks/router_overhead.py [--pairs 300] [--tokens 8] [--seconds 5] [--rounds 3] [--skip-throughput]
 
 One `pdcluster serve-worker` (the built-in demo model: tiny, random weights; CPU unless
 PDCLUSTER_DEVICE says otherwise) and one `pdcluster router` in front of it.
@@ -19,7 +19,9 @@ PDCLUSTER_DEVICE says otherwise) and one `pdcluster router` in front of it.
    difference between the two lengths gives its CPU per streamed token.
 3. Floor: the same throughput run against a bare grpc.aio proxy (Generate -> Worker.Generate, no
    validation, routing, metrics or retries): what any Python gRPC proxy costs on this machine, so
-   the router's own share is the difference.
+   the router's own share is the difference. Router and proxy windows alternate, --rounds times
+   each, so that other jobs on a shared machine weigh on both alike; the figures are the medians
+   of the windows, and router_to_bare_cpu_ratio the median of the per-round ratios.
 
 Targets (issue #4): <= 1 ms p50 added per request, <= 50 us per streamed token, >= 1,000 req/s.
 Writes JSON to --out (default benchmarks/results/router_overhead.json).
@@ -136,6 +138,13 @@ def throughput(router: subprocess.Popen, router_addr: str, concurrency: int, sec
             "one_core_ceiling_req_per_s": n / cpu if cpu else float("inf")}
 
 
+def _median_window(ws: list[dict]) -> dict:
+    """The median of each figure over a server's windows, and the windows themselves."""
+    out = {k: statistics.median(w[k] for w in ws) for k in ws[0] if k != "tokens_per_request"}
+    out["one_core_ceiling_req_per_s"] = 1e6 / out["router_cpu_us_per_request"]
+    return {"tokens_per_request": ws[0]["tokens_per_request"], **out, "windows": ws}
+
+
 # -- the bare-proxy floor -----------------------------------------------------------------------
 class _BareProxy(router_pb2_grpc.RouterServicer):
     def __init__(self, worker_addr: str) -> None:
@@ -178,16 +187,24 @@ def run(args: argparse.Namespace) -> dict:
                   "prompt_tokens": len(PROMPT), "tokens": args.tokens, "pairs": args.pairs,
                   "latency": latency(wready["address"], rready["grpc"], args.pairs, args.tokens)}
         if not args.skip_throughput:
+            fready = spawn([PY, __file__, "--bare-proxy", wready["address"]], procs, cpus=router_cpu)
+            floor = procs[-1]
             lengths = (1, args.long_tokens)
-            result["throughput"] = [throughput(router, rready["grpc"], args.concurrency, args.seconds, t)
-                                    for t in lengths]
+            windows: dict[tuple[str, int], list[dict]] = {}
+            for _ in range(args.rounds):
+                for t in lengths:
+                    for name, proc, address in (("router", router, rready["grpc"]), ("bare", floor, fready["grpc"])):
+                        windows.setdefault((name, t), []).append(
+                            throughput(proc, address, args.concurrency, args.seconds, t))
+            result["throughput"] = [_median_window(windows["router", t]) for t in lengths]
+            result["bare_proxy_floor"] = [_median_window(windows["bare", t]) for t in lengths]
             one, many = result["throughput"]
             result["router_cpu_us_per_streamed_token"] = (
                 many["router_cpu_us_per_request"] - one["router_cpu_us_per_request"]) / (lengths[1] - lengths[0])
-            fready = spawn([PY, __file__, "--bare-proxy", wready["address"]], procs, cpus=router_cpu)
-            floor = procs[-1]
-            result["bare_proxy_floor"] = [throughput(floor, fready["grpc"], args.concurrency, args.seconds, t)
-                                          for t in lengths]
+            result["router_to_bare_cpu_ratio"] = {
+                str(t): statistics.median(r["router_cpu_us_per_request"] / b["router_cpu_us_per_request"]
+                                          for r, b in zip(windows["router", t], windows["bare", t]))
+                for t in lengths}
         return result
     finally:
         os.sched_setaffinity(0, set(cpus))
@@ -207,7 +224,8 @@ def main() -> int:
     p.add_argument("--pairs", type=int, default=300)
     p.add_argument("--tokens", type=int, default=8, help="streamed tokens per request in the latency phase")
     p.add_argument("--concurrency", type=int, default=32)
-    p.add_argument("--seconds", type=float, default=5.0)
+    p.add_argument("--seconds", type=float, default=5.0, help="length of one throughput window")
+    p.add_argument("--rounds", type=int, default=3, help="router/bare-proxy window pairs per request length")
     p.add_argument("--long-tokens", type=int, default=17, help="tokens per request of the second throughput run")
     p.add_argument("--num-kv-blocks", type=int, default=256, help="the worker's KV cache (blocks of 16 tokens)")
     p.add_argument("--skip-throughput", action="store_true")
@@ -223,6 +241,7 @@ def main() -> int:
         args.model = ensure_demo_model()
     load_before = os.getloadavg()
     result = run(args)
+    result["load_average_before_after"] = [load_before[0], os.getloadavg()[0]]
     out = {"note": f"one run on a {len(os.sched_getaffinity(0))}-core machine, load average "
                    f"{load_before[0]:.1f} before the run (other jobs move these numbers); re-run: "
                    "python benchmarks/router_overhead.py",

@@ -9,6 +9,7 @@ No torch anywhere in this process: the tokenizer is the `tokenizers`-only one fr
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -81,6 +82,12 @@ class Router:
         except BaseException:
             await self.stop()
             raise
+        # What startup loaded (modules, grpc, aiohttp, tokenizer, jinja2: ~50k objects) lives as
+        # long as the process. Frozen, it is left out of the cyclic GC's full collections, which
+        # otherwise walk all of it every few seconds under load: measured ~60 us per request
+        # amortised at ~2,000 req/s, and each one a pause of tens of ms for every request in flight.
+        gc.collect()
+        gc.freeze()
         log.info("router up: grpc %s, http %s, %d worker(s), policy %s", self.grpc_address, self.http_url,
                  len(self.registry.handles), cfg.policy)
 

@@ -1,18 +1,25 @@
 """RouterMetrics: the router's Prometheus metrics, in a CollectorRegistry of its own.
 
 A registry per router (never prometheus_client's global one) so several routers, and tests,
-live in one process. Per-request series (requests, errors, TTFT, ITL) are updated on the hot
-path; per-worker gauges (in-flight, queue, health, KV usage) and KV-event counters are read from
-the registry at scrape time by a custom collector, so routing pays nothing for them.
+live in one process. Per-request series (requests, errors, TTFT, ITL, E2E, token counts, serving
+mode) are updated on the hot path by the event loop alone, so they are plain numbers without
+locks (_LoopCounter, _LoopHistogram; prometheus_client's take a lock per update, ~1-2 us each,
+8-10 per request) exported at scrape time with the same names, labels and samples. Per-worker
+gauges (in-flight, queue, health, KV usage) and KV-event counters are read from the registry at
+scrape time by a custom collector, so routing pays nothing for them. Rare events (retries,
+admission rejections, disaggregated legs) keep prometheus_client's own types.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import time
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from .kv_sync import KVEventSync
 from .registry import WorkerRegistry
@@ -27,43 +34,39 @@ class RouterMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
-        self.requests = Counter("pdcluster_router_requests", "Requests finished, by frontend and status",
-                                ["frontend", "status"], registry=r)
-        self.errors = Counter("pdcluster_router_errors", "Requests that ended in an error, by gRPC code",
-                              ["code"], registry=r)
+        hot = _HotPathCollector()
+        self.requests = hot.counter("pdcluster_router_requests", "Requests finished, by frontend and status",
+                                    ("frontend", "status"))
+        self.errors = hot.counter("pdcluster_router_errors", "Requests that ended in an error, by gRPC code", ("code",))
         self.rejected = Counter("pdcluster_router_admission_rejections",
                                 "Requests refused by admission control (max in-flight reached)", registry=r)
         self.retries = Counter("pdcluster_router_retries", "Worker legs retried on another worker", ["role"], registry=r)
-        self.ttft = Histogram("pdcluster_router_time_to_first_token_seconds", "Time to first token seen by the router",
-                              buckets=_TTFT_BUCKETS, registry=r)
-        self.itl = Histogram("pdcluster_router_inter_token_latency_seconds", "Time between streamed tokens",
-                             buckets=_ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("pdcluster_router_request_duration_seconds", "Request duration in the router",
-                             buckets=_E2E_BUCKETS, registry=r)
+        self.ttft = hot.histogram("pdcluster_router_time_to_first_token_seconds",
+                                  "Time to first token seen by the router", _TTFT_BUCKETS)
+        self.itl = hot.histogram("pdcluster_router_inter_token_latency_seconds", "Time between streamed tokens",
+                                 _ITL_BUCKETS)
+        self.e2e = hot.histogram("pdcluster_router_request_duration_seconds", "Request duration in the router",
+                                 _E2E_BUCKETS)
         self.inflight = Gauge("pdcluster_router_inflight_requests", "Requests in flight in the router", registry=r)
-        self.prompt_tokens = Counter("pdcluster_router_prompt_tokens", "Prompt tokens of finished requests", registry=r)
-        self.generation_tokens = Counter("pdcluster_router_generation_tokens", "Tokens streamed to clients", registry=r)
-        self.disagg = Counter("pdcluster_router_disaggregated_requests", "Requests by serving mode", ["mode"],
-                              registry=r)
+        self.prompt_tokens = hot.counter("pdcluster_router_prompt_tokens", "Prompt tokens of finished requests")
+        self.generation_tokens = hot.counter("pdcluster_router_generation_tokens", "Tokens streamed to clients")
+        self.disagg = hot.counter("pdcluster_router_disaggregated_requests", "Requests by serving mode", ("mode",))
         self.prefill_leg = Histogram("pdcluster_router_prefill_leg_seconds",
                                      "Prefill leg duration (disaggregated: includes KV hand-off setup)",
                                      buckets=_TTFT_BUCKETS, registry=r)
         self.kv_transfer_tokens = Counter("pdcluster_router_kv_transfer_tokens",
                                           "Prompt tokens handed from prefill to decode workers", registry=r)
+        r.register(hot)
 
+        # Both modes are exported from the start (0 until used), as with labels() children.
         self.aggregated = self.disagg.labels("aggregated")
         self.disaggregated = self.disagg.labels("disaggregated")
-        self._request_children: dict[tuple[str, str], tuple] = {}
 
     def count_request(self, frontend: str, status: str) -> None:
-        """One finished or refused request; label children cached (labels() costs ~10 us)."""
-        children = self._request_children.get((frontend, status))
-        if children is None:
-            children = (self.requests.labels(frontend, status), self.errors.labels(status) if status != "OK" else None)
-            self._request_children[(frontend, status)] = children
-        children[0].inc()
-        if children[1] is not None:
-            children[1].inc()
+        """One finished or refused request."""
+        self.requests.labels(frontend, status).inc()
+        if status != "OK":
+            self.errors.labels(status).inc()
 
     def attach(self, workers: WorkerRegistry, kv_sync: KVEventSync | None) -> None:
         self.registry.register(_WorkerCollector(workers, kv_sync))
@@ -73,12 +76,90 @@ class RouterMetrics:
         tokens that arrive together share the gap (a worker may batch several per message)."""
         if num_tokens <= 0:
             return
-        gap = (now - last) / num_tokens
-        for _ in range(num_tokens):
-            self.itl.observe(gap)
+        self.itl.observe((now - last) / num_tokens, num_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _LoopCounter:
+    """A counter (or one label set of one) for the event loop alone: no lock."""
+
+    __slots__ = ("value", "created")
+
+    def __init__(self) -> None:
+        self.value = 0.0
+        self.created = time.time()
+
+    def inc(self, amount: float = 1) -> None:
+        self.value += amount
+
+
+class _LoopCounterFamily:
+    """prometheus_client's Counter API subset the router uses: inc() without labels, or
+    labels(*values).inc(); the children are cached (labels() itself is cheap here)."""
+
+    def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...]) -> None:
+        self.name, self.documentation, self.labelnames = name, documentation, labelnames
+        self.children: dict[tuple[str, ...], _LoopCounter] = {}
+        self._unlabelled = None if labelnames else self.labels()
+
+    def labels(self, *values: str) -> _LoopCounter:
+        child = self.children.get(values)
+        if child is None:
+            child = self.children[values] = _LoopCounter()
+        return child
+
+    def inc(self, amount: float = 1) -> None:
+        self._unlabelled.inc(amount)
+
+    def families(self) -> Iterator[Metric]:
+        total = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, child in list(self.children.items()):
+            total.add_metric(values, child.value, created=child.created)
+        yield total
+
+
+class _LoopHistogram:
+    """A histogram for the event loop alone: a bisect and two additions per observation."""
+
+    def __init__(self, name: str, documentation: str, buckets: Iterable[float]) -> None:
+        self.name, self.documentation = name, documentation
+        self.bounds = tuple(float(b) for b in buckets)
+        self.counts = [0] * (len(self.bounds) + 1)  # per bucket, not cumulative; the last is +Inf
+        self.sum = 0.0
+        self.created = time.time()
+
+    def observe(self, value: float, times: int = 1) -> None:
+        # bisect_left: the first bound >= value, i.e. prometheus' `value <= le`.
+        self.counts[bisect_left(self.bounds, value)] += times
+        self.sum += value * times
+
+    def families(self) -> Iterator[Metric]:
+        cumulative, buckets = 0, []
+        for bound, n in zip((*self.bounds, float("inf")), list(self.counts)):
+            cumulative += n
+            buckets.append((floatToGoString(bound), cumulative))
+        yield HistogramMetricFamily(self.name, self.documentation, buckets=buckets, sum_value=self.sum)
+        # prometheus_client's text format shows a histogram's creation time as a gauge beside it.
+        yield GaugeMetricFamily(self.name + "_created", self.documentation, value=self.created)
+
+
+class _HotPathCollector(Collector):
+    def __init__(self) -> None:
+        self._metrics: list[_LoopCounterFamily | _LoopHistogram] = []
+
+    def counter(self, name: str, documentation: str, labelnames: tuple[str, ...] = ()) -> _LoopCounterFamily:
+        self._metrics.append(_LoopCounterFamily(name, documentation, labelnames))
+        return self._metrics[-1]
+
+    def histogram(self, name: str, documentation: str, buckets: Iterable[float]) -> _LoopHistogram:
+        self._metrics.append(_LoopHistogram(name, documentation, buckets))
+        return self._metrics[-1]
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self._metrics:
+            yield from metric.families()
 
 
 class _WorkerCollector(Collector):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 import grpc
@@ -42,7 +41,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.registry = registry
 
     async def Generate(self, request: router_pb2.GenerateRequest,  # noqa: N802 - gRPC method name
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[router_pb2.GenerateResponse]:
+                       context: grpc.aio.ServicerContext) -> None:
+        # A coroutine that writes, not an async generator that yields: grpc.aio would drive a
+        # generator with `async for ... await context.write()` anyway, so this is the same wire
+        # behaviour with one async-generator layer less per request and per delta. A client
+        # cancel arrives as CancelledError at an await here; aclosing then closes the
+        # orchestrator's stream at once (it aborts the worker legs).
         timeout = context.time_remaining()
         try:
             prep = await self.pre.prepare(request, timeout if timeout is not None else self.config.request_timeout_s)
@@ -68,7 +72,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         if not out.HasField("usage"):
                             out.usage.prompt_tokens = len(prep.prompt_token_ids)
                             out.usage.completion_tokens = state.num_generated
-                    yield out
+                    await context.write(out)
         except RouterError as e:  # only before the first delta (the orchestrator's contract)
             await context.abort(e.code, e.message)
 
