@@ -59,6 +59,9 @@ class P2PConnector(KVConnectorBase):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._s().request_finished(request, block_ids)
 
+    def abort_held(self, request_id: str) -> None:
+        self._s().abort_held(request_id)
+
     def set_handshake_metadata(self, metadata: dict[int, Any]) -> None:
         self._s().set_handshake_metadata(metadata)
 

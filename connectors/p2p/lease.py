@@ -6,10 +6,13 @@
     ACTIVE --release() ("done" notice)--> RELEASED --+
       |                                              +--> request id in take_finished() once:
       +------ expire() / any lookup after expiry --> EXPIRED -+   the scheduler frees the blocks
+      |                                              |
+      +------ drop_request() (request aborted) ----> ABORTED -+
 
 Invariants:
-  - a lease ends exactly once (released or expired) and its request id is reported exactly once;
-    nothing ends it before expiry except its consumer's "done";
+  - a lease ends exactly once (released, expired or aborted) and its request id is reported
+    exactly once; nothing ends it before expiry except its consumer's "done" or the producer
+    engine's abort of the request (then nobody will take the hand-off);
   - states only move forward, so a consumer that gets "released" for its own "done" knows the
     lease was alive for every read it made before: blocks are freed (and may be reused) only
     after the lease ended;
@@ -56,7 +59,7 @@ class LeaseTable:
         self._active: dict[str, Lease] = {}
         self._ended: OrderedDict[str, tuple[str, str]] = OrderedDict()  # lease_id -> (state, transfer_id)
         self._finished: set[str] = set()
-        self.counts = {"created": 0, "released": 0, "expired": 0}
+        self.counts = {"created": 0, "released": 0, "expired": 0, "aborted": 0}
 
     def add(self, request_id: str, transfer_id: str, lease_id: str, block_ids: list[int]) -> Lease:
         with self._lock:
@@ -109,6 +112,15 @@ class LeaseTable:
             if len(lease.notified) >= expected:
                 self._end(lease, "released")
             return "released"
+
+    def drop_request(self, request_id: str) -> bool:
+        """End the live lease(s) of an aborted request now; False if it had none (ended already,
+        or this rank never got it). Later lookups of those leases fail with "aborted"."""
+        with self._lock:
+            gone = [lease for lease in self._active.values() if lease.request_id == request_id]
+            for lease in gone:
+                self._end(lease, "aborted")
+            return bool(gone)
 
     def expire(self) -> list[str]:
         """End every lease past its expiry; returns their request ids."""

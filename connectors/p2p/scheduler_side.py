@@ -36,11 +36,13 @@ class P2PMetadata(KVConnectorMetadata):
     loads: list[dict[str, Any]] = field(default_factory=list)  # request_id, local_block_ids, first_block, params
     cancels: list[str] = field(default_factory=list)
     releases: list[dict[str, Any]] = field(default_factory=list)  # request_id, params
+    drops: list[str] = field(default_factory=list)  # producer: end these requests' leases now (aborted)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> P2PMetadata:
         """Inverse of to_dict() (the TP step broadcast); TypeError/KeyError when malformed."""
-        out = cls(list(d["leases"]), list(d["loads"]), [str(x) for x in d["cancels"]], list(d["releases"]))
+        out = cls(list(d["leases"]), list(d["loads"]), [str(x) for x in d["cancels"]], list(d["releases"]),
+                  [str(x) for x in d.get("drops", [])])
         for item in out.leases + out.loads + out.releases:
             if not isinstance(item, dict):
                 raise TypeError("p2p metadata entries must be maps")
@@ -96,6 +98,11 @@ class P2PScheduler:
                                  "first_block": first, "params": kv})
         self._loading.add(rid)
         self.counters["loads_issued"] += 1
+
+    def abort_held(self, rid: str) -> None:
+        """Producer: the finished prefill leg was aborted (no decode leg will read it): every rank
+        ends its lease now instead of at expiry; a late reader is refused ("aborted")."""
+        self._meta.drops.append(rid)
 
     # -- both ------------------------------------------------------------------------------------
     def build_meta(self) -> P2PMetadata:

@@ -89,6 +89,9 @@ class P2PWorker:
                 self._orphan_blocks.update(load["local_block_ids"])
                 continue
             self.loader.submit(load["request_id"], load["local_block_ids"], load["first_block"], load["params"])
+        for rid in meta.drops:
+            if self.agent is not None:
+                self.agent.leases.drop_request(rid)
         for rel in meta.releases:
             if self.loader is not None:
                 self.loader.release(rel["request_id"], rel["params"])

@@ -190,6 +190,13 @@ class KVConnectorBase(ABC):
         its blocks until finished_recving reports it: cancel the load and report it."""
         return False, None
 
+    def abort_held(self, request_id: str) -> None:
+        """Called when a finished request whose blocks the connector still holds (delay_free) is
+        aborted: nobody will take the hand-off (e.g. the client cancelled before its decode leg).
+        Release it early if possible; the request must still be reported in finished_sending
+        (now or when the hold ends anyway). Default: nothing, the hold runs its course."""
+        return None
+
     def take_events(self) -> list[KVEvent]:
         """KV events (stored/removed) for blocks the connector holds outside the engine's cache."""
         return []

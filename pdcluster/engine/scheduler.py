@@ -135,6 +135,13 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is not None:
                 self._finish(req, status)
+            elif (status == RequestStatus.FINISHED_ABORTED and rid in self._await_sending
+                  and self.connector is not None):
+                # Finished already, its blocks held for a hand-off nobody will take now.
+                try:
+                    self.connector.abort_held(rid)
+                except Exception:  # a plugin bug must not kill the engine: the hold just runs out
+                    logger.exception("KV connector abort_held failed for %s", rid)
 
     def _finish(self, req: Request, status: RequestStatus, error: str | None = None) -> dict[str, Any] | None:
         """Move req to a finished status, out of every queue; free or hold its blocks.

@@ -23,7 +23,7 @@ PARAMS_SECRET = "c3" * 32
 
 class ClusterKeys:
     def __init__(self) -> None:
-        self.pairs: dict[str, KeyPair] = {n: generate_keypair(n) for n in ("producer", "producer2", "consumer")}
+        self.pairs: dict[str, KeyPair] = {n: generate_keypair(n) for n in ("producer", "producer2", "producer3", "consumer")}
         self.allowed = {n: kp.public.decode() for n, kp in self.pairs.items()}
 
     def options(self, name: str, **extra: Any) -> dict[str, Any]:

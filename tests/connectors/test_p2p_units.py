@@ -50,7 +50,7 @@ def test_leases_expire_in_any_order_and_end_exactly_once() -> None:
     assert table.release(f"{10:032x}", f"{0:032x}", "r0") == "released"
     assert table.release(f"{10:032x}", f"{0:032x}", "r0") == "released"  # remembered, not re-ended
     assert table.take_finished() == {"r0"} and table.take_finished() == set()
-    assert table.counts == {"created": 3, "released": 1, "expired": 2}
+    assert table.counts == {"created": 3, "released": 1, "expired": 2, "aborted": 0}
 
 
 def test_a_lookup_after_expiry_never_serves_even_before_the_scan() -> None:
@@ -174,3 +174,15 @@ def test_params_survive_the_router_proto_and_stay_signed() -> None:
     registry = P2POptions(engine_id="c", kv_role="consumer", keypair=kp, allowed_keys={"p": kp.public},
                           peers={"p1": PeerEntry("tcp://127.0.0.1:7000", kp.public)})
     assert resolve_producer(tampered, registry).endpoint == "tcp://127.0.0.1:7000"  # the registry wins
+
+
+def test_dropping_an_aborted_requests_lease_ends_it_once() -> None:
+    table = LeaseTable(ttl_s=60.0, clock=Clock())
+    table.add("r", "a" * 32, "b" * 32, [3, 4])
+    table.add("s", "c" * 32, "d" * 32, [5])
+    assert table.drop_request("r") and not table.drop_request("r")  # ends once
+    assert table.take_finished() == {"r"} and table.take_finished() == set()
+    with pytest.raises(LeaseError, match="aborted"):
+        table.lookup("b" * 32, "a" * 32, "r")  # a reader that comes anyway is refused
+    assert table.release("b" * 32, "a" * 32, "r") == "aborted"  # its "done" proves nothing
+    assert table.num_active == 1 and table.counts["aborted"] == 1
