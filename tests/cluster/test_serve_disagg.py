@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 import time
 import urllib.request
 
 import grpc
 import pytest
+from serve_procs import descendants, start_serve, stop_serve
 
 from pdcluster import LLM, SamplingParams
 from pdcluster._proto import worker_pb2, worker_pb2_grpc
@@ -32,29 +30,9 @@ def demo_model(tmp_path_factory) -> str:
 
 def _start_cluster(model: str, transport: str | None, connector: str = "p2p"):
     opts = f" --kv-connector-options '{json.dumps({'transport': transport})}'" if transport else ""
-    cmd = [sys.executable, "-m", "pdcluster.cluster.cli", "serve", "--model", model, "--prefill", "1",
-           "--decode", "1", "--grpc-port", "0", "--http-port", "0", "--policy", "round_robin",
-           "--connector", connector, "--kvstore-node-size", "64M", "--worker-args", f"--max-model-len 256{opts}"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            start_new_session=True)
-    deadline = time.monotonic() + 240
-    for line in proc.stdout:
-        if line.startswith("PDCLUSTER_READY "):
-            return proc, json.loads(line.split(" ", 1)[1])
-        if time.monotonic() > deadline:
-            break
-    _stop(proc)
-    raise RuntimeError(f"cluster did not come up (exit {proc.poll()})")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)  # serve stops its workers by pid
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+    return start_serve(["--model", model, "--prefill", "1", "--decode", "1", "--policy", "round_robin",
+                        "--connector", connector, "--kvstore-node-size", "64M",
+                        "--worker-args", f"--max-model-len 256{opts}"])
 
 
 def _blocks_used(address: str) -> int:
@@ -104,20 +82,8 @@ def test_disaggregated_equals_aggregated(demo_model: str, transport: str) -> Non
                 time.sleep(0.1)
             assert _blocks_used(address) == 0, address
     finally:
-        _stop(proc)
+        stop_serve(proc)
     assert proc.returncode is not None
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                if entry.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                    out.append(int(entry))
-        except (OSError, ValueError):
-            continue
-    return out
 
 
 def test_disaggregated_through_the_store_equals_aggregated(demo_model: str) -> None:
@@ -127,7 +93,7 @@ def test_disaggregated_through_the_store_equals_aggregated(demo_model: str) -> N
     want = [o.outputs[0].token_ids for o in LLM(demo_model, max_model_len=256).generate(PROMPTS, sp)]
     proc, ready = _start_cluster(demo_model, None, connector="store")
     try:
-        children = _children(proc.pid)
+        children = descendants(proc.pid)
         assert len(children) == 4, children  # prefill and decode workers, kvstore master and node
         with Client(ready["grpc"], timeout=120) as client:
             got = [client.generate(p, sp).token_ids for p in PROMPTS]
@@ -141,6 +107,6 @@ def test_disaggregated_through_the_store_equals_aggregated(demo_model: str) -> N
             stats = kv.stats()
         assert stats["objects"] > 0 and stats["hit_rate"] > 0, stats  # the decode legs read from it
     finally:
-        _stop(proc)
+        stop_serve(proc)
     assert proc.returncode == 0, f"serve exited with {proc.returncode}"
     assert not [pid for pid in children if os.path.exists(f"/proc/{pid}")], "a child outlived serve"

@@ -11,19 +11,16 @@ tokens as before.
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import signal
 import socket
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
 
 import grpc
 import pytest
 import zmq
+from serve_procs import descendants, start_serve, stop_serve
 
 from pdcluster import SamplingParams
 from pdcluster.client import Client
@@ -37,50 +34,6 @@ def demo_model(tmp_path_factory) -> str:
     from pdcluster.models.demo import ensure_demo_model
 
     return ensure_demo_model(tmp_path_factory.mktemp("demo") / "model")
-
-
-def _start(model: str, extra: list[str]) -> tuple[subprocess.Popen, dict]:
-    cmd = [sys.executable, "-m", "pdcluster.cluster.cli", "serve", "--model", model, "--grpc-port", "0",
-           "--http-port", "0", "--worker-args", "--max-model-len 256", *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
-    deadline = time.monotonic() + 240
-    for line in proc.stdout:  # type: ignore[union-attr]
-        if line.startswith("PDCLUSTER_READY "):
-            return proc, json.loads(line.split(" ", 1)[1])
-        if time.monotonic() > deadline:
-            break
-    _stop(proc)
-    raise RuntimeError(f"cluster did not come up (exit {proc.poll()})")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)  # serve stops its children by pid
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the session serve leads: only our own tree
-            proc.wait(10)
-
-
-def _tree(root: int) -> list[int]:
-    """root and all its descendants (workers run in sessions of their own, so follow parents)."""
-    parent: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parent[int(entry)] = int(fields[1])  # field 4 of stat: the parent pid
-    found, frontier = [root], [root]
-    while frontier:
-        kids = [pid for pid, ppid in parent.items() if ppid in frontier]
-        found += kids
-        frontier = kids
-    return found
 
 
 def _listening(pids: list[int]) -> dict[tuple[str, int], int]:
@@ -159,11 +112,11 @@ def _hostile(port: int, rng: random.Random, ctx: zmq.Context, zmq_silent: bool) 
                         ["--prefill", "1", "--decode", "1", "--connector", "store"]],
                 ids=["p2p-prefix_aware", "store"])
 def cluster(request, demo_model: str) -> Iterator[tuple[subprocess.Popen, dict]]:
-    proc, ready = _start(demo_model, request.param)
+    proc, ready = start_serve(["--model", demo_model, "--worker-args", "--max-model-len 256", *request.param])
     try:
         yield proc, ready
     finally:
-        _stop(proc)
+        stop_serve(proc)
 
 
 def test_every_port_is_loopback_and_survives_hostile_peers(cluster) -> None:
@@ -171,7 +124,7 @@ def test_every_port_is_loopback_and_survives_hostile_peers(cluster) -> None:
     with Client(ready["grpc"], timeout=120) as c:
         before = c.generate(PROMPT, PARAMS).token_ids
     assert len(before) == PARAMS.max_tokens
-    pids = _tree(proc.pid)
+    pids = [proc.pid, *descendants(proc.pid)]
     ports = _listening(pids)
     # Router gRPC + HTTP, two workers' gRPC, and their connector / KV-event sockets at least.
     assert len(ports) >= 6, ports
