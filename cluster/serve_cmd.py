@@ -51,6 +51,9 @@ def _add_router_flags(p: argparse.ArgumentParser, *, grpc_port: int = 50051, htt
     p.add_argument("--disagg-threshold", type=int, default=0,
                    help="conditional disaggregation: prompts whose uncached part is at most this many tokens "
                         "are served entirely by a decode worker (0: always disaggregate when both pools exist)")
+    p.add_argument("--worker-channel", choices=("stream", "call"), default="stream",
+                   help="stream: every request to a worker over one multiplexed stream (default); "
+                        "call: one gRPC call per request")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -97,7 +100,7 @@ def _router_config(args: argparse.Namespace, workers: tuple[str, ...], key_dir: 
         host=args.host, grpc_port=args.grpc_port, http_port=None if args.http_port < 0 else args.http_port,
         max_inflight=args.max_inflight, max_retries=args.max_retries, health_interval_s=args.health_interval,
         request_timeout_s=args.request_timeout, key_dir=key_dir, tls=tls, worker_tls=worker_tls,
-        disagg_min_uncached_tokens=args.disagg_threshold)
+        disagg_min_uncached_tokens=args.disagg_threshold, worker_channel=args.worker_channel)
 
 
 def _setup_logging(level: str) -> None:

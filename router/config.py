@@ -10,6 +10,7 @@ from pdcluster.service.tls import TLSConfig
 from .policies import POLICIES
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 20  # gRPC's own default; prompts of ~1M tokens still fit
+WORKER_CHANNELS = ("stream", "call")
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,9 @@ class RouterConfig:
     worker_wait_timeout_s: float = 60.0      # startup: wait this long for a worker (model/tokenizer)
     tls: TLSConfig | None = None             # frontends (gRPC and HTTPS); ca= requires client certs
     worker_tls: TLSConfig | None = None      # channels to the workers (ca= verifies them)
+    # "stream": all requests to a worker over one Worker.GenerateStream (batched deltas);
+    # "call": one Worker.Generate call per request (workers without GenerateStream, comparisons).
+    worker_channel: str = "stream"
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -45,6 +49,8 @@ class RouterConfig:
         for name in ("max_inflight", "eject_after_failures", "max_message_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.worker_channel not in WORKER_CHANNELS:
+            raise ValueError(f"worker_channel: {self.worker_channel!r} is not one of {WORKER_CHANNELS}")
         if self.max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
         for name in ("health_interval_s", "health_timeout_s", "request_timeout_s", "kv_poll_interval_s",

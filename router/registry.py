@@ -91,7 +91,8 @@ class WorkerRegistry:
         """Register a worker (idempotent); it takes traffic after its first SERVING check."""
         if address in self._handles:
             return self._handles[address]
-        client = WorkerClient(address, max_message_bytes=self.config.max_message_bytes, tls=self.config.worker_tls)
+        client = WorkerClient(address, max_message_bytes=self.config.max_message_bytes, tls=self.config.worker_tls,
+                              multiplex=self.config.worker_channel == "stream")
         handle = WorkerHandle(address, client, CircuitBreaker(self.config.eject_after_failures))
         self._handles[address] = handle
         if self._started:

@@ -1,4 +1,7 @@
-"""WorkerClient: the router's gRPC channel to one worker (Worker service + standard health)."""
+"""WorkerClient: the router's gRPC channel to one worker (Worker service + standard health).
+
+Requests go over one multiplexed Worker.GenerateStream (worker_stream.py) or, with
+multiplex=False, one Worker.Generate call each; both return an object the legs read alike."""
 
 from __future__ import annotations
 
@@ -9,6 +12,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdcluster._proto import common_pb2, worker_pb2, worker_pb2_grpc
 from pdcluster.service.tls import TLSConfig, channel_credentials, channel_tls_options
+
+from .worker_stream import StreamCall, WorkerStream
 
 WORKER_HEALTH_SERVICE = "pdcluster.v1.Worker"
 
@@ -31,7 +36,8 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 
 class WorkerClient:
-    def __init__(self, address: str, *, max_message_bytes: int = 4 << 20, tls: TLSConfig | None = None) -> None:
+    def __init__(self, address: str, *, max_message_bytes: int = 4 << 20, tls: TLSConfig | None = None,
+                 multiplex: bool = True) -> None:
         self.address = address
         options: list = channel_options(max_message_bytes)
         if tls is None:
@@ -41,6 +47,7 @@ class WorkerClient:
                                                    options=options + channel_tls_options(tls))
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
+        self._stream = WorkerStream(self.stub, address, max_message_bytes) if multiplex else None
 
     async def check_health(self, timeout_s: float) -> bool:
         """True when the worker answers SERVING; False on NOT_SERVING or any RPC error."""
@@ -58,7 +65,10 @@ class WorkerClient:
     async def info(self, timeout_s: float) -> worker_pb2.WorkerInfo:
         return await self.stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=timeout_s)
 
-    def generate(self, request: worker_pb2.WorkerGenerateRequest, timeout_s: float | None) -> grpc.aio.UnaryStreamCall:
+    def generate(self, request: worker_pb2.WorkerGenerateRequest,
+                 timeout_s: float | None) -> grpc.aio.UnaryStreamCall | StreamCall:
+        if self._stream is not None:
+            return self._stream.start(request, timeout_s)
         return self.stub.Generate(request, timeout=timeout_s)
 
     async def abort(self, request_ids: Sequence[str], timeout_s: float = 5.0) -> list[str]:
@@ -66,4 +76,6 @@ class WorkerClient:
         return list(resp.aborted_request_ids)
 
     async def close(self) -> None:
+        if self._stream is not None:
+            await self._stream.close()
         await self.channel.close(grace=None)

@@ -26,7 +26,7 @@ class WorkerGenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_transfer_params: _Optional[_Union[_common_pb2.KvTransferParams, _Mapping]] = ..., stream: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., prefill_output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerGenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "logprobs", "token_arrival_times", "finished", "finish_reason", "stop_token_id", "stop_str", "usage", "error_message", "kv_transfer_params")
+    __slots__ = ("request_id", "token_ids", "text", "logprobs", "token_arrival_times", "finished", "finish_reason", "stop_token_id", "stop_str", "usage", "error_message", "kv_transfer_params", "stream_tag")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class WorkerGenerateResponse(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_TAG_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -51,7 +52,46 @@ class WorkerGenerateResponse(_message.Message):
     usage: _common_pb2.Usage
     error_message: str
     kv_transfer_params: _common_pb2.KvTransferParams
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.SampleLogprobs, _Mapping]]] = ..., token_arrival_times: _Optional[_Iterable[float]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_str: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., error_message: _Optional[str] = ..., kv_transfer_params: _Optional[_Union[_common_pb2.KvTransferParams, _Mapping]] = ...) -> None: ...
+    stream_tag: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.SampleLogprobs, _Mapping]]] = ..., token_arrival_times: _Optional[_Iterable[float]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_str: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., error_message: _Optional[str] = ..., kv_transfer_params: _Optional[_Union[_common_pb2.KvTransferParams, _Mapping]] = ..., stream_tag: _Optional[int] = ...) -> None: ...
+
+class StreamGenerate(_message.Message):
+    __slots__ = ("request", "timeout_s", "tag")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    request: WorkerGenerateRequest
+    timeout_s: float
+    tag: int
+    def __init__(self, request: _Optional[_Union[WorkerGenerateRequest, _Mapping]] = ..., timeout_s: _Optional[float] = ..., tag: _Optional[int] = ...) -> None: ...
+
+class WorkerStreamRequest(_message.Message):
+    __slots__ = ("generate", "abort_tags")
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    ABORT_TAGS_FIELD_NUMBER: _ClassVar[int]
+    generate: _containers.RepeatedCompositeFieldContainer[StreamGenerate]
+    abort_tags: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, generate: _Optional[_Iterable[_Union[StreamGenerate, _Mapping]]] = ..., abort_tags: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StreamError(_message.Message):
+    __slots__ = ("request_id", "code", "message", "tag")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    code: int
+    message: str
+    tag: int
+    def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., tag: _Optional[int] = ...) -> None: ...
+
+class WorkerStreamResponse(_message.Message):
+    __slots__ = ("deltas", "errors")
+    DELTAS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    deltas: _containers.RepeatedCompositeFieldContainer[WorkerGenerateResponse]
+    errors: _containers.RepeatedCompositeFieldContainer[StreamError]
+    def __init__(self, deltas: _Optional[_Iterable[_Union[WorkerGenerateResponse, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[StreamError, _Mapping]]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

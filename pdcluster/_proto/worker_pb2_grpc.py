@@ -41,6 +41,11 @@ class WorkerStub:
                 request_serializer=pdcluster_dot_v1_dot_worker__pb2.WorkerGenerateRequest.SerializeToString,
                 response_deserializer=pdcluster_dot_v1_dot_worker__pb2.WorkerGenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateStream = channel.stream_stream(
+                '/pdcluster.v1.Worker/GenerateStream',
+                request_serializer=pdcluster_dot_v1_dot_worker__pb2.WorkerStreamRequest.SerializeToString,
+                response_deserializer=pdcluster_dot_v1_dot_worker__pb2.WorkerStreamResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdcluster.v1.Worker/Abort',
                 request_serializer=pdcluster_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
@@ -64,6 +69,17 @@ class WorkerServicer:
 
     def Generate(self, request, context):
         """Run one leg of a request; streams deltas, the last one has finished=true.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateStream(self, request_iterator, context):
+        """Many requests over one long-lived stream (the router keeps one per worker): requests and
+        aborts go in, and each message out carries the deltas of every request that had one ready,
+        typically all of one engine step. Per request the semantics are Generate's; a request that
+        ends with a status code instead of a final delta gets a StreamError. Closing the stream
+        aborts every request still running on it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -97,6 +113,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=pdcluster_dot_v1_dot_worker__pb2.WorkerGenerateRequest.FromString,
                     response_serializer=pdcluster_dot_v1_dot_worker__pb2.WorkerGenerateResponse.SerializeToString,
+            ),
+            'GenerateStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateStream,
+                    request_deserializer=pdcluster_dot_v1_dot_worker__pb2.WorkerStreamRequest.FromString,
+                    response_serializer=pdcluster_dot_v1_dot_worker__pb2.WorkerStreamResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -142,6 +163,33 @@ class Worker:
             '/pdcluster.v1.Worker/Generate',
             pdcluster_dot_v1_dot_worker__pb2.WorkerGenerateRequest.SerializeToString,
             pdcluster_dot_v1_dot_worker__pb2.WorkerGenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdcluster.v1.Worker/GenerateStream',
+            pdcluster_dot_v1_dot_worker__pb2.WorkerStreamRequest.SerializeToString,
+            pdcluster_dot_v1_dot_worker__pb2.WorkerStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -51,6 +51,10 @@ class AsyncEngine:
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()  # guards _streams (both threads touch it)
+        # The engine thread's own view: the stream of each request it runs, set when the add is
+        # applied. Outputs go to a stream only when both maps agree, so a step that ran before an
+        # aborted request's abort was applied never reaches a newer request reusing its id.
+        self._live: dict[str, _Stream] = {}
         self._stop = threading.Event()
         self._dead: BaseException | None = None
         self.stats: dict[str, Any] = engine.get_stats()  # snapshot swapped after every step
@@ -92,7 +96,7 @@ class AsyncEngine:
             if rid in self._streams:
                 raise ValueError(f"request_id {rid!r} is already in flight")
             self._streams[rid] = stream
-        self._cmds.put(("add", req, text))
+        self._cmds.put(("add", req, text, stream))
         finished = False
         try:
             while True:
@@ -157,13 +161,16 @@ class AsyncEngine:
     def _apply(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, req, text = cmd
+            _, req, text, stream = cmd
             with self._lock:
-                alive = req.request_id in self._streams
+                alive = self._streams.get(req.request_id) is stream
             if alive:  # the caller may have gone away before we got here
                 self.engine.add_prepared(req, text)
+                self._live[req.request_id] = stream
         elif kind == "abort":
             self.engine.abort(cmd[1])
+            for rid in cmd[1]:
+                self._live.pop(rid, None)
         elif kind == "call":
             _, fn, fut = cmd
             try:
@@ -186,15 +193,17 @@ class AsyncEngine:
             return
         self.last_step_time = time.monotonic()
         self.stats = self.engine.get_stats()
-        with self._lock:
-            targets = [(self._streams.get(o.request_id), o) for o in outputs]
+        live = self._live
+        with self._lock:  # a stream whose consumer has gone gets nothing (its loop may be closed)
+            targets = [(live.pop(o.request_id, None) if o.finished else live.get(o.request_id), o) for o in outputs]
+            targets = [(st, o) for st, o in targets if st is not None and self._streams.get(o.request_id) is st]
         for stream, out in targets:
-            if stream is not None:
-                stream.put(out)
+            stream.put(out)
 
     def _fail_all(self, err: BaseException) -> None:
         with self._lock:
             streams = dict(self._streams)
+        self._live.clear()
         try:
             self.engine.abort(list(streams))
         except Exception:

@@ -11,6 +11,9 @@ request at any await, each freeing its KV blocks in the engine:
 (cancelling the pump closes AsyncEngine.generate, whose finally aborts the request in the
 engine). Errors before the first response are gRPC status codes; after it, a final response
 with finish_reason ERROR.
+
+GenerateStream (the router's path) runs many requests over one call with the same per-request
+rules; see worker_stream.py. Both share check_request, refusal_for and response below.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from collections.abc import Coroutine
 from typing import Any
 
 import grpc
@@ -29,20 +32,14 @@ from pdcluster.engine.async_engine import EngineDeadError
 from pdcluster.engine.outputs import RequestOutput
 from pdcluster.sampling_params import SamplingParams
 from pdcluster.service import convert
+from pdcluster.service.inflight import Inflight, Refusal
 from pdcluster.service.roles import KvTransferRejected, RoleHandler
 from pdcluster.service.worker_stats import HitRateWindow, KVEventsInfo, build_info, build_stats
+from pdcluster.service.worker_stream import StreamSession
 
 log = logging.getLogger(__name__)
 
 _ABORTED = object()  # queued by Abort: end the stream with finish_reason ABORT
-
-
-@dataclass
-class _Inflight:
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    task: asyncio.Task | None = None
-    num_tokens: int = 0
-    num_prompt_tokens: int = 0
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -57,7 +54,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # The model directory: routers load the tokenizer from it (client-facing names are theirs).
         self.model_name = engine.engine.config.model.model_path
         self._eos = frozenset(engine.engine.eos_token_ids)
-        self._inflight: dict[str, _Inflight] = {}
+        self._inflight: dict[str, Inflight] = {}
+        self._sessions: set[StreamSession] = set()
+        self._pumps: dict[str, asyncio.Task] = {}  # request id -> its pump task, until that ends
         self._hit_rate = HitRateWindow()
 
     @property
@@ -66,24 +65,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     # -- Generate -------------------------------------------------------------------------------
     async def Generate(self, request: worker_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext):
-        params, kv = await self._validate(request, context)
         rid = request.request_id or self.engine.engine.new_request_id()
-        if rid in self._inflight:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already running here")
-        if not self.engine.is_healthy:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is not running")
-        inflight = _Inflight(num_prompt_tokens=len(request.prompt_token_ids))
+        try:
+            params, kv = self.check_request(request, rid)
+        except Refusal as r:
+            await context.abort(r.code, r.message)
+        inflight = Inflight(num_prompt_tokens=len(request.prompt_token_ids))
         self._inflight[rid] = inflight
-        inflight.task = asyncio.get_running_loop().create_task(
-            self._pump(list(request.prompt_token_ids), params, rid, kv, list(request.prefill_output_token_ids),
-                       inflight.queue))
+        inflight.task = self.start_pump(rid, self._pump(list(request.prompt_token_ids), params, rid, kv,
+                                                        list(request.prefill_output_token_ids), inflight.queue))
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
         collected: list[worker_pb2.WorkerGenerateResponse] = []
         try:
             while True:
                 item = await self._next(inflight, deadline, context, sent=bool(collected) or inflight.num_tokens > 0)
-                resp = self._response(rid, inflight, item, params)
+                resp = self.response(rid, inflight, item, params)
                 if request.stream:
                     yield resp
                 else:
@@ -99,8 +96,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if self._inflight.get(rid) is inflight:
                 del self._inflight[rid]
 
-    async def _validate(self, request: worker_pb2.WorkerGenerateRequest,
-                        context: grpc.aio.ServicerContext) -> tuple[SamplingParams, dict | None]:
+    def check_request(self, request: worker_pb2.WorkerGenerateRequest,
+                      rid: str) -> tuple[SamplingParams, dict | None]:
+        """The request's sampling params and accepted KV params, or Refusal."""
         try:
             params = convert.sampling_params_from_proto(request.sampling_params)
             eos = request.eos_token_ids
@@ -109,12 +107,40 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                  "supported; send extra ones as sampling_params.stop_token_ids")
             kv = convert.kv_params_from_proto(request.kv_transfer_params) \
                 if request.HasField("kv_transfer_params") else None
-            return params, self.role.accept(kv)
+            kv = self.role.accept(kv)
         except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         except KvTransferRejected as e:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        raise AssertionError("unreachable: context.abort raises")
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
+        if rid in self._inflight:
+            raise Refusal(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already running here")
+        if not self.engine.is_healthy:
+            raise Refusal(grpc.StatusCode.UNAVAILABLE, "engine is not running")
+        return params, kv
+
+    async def GenerateStream(self, request_iterator: Any, context: grpc.aio.ServicerContext):  # noqa: N802
+        session = StreamSession(self)
+        self._sessions.add(session)
+        try:
+            await session.serve(request_iterator, context)
+        finally:
+            self._sessions.discard(session)
+
+    def start_pump(self, rid: str, pump: Coroutine) -> asyncio.Task:
+        """Run a request's pump task. An aborted request with the same id may still be leaving the
+        engine (its cancelled pump has not finished): the new pump starts after it, so a client
+        that reuses an id right after a cancel is served, not refused as a duplicate."""
+        previous = self._pumps.get(rid)
+        task = asyncio.get_running_loop().create_task(self._after(previous, pump))
+        self._pumps[rid] = task
+        task.add_done_callback(lambda t: self._pumps.pop(rid) if self._pumps.get(rid) is t else None)
+        return task
+
+    @staticmethod
+    async def _after(previous: asyncio.Task | None, pump: Coroutine) -> None:
+        if previous is not None and not previous.done():
+            await asyncio.wait([previous])
+        await pump
 
     async def _pump(self, prompt: list[int], params: SamplingParams, rid: str, kv: dict | None,
                     prior: list[int], queue: asyncio.Queue) -> None:
@@ -128,7 +154,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except BaseException as e:  # handed to the RPC handler, which maps it to a status code
             queue.put_nowait(e)
 
-    async def _next(self, inflight: _Inflight, deadline: float | None, context: grpc.aio.ServicerContext,
+    async def _next(self, inflight: Inflight, deadline: float | None, context: grpc.aio.ServicerContext,
                     sent: bool) -> Any:
         try:
             if deadline is None:
@@ -139,21 +165,29 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             # gRPC also cancels the handler at the deadline; this timer makes it certain and
             # frees the blocks now rather than at the next engine output.
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded; request aborted")
+        refusal = self.refusal_for(item, sent)
+        if refusal is not None:
+            await context.abort(refusal.code, refusal.message)
+        return item
+
+    def refusal_for(self, item: Any, sent: bool) -> Refusal | None:
+        """The status a pumped item ends the request with, if any: an exception from the engine,
+        or an error output before anything was sent while the engine is down (the router then
+        retries elsewhere). None: send the item as a delta."""
         if isinstance(item, BaseException):
             if isinstance(item, ValueError):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(item))
+                return Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(item))
             if isinstance(item, EngineDeadError):
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(item))
+                return Refusal(grpc.StatusCode.UNAVAILABLE, str(item))
             log.error("request failed", exc_info=item)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {item!r}")
+            return Refusal(grpc.StatusCode.INTERNAL, f"internal error: {item!r}")
         if item is not _ABORTED:
             _, out = item
             if out.error and not sent and not self.engine.is_healthy:
-                # Nothing streamed yet and the engine died: let the router retry elsewhere.
-                await context.abort(grpc.StatusCode.UNAVAILABLE, out.error)
-        return item
+                return Refusal(grpc.StatusCode.UNAVAILABLE, out.error)
+        return None
 
-    def _response(self, rid: str, inflight: _Inflight, item: Any,
+    def response(self, rid: str, inflight: Inflight, item: Any,
                   params: SamplingParams) -> worker_pb2.WorkerGenerateResponse:
         if item is _ABORTED:
             return worker_pb2.WorkerGenerateResponse(
@@ -188,11 +222,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             return False
         if inflight.task is not None:
             inflight.task.cancel()  # closes AsyncEngine.generate -> engine abort, blocks freed
-        inflight.queue.put_nowait(_ABORTED)
+        if inflight.on_abort is not None:
+            inflight.on_abort()
+        else:
+            inflight.queue.put_nowait(_ABORTED)
         return True
 
     def abort_all(self) -> int:
-        return sum(self.abort(rid) for rid in list(self._inflight))
+        """Shutdown: abort every request and end every GenerateStream once its replies are out."""
+        num = sum(self.abort(rid) for rid in list(self._inflight))
+        for session in self._sessions:
+            session.close()
+        return num
 
     def kv_events_info(self) -> KVEventsInfo:
         return self.kv_events.info() if self.kv_events is not None else KVEventsInfo()

@@ -25,6 +25,8 @@ LENGTH, ERROR, ABORT = common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON
 LONG = 210
 ABORT_WINDOW_S = 1.0
 AGGREGATED = ("pdcluster_router_disaggregated_requests_total", {"mode": "aggregated"})
+# The router's two ways to reach a worker: one multiplexed stream (default), a call per request.
+CHANNELS = pytest.mark.parametrize("channel", ["stream", "call"])
 RETRIES = ("pdcluster_router_retries_total", {"role": "decode"})
 
 
@@ -55,8 +57,9 @@ def assert_good(stub) -> None:
     assert out[-1].finished and out[-1].finish_reason == LENGTH and len(tokens(out)) == 2
 
 
-def test_stream_and_unary(cluster, reference):
-    c = cluster(1)
+@CHANNELS
+def test_stream_and_unary(cluster, reference, channel):
+    c = cluster(1, worker_channel=channel)
     want = reference.generate([5, 6, 7], max_tokens=4)
     out = gen(c.stub, sampling_params=sp(4), return_prompt_token_ids=True, request_id="r-1")
     assert [list(r.token_ids) for r in out] == [[t] for t in want.token_ids]  # one delta per token
@@ -145,9 +148,10 @@ def test_worker_errors_on_the_request_reach_the_client(cluster):
     assert_good(c.stub)
 
 
-def test_retry_before_first_token_only(cluster, reference):
+@CHANNELS
+def test_retry_before_first_token_only(cluster, reference, channel):
     # Failed checks alone would take 50 probes to eject: only the failed request does it here.
-    c = cluster(2, eject_after_failures=50)
+    c = cluster(2, eject_after_failures=50, worker_channel=channel)
     first, second = c.workers  # round robin: a fresh router picks workers[0] first
     assert c.wait_settled()
     first.kill()
@@ -159,7 +163,7 @@ def test_retry_before_first_token_only(cluster, reference):
     # (Re-admission after a restart: test_health_ejection_and_readmission.)
     # After the first token a failure ends the stream with an error and is not retried, though
     # another worker is there: a retry would repeat output.
-    c = cluster(2)
+    c = cluster(2, worker_channel=channel)
     stream = long_stream(c.stub, "no-retry")
     got = [next(stream), next(stream)]
     serving = next(w for w in c.workers if worker_stats(w.address).num_running == 1)
@@ -243,8 +247,9 @@ def test_admission_control_answers_resource_exhausted(cluster):
     assert_good(c.stub)
 
 
-def test_cancel_mid_stream_aborts_on_worker(cluster):
-    c = cluster(1)
+@CHANNELS
+def test_cancel_mid_stream_aborts_on_worker(cluster, channel):
+    c = cluster(1, worker_channel=channel)
     stream = long_stream(c.stub, "cancel-me", ids=range(40))  # 250 tokens in all
     next(stream)
     s = c.stats(0)
@@ -254,8 +259,9 @@ def test_cancel_mid_stream_aborts_on_worker(cluster):
     assert_good(c.stub)
 
 
-def test_deadline_is_forwarded_and_frees_blocks(cluster):
-    c = cluster(1)
+@CHANNELS
+def test_deadline_is_forwarded_and_frees_blocks(cluster, channel):
+    c = cluster(1, worker_channel=channel)
     worker = c.workers[0]
     t0 = time.monotonic()
     stream = long_stream(c.stub, "slow", ids=range(40), timeout=1.0)
@@ -276,8 +282,9 @@ def test_deadline_is_forwarded_and_frees_blocks(cluster):
     assert_good(c.stub)  # once the router's loop runs again
 
 
-def test_abort_rpc_ends_stream_with_abort(cluster):
-    c = cluster(1)
+@CHANNELS
+def test_abort_rpc_ends_stream_with_abort(cluster, channel):
+    c = cluster(1, worker_channel=channel)
     stream = long_stream(c.stub, "ab-1")
     next(stream)
     resp = c.stub.Abort(common_pb2.AbortRequest(request_ids=["ab-1", "unknown"]), timeout=5)

@@ -1,0 +1,228 @@
+"""StreamSession: one Worker.GenerateStream call -- many requests over one gRPC stream.
+
+Why: a Generate call per request costs the router (and this worker) an HTTP/2 stream set-up, its
+metadata and status, and one message read per delta: about half of the router's CPU per request.
+Over one long-lived stream a request is one entry in a message, and one message carries the
+deltas of every request that had one ready -- usually all of one engine step (vLLM's engine core
+batches its outputs per step the same way).
+
+    reader task   generate -> check (as Generate) -> a pump task per request
+                  abort_tags -> end those requests with finish_reason ABORT
+    pump task     engine deltas -> the outbox (stream=false: merged, sent once at the end)
+    writer        (the RPC handler) outbox -> one WorkerStreamResponse per wake-up, split to
+                  stay under max_batch_bytes
+
+Each generate carries a tag, unique on the stream, that its deltas and errors echo: the router
+matches replies by tag, so a request id reused right after an abort never receives the old
+request's late deltas. Per request everything is Generate's: the same checks and status codes
+(sent as StreamError), deadlines (timeout_s), Abort RPC, and every way a request ends frees its
+blocks. The call ending (router gone, connection lost) aborts every request still on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from pdcluster._proto import common_pb2, worker_pb2
+from pdcluster.sampling_params import SamplingParams
+from pdcluster.service import convert
+from pdcluster.service.inflight import Inflight, Refusal
+
+if TYPE_CHECKING:
+    from pdcluster.service.worker_servicer import WorkerServicer
+
+# A batch is flushed before it passes this: well under the router's 4 MiB receive limit.
+DEFAULT_MAX_BATCH_BYTES = 1 << 20
+
+
+@dataclass(eq=False)
+class _Run:
+    tag: int
+    rid: str
+    params: SamplingParams
+    stream: bool
+    inflight: Inflight
+    collected: list[worker_pb2.WorkerGenerateResponse] = field(default_factory=list)
+    timer: asyncio.TimerHandle | None = None
+    ended: bool = False
+
+
+class StreamSession:
+    def __init__(self, servicer: WorkerServicer, max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES) -> None:
+        self.servicer = servicer
+        self.max_batch_bytes = max_batch_bytes
+        self._runs: dict[int, _Run] = {}
+        self._out: list[worker_pb2.WorkerGenerateResponse | worker_pb2.StreamError] = []
+        self._wake = asyncio.Event()
+        self._peer_done = False
+        self._closing = False
+
+    def close(self) -> None:
+        """Worker shutdown: refuse new requests, end the call once the running ones have ended
+        (they are aborted first) and their last replies are written."""
+        self._closing = True
+        self._wake.set()
+
+    async def serve(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
+        loop = asyncio.get_running_loop()
+        reader = loop.create_task(self._read(request_iterator))
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                if reader.done() and reader.exception() is not None:
+                    error = reader.exception()
+                    if isinstance(error, Refusal):
+                        await context.abort(error.code, error.message)
+                    raise error
+                if self._out:
+                    out, self._out = self._out, []
+                    for batch in self._batches(out):
+                        await context.write(batch)
+                if (self._peer_done or self._closing) and not self._runs and not self._out:
+                    return  # the router closed its side (or this worker stops); every request has ended
+        finally:
+            reader.cancel()
+            for run in list(self._runs.values()):  # the call ended under them: abort each
+                self._finish(run)
+                if run.inflight.task is not None:
+                    run.inflight.task.cancel()
+
+    # -- the router's messages -----------------------------------------------------------------
+    async def _read(self, request_iterator: Any) -> None:
+        try:
+            async for msg in request_iterator:
+                # Aborts first: the sender cancelled those before it started these.
+                for tag in msg.abort_tags:
+                    run = self._runs.get(tag)
+                    if run is not None:
+                        self.servicer.abort(run.rid)  # cancels the pump, ends the run with ABORT
+                for g in msg.generate:
+                    self._start(g)
+        finally:
+            self._peer_done = True
+            self._wake.set()
+
+    def _start(self, g: worker_pb2.StreamGenerate) -> None:
+        request = g.request
+        tag = g.tag
+        if tag in self._runs:
+            # Replies could not be told apart: a broken sender; end its stream (and its requests).
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"tag: {tag} is already in use on this stream")
+        rid = request.request_id
+        if self._closing:
+            self._error(tag, rid, grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
+            return
+        if not rid:
+            self._error(tag, rid, grpc.StatusCode.INVALID_ARGUMENT, "request_id: required on GenerateStream")
+            return
+        s = self.servicer
+        try:
+            params, kv = s.check_request(request, rid)
+        except Refusal as r:
+            self._error(tag, rid, r.code, r.message)
+            return
+        inflight = Inflight(num_prompt_tokens=len(request.prompt_token_ids))
+        run = _Run(tag, rid, params, request.stream, inflight)
+        inflight.on_abort = lambda: self._end_aborted(run)
+        self._runs[tag] = run
+        s._inflight[rid] = inflight
+        loop = asyncio.get_running_loop()
+        inflight.task = s.start_pump(rid, self._pump(run, request, kv))
+        if g.HasField("timeout_s"):
+            run.timer = loop.call_later(max(0.0, g.timeout_s), self._expire, run)
+
+    # -- one request ---------------------------------------------------------------------------
+    async def _pump(self, run: _Run, request: worker_pb2.WorkerGenerateRequest, kv: dict | None) -> None:
+        s = self.servicer
+        prior = list(request.prefill_output_token_ids)
+        try:
+            async for out in s.engine.generate(list(request.prompt_token_ids), run.params, request_id=run.rid,
+                                               kv_transfer_params=kv, prefill_output_token_ids=prior or None):
+                if self._deliver(run, (time.time(), out)):
+                    return
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # mapped to a status code, as Generate does
+            self._deliver(run, e)
+
+    def _deliver(self, run: _Run, item: Any) -> bool:
+        """Queue one engine output (or exception) of a run; True when the run has ended."""
+        if run.ended:
+            return True
+        inflight = run.inflight
+        refusal = self.servicer.refusal_for(item, sent=bool(run.collected) or inflight.num_tokens > 0)
+        if refusal is not None:
+            self._finish(run)
+            self._error(run.tag, run.rid, refusal.code, refusal.message)
+            return True
+        resp = self.servicer.response(run.rid, inflight, item, run.params)
+        self._emit(run, resp)
+        return resp.finished
+
+    def _emit(self, run: _Run, resp: worker_pb2.WorkerGenerateResponse) -> None:
+        if resp.finished:
+            self._finish(run)
+        if not run.stream:
+            run.collected.append(resp)
+            if not resp.finished:
+                return
+            resp = convert.merge_responses(run.collected)
+        resp.stream_tag = run.tag
+        self._out.append(resp)
+        self._wake.set()
+
+    def _end_aborted(self, run: _Run) -> None:
+        if run.ended:
+            return
+        inflight = run.inflight
+        self._emit(run, worker_pb2.WorkerGenerateResponse(
+            request_id=run.rid, finished=True, finish_reason=common_pb2.FINISH_REASON_ABORT,
+            usage=common_pb2.Usage(prompt_tokens=inflight.num_prompt_tokens, completion_tokens=inflight.num_tokens)))
+
+    def _expire(self, run: _Run) -> None:
+        if run.ended:
+            return
+        self._finish(run)
+        if run.inflight.task is not None:
+            run.inflight.task.cancel()  # closes AsyncEngine.generate: the engine frees the blocks now
+        self._error(run.tag, run.rid, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded; request aborted")
+
+    def _finish(self, run: _Run) -> None:
+        """The run sends nothing more: forget it (its pump ends on its own or is cancelled)."""
+        run.ended = True
+        if run.timer is not None:
+            run.timer.cancel()
+        if self._runs.get(run.tag) is run:
+            del self._runs[run.tag]
+        inflight_map = self.servicer._inflight
+        if inflight_map.get(run.rid) is run.inflight:
+            del inflight_map[run.rid]
+
+    def _error(self, tag: int, rid: str, code: grpc.StatusCode, message: str) -> None:
+        self._out.append(worker_pb2.StreamError(tag=tag, request_id=rid, code=code.value[0], message=message))
+        self._wake.set()
+
+    # -- the replies ---------------------------------------------------------------------------
+    def _batches(self, out: list) -> list[worker_pb2.WorkerStreamResponse]:
+        """The outbox as messages of at most ~max_batch_bytes; order kept per request (a request's
+        error is always its last item, and errors follow deltas within a message)."""
+        batches = []
+        deltas: list = []
+        errors: list = []
+        size = 0
+        for item in out:
+            n = item.ByteSize() + 8
+            if size and size + n > self.max_batch_bytes:
+                batches.append(worker_pb2.WorkerStreamResponse(deltas=deltas, errors=errors))
+                deltas, errors, size = [], [], 0
+            (errors if isinstance(item, worker_pb2.StreamError) else deltas).append(item)
+            size += n
+        if deltas or errors:
+            batches.append(worker_pb2.WorkerStreamResponse(deltas=deltas, errors=errors))
+        return batches
