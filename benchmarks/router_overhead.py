@@ -4,24 +4,26 @@ and its CPU cost per request.
     python benchmarks/router_overhead.py [--pairs 300] [--tokens 8] [--seconds 5] [--rounds 3] [--skip-throughput]
 
 One `pdcluster serve-worker` (the built-in demo model: tiny, random weights; CPU unless
-PDCLUSTER_DEVICE says otherwise) and one `pdcluster router` in front of it.
+PDCLUSTER_DEVICE says otherwise) and two `pdcluster router`s in front of it: "router" as deployed
+(one multiplexed Worker.GenerateStream to the worker) and "router_call" (--worker-channel call: a
+Worker.Generate call per request), so both channels are measured side by side in one run.
 
-1. Latency: the same greedy request (8 prompt tokens, --tokens streamed tokens) sent alternately
-   straight to the worker and through the router to that same worker, one at a time, --pairs
-   times. The model's cost is in both, so the difference is the router's: added latency per
-   request = router minus direct, at p50 and p99 (percentiles of each distribution, and the
-   median of the paired differences); per streamed token = the same for the mean gap between
-   streamed tokens.
-2. Throughput: the router process pinned to one core, the worker and this load generator on the
+1. Latency: the same greedy request (8 prompt tokens, --tokens streamed tokens) sent straight to
+   the worker and then through each router to that same worker, one at a time, --pairs rounds.
+   The model's cost is in both, so the difference is the router's: added latency per request =
+   router minus direct, as the p50 and p99 of the paired differences (and the difference of the
+   two distributions' p50 and p99); per streamed token = the same for the mean gap between
+   streamed tokens. The client runs on the routers' core, not the worker's (see run()).
+2. Throughput: the routers pinned to one core, the worker and this load generator on the
    other(s), --concurrency streams for --seconds, at 1 and --long-tokens tokens per request. The
    worker (the model) limits the achieved rate here; what is the router's is its CPU time (from
    /proc) per request: 1 / cpu_seconds_per_request is its ceiling on one core, and the
    difference between the two lengths gives its CPU per streamed token.
 3. Floor: the same throughput run against a bare grpc.aio proxy (Generate -> Worker.Generate, no
-   validation, routing, metrics or retries): what any Python gRPC proxy costs on this machine, so
-   the router's own share is the difference. Router and proxy windows alternate, --rounds times
-   each, so that other jobs on a shared machine weigh on both alike; the figures are the medians
-   of the windows, and router_to_bare_cpu_ratio the median of the per-round ratios.
+   validation, routing, metrics or retries): what a naive Python gRPC proxy costs on this
+   machine. Windows of the routers and the proxy rotate, --rounds times each, so that other jobs
+   on a shared machine weigh on all alike; the figures are the medians of the windows, and
+   cpu_ratio_to_bare_proxy the median of the per-round ratios.
 
 Targets (issue #4): <= 1 ms p50 added per request, <= 50 us per streamed token, >= 1,000 req/s.
 Writes JSON to --out (default benchmarks/results/router_overhead.json).
@@ -44,6 +46,8 @@ import grpc
 from pdcluster._proto import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 PY = sys.executable
+# The router as deployed (one multiplexed stream per worker) and with a gRPC call per request.
+ROUTERS = {"router": "stream", "router_call": "call"}
 PROMPT = list(range(10, 18))
 
 
@@ -81,29 +85,42 @@ def timed_stream(call) -> tuple[float, float]:
     return e2e, gap
 
 
-def latency(worker_addr: str, router_addr: str, pairs: int, tokens: int) -> dict:
+def latency(worker_addr: str, routers: dict[str, str], pairs: int, tokens: int) -> dict:
+    """Each round sends the request straight to the worker, then through each router, one at a time."""
     sp = common_pb2.SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     wreq = worker_pb2.WorkerGenerateRequest(prompt_token_ids=PROMPT, sampling_params=sp, stream=True)
     rreq = router_pb2.GenerateRequest(prompt_token_ids=router_pb2.TokenIds(ids=PROMPT), sampling_params=sp,
                                       stream=True)
-    with grpc.insecure_channel(worker_addr) as wch, grpc.insecure_channel(router_addr) as rch:
-        w, r = worker_pb2_grpc.WorkerStub(wch), router_pb2_grpc.RouterStub(rch)
-        direct, routed = [], []
-        for i in range(pairs + 20):  # the first 20 warm up both paths
-            wreq.request_id = f"d{i}"
-            d = timed_stream(w.Generate(wreq, timeout=60))
-            rr = timed_stream(r.Generate(rreq, timeout=60))
-            if i >= 20:
-                direct.append(d)
-                routed.append(rr)
-    out = {}
-    for name, k in (("request", 0), ("token", 1)):
-        ds, rs = [x[k] for x in direct], [x[k] for x in routed]
-        out[name] = {
-            "direct_p50_us": pct(ds, 0.5) * 1e6, "router_p50_us": pct(rs, 0.5) * 1e6,
-            "added_p50_us": (pct(rs, 0.5) - pct(ds, 0.5)) * 1e6, "added_p99_us": (pct(rs, 0.99) - pct(ds, 0.99)) * 1e6,
-            "paired_diff_p50_us": statistics.median(b - a for a, b in zip(ds, rs)) * 1e6,
-        }
+    channels = {name: grpc.insecure_channel(addr) for name, addr in routers.items()}
+    try:
+        with grpc.insecure_channel(worker_addr) as wch:
+            w = worker_pb2_grpc.WorkerStub(wch)
+            stubs = {name: router_pb2_grpc.RouterStub(ch) for name, ch in channels.items()}
+            direct: list = []
+            routed: dict[str, list] = {name: [] for name in routers}
+            for i in range(pairs + 20):  # the first 20 warm up every path
+                wreq.request_id = f"d{i}"
+                d = timed_stream(w.Generate(wreq, timeout=60))
+                rs = {name: timed_stream(stub.Generate(rreq, timeout=60)) for name, stub in stubs.items()}
+                if i >= 20:
+                    direct.append(d)
+                    for name, r in rs.items():
+                        routed[name].append(r)
+    finally:
+        for ch in channels.values():
+            ch.close()
+    out: dict = {}
+    for router_name, rows in routed.items():
+        out[router_name] = {}
+        for name, k in (("request", 0), ("token", 1)):
+            ds, rs = [x[k] for x in direct], [x[k] for x in rows]
+            out[router_name][name] = {
+                "direct_p50_us": pct(ds, 0.5) * 1e6, "router_p50_us": pct(rs, 0.5) * 1e6,
+                "added_p50_us": (pct(rs, 0.5) - pct(ds, 0.5)) * 1e6,
+                "added_p99_us": (pct(rs, 0.99) - pct(ds, 0.99)) * 1e6,
+                "paired_diff_p50_us": statistics.median(b - a for a, b in zip(ds, rs)) * 1e6,
+                "paired_diff_p99_us": pct([b - a for a, b in zip(ds, rs)], 0.99) * 1e6,
+            }
     return out
 
 
@@ -177,34 +194,44 @@ def run(args: argparse.Namespace) -> dict:
         worker_argv = [PY, "-m", "pdcluster.cluster.cli", "serve-worker", "--role", "both", "--model", args.model,
                        "--max-model-len", "256", "--num-kv-blocks", str(args.num_kv_blocks), "--log-level", "WARNING"]
         wready = spawn(worker_argv, procs, {"PDCLUSTER_DEVICE": os.environ.get("PDCLUSTER_DEVICE", "cpu")}, rest)
-        rready = spawn([PY, "-m", "pdcluster.cluster.cli", "router", "--workers", wready["address"], "--model",
-                        args.model, "--grpc-port", "0", "--http-port", "-1", "--policy", "round_robin",
-                        "--log-level", "WARNING"], procs, cpus=router_cpu)
-        router = procs[-1]
-        os.sched_setaffinity(0, rest)
+        servers: dict[str, tuple[subprocess.Popen, str]] = {}
+        for name, channel in ROUTERS.items():
+            ready = spawn([PY, "-m", "pdcluster.cluster.cli", "router", "--workers", wready["address"], "--model",
+                           args.model, "--grpc-port", "0", "--http-port", "-1", "--policy", "round_robin",
+                           "--worker-channel", channel, "--log-level", "WARNING"], procs, cpus=router_cpu)
+            servers[name] = (procs[-1], ready["grpc"])
+        # The load generator shares the routers' core, not the worker's: on the worker's core it
+        # would slow the model whenever a token reaches it while the next step runs, and the
+        # routers (which deliver later than the worker does) would be charged for that. Here the
+        # routers compete with the client instead, which can only count against them.
+        os.sched_setaffinity(0, router_cpu)
         time.sleep(1.0)  # first health check admitted the worker
         result = {"worker": "serve-worker, demo model, " + os.environ.get("PDCLUSTER_DEVICE", "cpu"),
                   "prompt_tokens": len(PROMPT), "tokens": args.tokens, "pairs": args.pairs,
-                  "latency": latency(wready["address"], rready["grpc"], args.pairs, args.tokens)}
+                  "latency": latency(wready["address"], {n: a for n, (_, a) in servers.items()}, args.pairs,
+                                     args.tokens)}
         if not args.skip_throughput:
+            os.sched_setaffinity(0, rest)  # here the router's core is the one being measured
             fready = spawn([PY, __file__, "--bare-proxy", wready["address"]], procs, cpus=router_cpu)
-            floor = procs[-1]
+            servers["bare"] = (procs[-1], fready["grpc"])
             lengths = (1, args.long_tokens)
             windows: dict[tuple[str, int], list[dict]] = {}
             for _ in range(args.rounds):
                 for t in lengths:
-                    for name, proc, address in (("router", router, rready["grpc"]), ("bare", floor, fready["grpc"])):
+                    for name, (proc, address) in servers.items():
                         windows.setdefault((name, t), []).append(
                             throughput(proc, address, args.concurrency, args.seconds, t))
-            result["throughput"] = [_median_window(windows["router", t]) for t in lengths]
-            result["bare_proxy_floor"] = [_median_window(windows["bare", t]) for t in lengths]
-            one, many = result["throughput"]
-            result["router_cpu_us_per_streamed_token"] = (
-                many["router_cpu_us_per_request"] - one["router_cpu_us_per_request"]) / (lengths[1] - lengths[0])
-            result["router_to_bare_cpu_ratio"] = {
-                str(t): statistics.median(r["router_cpu_us_per_request"] / b["router_cpu_us_per_request"]
-                                          for r, b in zip(windows["router", t], windows["bare", t]))
-                for t in lengths}
+            result["throughput"] = {name: [_median_window(windows[name, t]) for t in lengths] for name in servers}
+            result["router_cpu_us_per_streamed_token"] = {}
+            result["cpu_ratio_to_bare_proxy"] = {}
+            for name in ROUTERS:
+                one, many = result["throughput"][name]
+                result["router_cpu_us_per_streamed_token"][name] = (
+                    many["router_cpu_us_per_request"] - one["router_cpu_us_per_request"]) / (lengths[1] - lengths[0])
+                result["cpu_ratio_to_bare_proxy"][name] = {
+                    str(t): statistics.median(r["router_cpu_us_per_request"] / b["router_cpu_us_per_request"]
+                                              for r, b in zip(windows[name, t], windows["bare", t]))
+                    for t in lengths}
         return result
     finally:
         os.sched_setaffinity(0, set(cpus))
