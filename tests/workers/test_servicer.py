@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import pathlib
-import shutil
-import subprocess
 from typing import Any
 
 import grpc
@@ -245,25 +243,6 @@ def test_role_strings(engine: AsyncEngine) -> None:
 
 
 # -- TLS -----------------------------------------------------------------------------------------
-def _openssl(*args: str, cwd: pathlib.Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl not installed")
-    d = tmp_path_factory.mktemp("certs")
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=test-ca", cwd=d)
-    (d / "san.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
-    for name in ("server", "client"):
-        _openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-                 "-out", f"{name}.pem", "-days", "2", "-extfile", "san.ext", cwd=d)
-    return d
-
-
 async def _health(port: int, creds: grpc.ChannelCredentials | None) -> int:
     target = f"localhost:{port}"
     ch = grpc.aio.secure_channel(target, creds) if creds else grpc.aio.insecure_channel(target)

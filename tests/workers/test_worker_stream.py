@@ -5,6 +5,7 @@ worker shutdown) is per request and frees its KV blocks."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -228,3 +229,41 @@ def test_batches_stay_under_the_byte_bound() -> None:
     assert [e.tag for b in batches for e in b.errors] == [99]
     one_big = [worker_pb2.WorkerGenerateResponse(request_id="big", token_ids=list(range(500)))]
     assert len(session._batches(one_big)) == 1  # a single reply over the bound still goes, alone
+
+
+def test_router_reaches_an_mtls_worker_over_the_stream(engine: AsyncEngine, ref_tokens: list[int], certs,
+                                                       demo_model: str) -> None:
+    """The router's worker channel (GenerateStream) with mutual TLS: the worker requires the
+    router's client certificate; tokens through the router equal the offline engine's."""
+    from pdcluster._proto import router_pb2, router_pb2_grpc
+    from pdcluster.router.app import Router
+    from pdcluster.router.config import RouterConfig
+    from pdcluster.service.server import start_worker_server
+    from pdcluster.service.tls import TLSConfig
+
+    async def main():
+        server_tls = TLSConfig(cert=str(certs / "server.pem"), key=str(certs / "server.key"), ca=str(certs / "ca.pem"))
+        server, port = await start_worker_server(engine, "both", tls=server_tls)
+        router = Router(RouterConfig(
+            workers=(f"localhost:{port}",), model=demo_model, grpc_port=0, http_port=None, policy="round_robin",
+            worker_tls=TLSConfig(ca=str(certs / "ca.pem"), cert=str(certs / "client.pem"),
+                                 key=str(certs / "client.key"))))
+        try:
+            await router.start()
+            for _ in range(500):  # the first health check (over mTLS) admits the worker
+                if router.registry.num_healthy:
+                    break
+                await asyncio.sleep(0.01)
+            async with grpc.aio.insecure_channel(router.grpc_address) as ch:
+                stub = router_pb2_grpc.RouterStub(ch)
+                req_ = router_pb2.GenerateRequest(prompt_token_ids=router_pb2.TokenIds(ids=PROMPT), stream=True,
+                                                  sampling_params=common_pb2.SamplingParams(
+                                                      max_tokens=NUM_REF, temperature=0, ignore_eos=True))
+                for _ in range(2):  # the second request reuses the open stream
+                    got = [t async for r in stub.Generate(req_, timeout=30) for t in r.token_ids]
+                    assert got == ref_tokens
+            assert len(server.servicer._sessions) == 1  # both went over one GenerateStream
+        finally:
+            await router.stop()
+            await server.stop(None)
+    asyncio.run(main())
