@@ -25,6 +25,20 @@ def key_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return root
 
 
+@pytest.fixture(scope="module")
+def engine(demo_model: str):
+    """One real AsyncEngine (max_model_len 256) per test module that asks for it; every test
+    leaves it idle."""
+    from pdcluster.config import EngineArgs
+    from pdcluster.engine.async_engine import AsyncEngine
+
+    eng = AsyncEngine.from_engine_args(EngineArgs(model=demo_model, max_model_len=256))
+    try:
+        yield eng
+    finally:
+        eng.shutdown()
+
+
 MAX_MESSAGE_BYTES = 1 << 20  # small, so the oversize test sends only ~1.5 MB
 
 

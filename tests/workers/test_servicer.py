@@ -25,7 +25,7 @@ from pdcluster.sampling_params import SamplingParams
 from pdcluster.service.server import start_worker_server
 from pdcluster.service.tls import TLSConfig, channel_credentials
 
-MAX_MODEL_LEN = 256
+MAX_MODEL_LEN = 256  # the `engine` fixture's (conftest.py)
 PROMPT = [5, 6]
 NUM_REF = 8  # tokens compared with the offline LLM
 LONG = MAX_MODEL_LEN - len(PROMPT) - 4  # a request that runs for seconds unless ended early
@@ -33,16 +33,6 @@ LONG = MAX_MODEL_LEN - len(PROMPT) - 4  # a request that runs for seconds unless
 
 def _engine_args(model: str) -> EngineArgs:
     return EngineArgs(model=model, max_model_len=MAX_MODEL_LEN)
-
-
-@pytest.fixture(scope="module")
-def engine(demo_model: str):
-    """One real engine shared by the module's servers; every test leaves it idle."""
-    eng = AsyncEngine.from_engine_args(_engine_args(demo_model))
-    try:
-        yield eng
-    finally:
-        eng.shutdown()
 
 
 @pytest.fixture(scope="module")

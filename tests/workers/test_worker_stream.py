@@ -32,15 +32,6 @@ from pdcluster.service.worker_stream import StreamSession
 
 
 @pytest.fixture(scope="module")
-def engine(demo_model: str):
-    eng = AsyncEngine.from_engine_args(_engine_args(demo_model))
-    try:
-        yield eng
-    finally:
-        eng.shutdown()
-
-
-@pytest.fixture(scope="module")
 def ref_tokens(demo_model: str) -> list[int]:
     llm = LLM(model=demo_model, max_model_len=_engine_args(demo_model).max_model_len)
     out = llm.generate([PROMPT], SamplingParams(max_tokens=NUM_REF, temperature=0.0, ignore_eos=True))[0]
