@@ -238,5 +238,5 @@ class WorkerStream:
     async def close(self) -> None:
         tasks = self._tasks
         if self._call is not None:
-            self._lost(self._call, rpc_error(grpc.StatusCode.UNAVAILABLE, "the router is shutting down"))
+            self._lost(self._call, rpc_error(grpc.StatusCode.UNAVAILABLE, "the router closed its channel to this worker"))
         await asyncio.gather(*tasks, return_exceptions=True)
