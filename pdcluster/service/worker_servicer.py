@@ -21,7 +21,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable
+from contextlib import aclosing
 from typing import Any
 
 import grpc
@@ -72,8 +73,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await context.abort(r.code, r.message)
         inflight = Inflight(num_prompt_tokens=len(request.prompt_token_ids))
         self._inflight[rid] = inflight
-        inflight.task = self.start_pump(rid, self._pump(list(request.prompt_token_ids), params, rid, kv,
-                                                        list(request.prefill_output_token_ids), inflight.queue))
+        inflight.task = self.start_pump(rid, request, params, kv, inflight.queue.put_nowait)
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
         collected: list[worker_pb2.WorkerGenerateResponse] = []
@@ -126,33 +126,39 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         finally:
             self._sessions.discard(session)
 
-    def start_pump(self, rid: str, pump: Coroutine) -> asyncio.Task:
-        """Run a request's pump task. An aborted request with the same id may still be leaving the
-        engine (its cancelled pump has not finished): the new pump starts after it, so a client
-        that reuses an id right after a cancel is served, not refused as a duplicate."""
+    def start_pump(self, rid: str, request: worker_pb2.WorkerGenerateRequest, params: SamplingParams,
+                   kv: dict | None, sink: Callable[[Any], bool | None]) -> asyncio.Task:
+        """Run the request in the engine as a task that hands sink each (arrival time, output), or
+        the exception that ended it, until the request ends or sink returns true. Cancelling the
+        task closes AsyncEngine.generate, which aborts the request and frees its blocks.
+
+        An aborted request with the same id may still be leaving the engine (its cancelled task has
+        not finished): the new one starts after it, so a client that reuses an id right after a
+        cancel is served, not refused as a duplicate."""
         previous = self._pumps.get(rid)
-        task = asyncio.get_running_loop().create_task(self._after(previous, pump))
+        if previous is not None and previous.done():
+            previous = None
+        task = asyncio.get_running_loop().create_task(self._pump(rid, request, params, kv, sink, previous))
         self._pumps[rid] = task
         task.add_done_callback(lambda t: self._pumps.pop(rid) if self._pumps.get(rid) is t else None)
         return task
 
-    @staticmethod
-    async def _after(previous: asyncio.Task | None, pump: Coroutine) -> None:
-        if previous is not None and not previous.done():
+    async def _pump(self, rid: str, request: worker_pb2.WorkerGenerateRequest, params: SamplingParams,
+                    kv: dict | None, sink: Callable[[Any], bool | None], previous: asyncio.Task | None) -> None:
+        if previous is not None:
             await asyncio.wait([previous])
-        await pump
-
-    async def _pump(self, prompt: list[int], params: SamplingParams, rid: str, kv: dict | None,
-                    prior: list[int], queue: asyncio.Queue) -> None:
+        prior = list(request.prefill_output_token_ids)  # the decode leg's; the engine validates them
         try:
-            # prior: the decode leg's prefill_output_token_ids (the engine validates them).
-            async for out in self.engine.generate(prompt, params, request_id=rid, kv_transfer_params=kv,
-                                                  prefill_output_token_ids=prior or None):
-                queue.put_nowait((time.time(), out))
+            async with aclosing(self.engine.generate(list(request.prompt_token_ids), params, request_id=rid,
+                                                     kv_transfer_params=kv,
+                                                     prefill_output_token_ids=prior or None)) as outputs:
+                async for out in outputs:
+                    if sink((time.time(), out)):
+                        return
         except asyncio.CancelledError:
             raise
-        except BaseException as e:  # handed to the RPC handler, which maps it to a status code
-            queue.put_nowait(e)
+        except BaseException as e:  # the receiver maps it to a status code
+            sink(e)
 
     async def _next(self, inflight: Inflight, deadline: float | None, context: grpc.aio.ServicerContext,
                     sent: bool) -> Any:

@@ -22,7 +22,6 @@ blocks. The call ending (router gone, connection lost) aborts every request stil
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -133,24 +132,11 @@ class StreamSession:
         self._runs[tag] = run
         s._inflight[rid] = inflight
         loop = asyncio.get_running_loop()
-        inflight.task = s.start_pump(rid, self._pump(run, request, kv))
+        inflight.task = s.start_pump(rid, request, params, kv, lambda item: self._deliver(run, item))
         if g.HasField("timeout_s"):
             run.timer = loop.call_later(max(0.0, g.timeout_s), self._expire, run)
 
     # -- one request ---------------------------------------------------------------------------
-    async def _pump(self, run: _Run, request: worker_pb2.WorkerGenerateRequest, kv: dict | None) -> None:
-        s = self.servicer
-        prior = list(request.prefill_output_token_ids)
-        try:
-            async for out in s.engine.generate(list(request.prompt_token_ids), run.params, request_id=run.rid,
-                                               kv_transfer_params=kv, prefill_output_token_ids=prior or None):
-                if self._deliver(run, (time.time(), out)):
-                    return
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:  # mapped to a status code, as Generate does
-            self._deliver(run, e)
-
     def _deliver(self, run: _Run, item: Any) -> bool:
         """Queue one engine output (or exception) of a run; True when the run has ended."""
         if run.ended:
