@@ -73,6 +73,18 @@ class Replies:
                 self.errors[e.tag] = e
 
 
+async def open_stream(stub, *generates: worker_pb2.StreamGenerate) -> tuple[Any, Replies]:
+    """A new GenerateStream with these requests sent in its first message."""
+    call = stub.GenerateStream()
+    await call.write(worker_pb2.WorkerStreamRequest(generate=generates))
+    return call, Replies()
+
+
+async def started(call, r: Replies, *tags: int) -> None:
+    """Wait for the first delta of each of these requests."""
+    await r.read_until(call, lambda: all(r.deltas.get(t) for t in tags))
+
+
 def serve(engine: AsyncEngine, test) -> None:
     serve_on(engine, test)
     # Every test leaves the engine idle: aborts reach the engine thread a moment after the reply.
@@ -84,11 +96,8 @@ def serve(engine: AsyncEngine, test) -> None:
 
 def test_many_requests_one_stream(engine: AsyncEngine, ref_tokens: list[int]) -> None:
     async def t(stub, server, ch):
-        call = stub.GenerateStream()
         tags = [1, 2, 3, 4]
-        await call.write(worker_pb2.WorkerStreamRequest(generate=[gen(1, "m1"), gen(2, "m2"), gen(3, "m3"),
-                                                                  gen(4, "m4", stream=False)]))
-        r = Replies()
+        call, r = await open_stream(stub, gen(1, "m1"), gen(2, "m2"), gen(3, "m3"), gen(4, "m4", stream=False))
         await r.read_until(call, lambda: all(r.ended(t) for t in tags))
         for tag in tags:
             assert r.tokens(tag) == ref_tokens
@@ -105,12 +114,9 @@ def test_many_requests_one_stream(engine: AsyncEngine, ref_tokens: list[int]) ->
 
 def test_errors_are_per_request(engine: AsyncEngine, ref_tokens: list[int]) -> None:
     async def t(stub, server, ch):
-        call = stub.GenerateStream()
         bad = gen(2, "e2")
         bad.request.sampling_params.temperature = -1.0
-        await call.write(worker_pb2.WorkerStreamRequest(generate=[
-            gen(1, "e1", max_tokens=LONG), bad, gen(3, ""), gen(5, "e1"), gen(6, "e6")]))
-        r = Replies()
+        call, r = await open_stream(stub, gen(1, "e1", max_tokens=LONG), bad, gen(3, ""), gen(5, "e1"), gen(6, "e6"))
         await r.read_until(call, lambda: all(r.ended(t) for t in (2, 3, 5, 6)))
         assert r.errors[2].code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "temperature" in r.errors[2].message
         assert r.errors[3].code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "request_id" in r.errors[3].message
@@ -127,10 +133,8 @@ def test_errors_are_per_request(engine: AsyncEngine, ref_tokens: list[int]) -> N
 
 def test_a_reused_tag_ends_the_stream(engine: AsyncEngine) -> None:
     async def t(stub, server, ch):
-        call = stub.GenerateStream()
-        await call.write(worker_pb2.WorkerStreamRequest(generate=[gen(1, "t1", max_tokens=LONG)]))
-        r = Replies()
-        await r.read_until(call, lambda: bool(r.deltas.get(1)))
+        call, r = await open_stream(stub, gen(1, "t1", max_tokens=LONG))
+        await started(call, r, 1)
         one = await _engine_request(engine, "t1")
         await call.write(worker_pb2.WorkerStreamRequest(generate=[gen(1, "t2")]))
         with pytest.raises(grpc.aio.AioRpcError) as e:
@@ -143,12 +147,9 @@ def test_a_reused_tag_ends_the_stream(engine: AsyncEngine) -> None:
 
 def test_abort_by_tag_reuse_of_id_and_deadline(engine: AsyncEngine, ref_tokens: list[int]) -> None:
     async def t(stub, server, ch):
-        call = stub.GenerateStream()
         # "b" would take seconds; its deadline ends it after 0.5 s whether or not it has sent a delta.
-        await call.write(worker_pb2.WorkerStreamRequest(generate=[gen(1, "a", max_tokens=LONG),
-                                                                  gen(2, "b", max_tokens=LONG, timeout_s=0.5)]))
-        r = Replies()
-        await r.read_until(call, lambda: bool(r.deltas.get(1)))
+        call, r = await open_stream(stub, gen(1, "a", max_tokens=LONG), gen(2, "b", max_tokens=LONG, timeout_s=0.5))
+        await started(call, r, 1)
         ra = await _engine_request(engine, "a")
         # Abort "a" and start a new "a" in the same message: the new one gets only its own replies.
         await call.write(worker_pb2.WorkerStreamRequest(abort_tags=[1], generate=[gen(3, "a")]))
@@ -167,10 +168,8 @@ def test_abort_by_tag_reuse_of_id_and_deadline(engine: AsyncEngine, ref_tokens: 
 
 def test_abort_rpc_reaches_stream_requests(engine: AsyncEngine) -> None:
     async def t(stub, server, ch):
-        call = stub.GenerateStream()
-        await call.write(worker_pb2.WorkerStreamRequest(generate=[gen(7, "x", max_tokens=LONG)]))
-        r = Replies()
-        await r.read_until(call, lambda: bool(r.deltas.get(7)))
+        call, r = await open_stream(stub, gen(7, "x", max_tokens=LONG))
+        await started(call, r, 7)
         resp = await stub.Abort(common_pb2.AbortRequest(request_ids=["x"]))
         assert list(resp.aborted_request_ids) == ["x"]
         await r.read_until(call, lambda: r.ended(7))
@@ -181,11 +180,8 @@ def test_abort_rpc_reaches_stream_requests(engine: AsyncEngine) -> None:
 
 def test_closing_the_stream_aborts_its_requests(engine: AsyncEngine) -> None:
     async def t(stub, server, ch):
-        call = stub.GenerateStream()
-        await call.write(worker_pb2.WorkerStreamRequest(generate=[gen(1, "c1", max_tokens=LONG),
-                                                                  gen(2, "c2", max_tokens=LONG)]))
-        r = Replies()
-        await r.read_until(call, lambda: bool(r.deltas.get(1)) and bool(r.deltas.get(2)))
+        call, r = await open_stream(stub, gen(1, "c1", max_tokens=LONG), gen(2, "c2", max_tokens=LONG))
+        await started(call, r, 1, 2)
         reqs = [await _engine_request(engine, rid) for rid in ("c1", "c2")]
         call.cancel()  # the router went away
         for one in reqs:
@@ -196,10 +192,8 @@ def test_closing_the_stream_aborts_its_requests(engine: AsyncEngine) -> None:
 
 def test_shutdown_ends_the_stream(engine: AsyncEngine) -> None:
     async def t(stub, server, ch):
-        call = stub.GenerateStream()
-        await call.write(worker_pb2.WorkerStreamRequest(generate=[gen(1, "s1", max_tokens=LONG)]))
-        r = Replies()
-        await r.read_until(call, lambda: bool(r.deltas.get(1)))
+        call, r = await open_stream(stub, gen(1, "s1", max_tokens=LONG))
+        await started(call, r, 1)
         one = await _engine_request(engine, "s1")
         await server.stop(grace=10.0)  # must not wait out the grace: the stream ends itself
         await r.read_until(call, lambda: r.ended(1))
