@@ -86,7 +86,7 @@ def add_router(sub: argparse._SubParsersAction) -> None:
 
 def _router_config(args: argparse.Namespace, workers: tuple[str, ...], key_dir: str | None, model: str | None) -> Any:
     from pdcluster.router.config import RouterConfig
-    from pdcluster.service.tls import TLSConfig
+    from pdcluster.worker.tls import TLSConfig
 
     tls = worker_tls = None
     if args.tls_cert or args.tls_key or args.tls_ca:

@@ -149,7 +149,7 @@ def make_role(name: str, connector_name: str | None = None) -> Any:
         from pdcluster.decode_worker import DecodeRole
 
         return DecodeRole(connector_name)
-    from pdcluster.service.roles import AggregatedRole
+    from pdcluster.worker.roles import AggregatedRole
 
     return AggregatedRole(connector_name)
 
@@ -157,7 +157,7 @@ def make_role(name: str, connector_name: str | None = None) -> Any:
 def _tls_config(args: argparse.Namespace) -> Any:
     if not (args.tls_cert or args.tls_key or args.tls_ca):
         return None
-    from pdcluster.service.tls import TLSConfig
+    from pdcluster.worker.tls import TLSConfig
 
     if args.tls_ca and not args.tls_cert:
         raise ValueError("--tls-ca needs --tls-cert and --tls-key")
@@ -172,7 +172,7 @@ def advertise_host(args: argparse.Namespace) -> str:
 
 
 def _kv_events_config(args: argparse.Namespace) -> Any:
-    from pdcluster.service.kv_events import KVEventsConfig
+    from pdcluster.worker.kv_events import KVEventsConfig
 
     common = {"bind_host": args.host, "advertise_host": advertise_host(args)}
     if args.key_dir:
@@ -185,8 +185,8 @@ def _kv_events_config(args: argparse.Namespace) -> Any:
 
 
 async def _serve(args: argparse.Namespace, engine: Any, role: Any, tls: Any, kv_events: Any) -> None:
-    from pdcluster.service.options import DEFAULT_MAX_MESSAGE_BYTES
-    from pdcluster.service.server import start_worker_server
+    from pdcluster.worker.options import DEFAULT_MAX_MESSAGE_BYTES
+    from pdcluster.worker.server import start_worker_server
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

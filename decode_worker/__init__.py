@@ -1,7 +1,7 @@
 """decode_worker: the consumer side of disaggregated serving (takes kv_transfer_params from
 the prefill leg, loads the KV, decodes).
 
-Use `DecodeRole` as the `role` of `pdcluster.service.server.start_worker_server`, or run
+Use `DecodeRole` as the `role` of `pdcluster.worker.server.start_worker_server`, or run
 `pdcluster serve-worker --role decode`.
 """
 

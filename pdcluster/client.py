@@ -24,9 +24,9 @@ import grpc
 
 from pdcluster._proto import common_pb2, router_pb2, router_pb2_grpc
 from pdcluster.sampling_params import SamplingParams
-from pdcluster.service.convert import FINISH_REASON_FROM_PROTO, ROLE_TO_PROTO, sampling_params_to_proto
-from pdcluster.service.options import DEFAULT_MAX_MESSAGE_BYTES, channel_options
-from pdcluster.service.tls import TLSConfig, channel_credentials, channel_tls_options
+from pdcluster.worker.convert import FINISH_REASON_FROM_PROTO, ROLE_TO_PROTO, sampling_params_to_proto
+from pdcluster.worker.options import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+from pdcluster.worker.tls import TLSConfig, channel_credentials, channel_tls_options
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
 

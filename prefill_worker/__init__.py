@@ -1,6 +1,6 @@
 """prefill_worker: the producer side of disaggregated serving (answers the prefill leg).
 
-Use `PrefillRole` as the `role` of `pdcluster.service.server.start_worker_server`, or run
+Use `PrefillRole` as the `role` of `pdcluster.worker.server.start_worker_server`, or run
 `pdcluster serve-worker --role prefill`.
 """
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdcluster.service.roles import RoleHandler
+from pdcluster.worker.roles import RoleHandler
 
 
 class PrefillRole(RoleHandler):

@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry
 
 from pdcluster.engine.tokenizer import Tokenizer
 from pdcluster.security.keys import load_allowed_public_keys, load_keypair
-from pdcluster.service.tls import TLSConfig
+from pdcluster.worker.tls import TLSConfig
 
 from .config import RouterConfig
 from .http_server import HttpFrontend

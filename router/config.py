@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from pdcluster.service.tls import TLSConfig
+from pdcluster.worker.tls import TLSConfig
 
 from .policies import POLICIES
 

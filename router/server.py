@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from pdcluster._proto import common_pb2, router_pb2, router_pb2_grpc
-from pdcluster.service.tls import server_credentials
+from pdcluster.worker.tls import server_credentials
 
 from .config import RouterConfig
 from .convert import response_from_worker

@@ -11,7 +11,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdcluster._proto import common_pb2, worker_pb2, worker_pb2_grpc
-from pdcluster.service.tls import TLSConfig, channel_credentials, channel_tls_options
+from pdcluster.worker.tls import TLSConfig, channel_credentials, channel_tls_options
 
 from .worker_stream import StreamCall, WorkerStream
 

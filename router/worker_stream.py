@@ -3,7 +3,7 @@
 A Generate call per request costs an HTTP/2 stream set-up, metadata, a status and a message read
 per delta; here a request is an entry in a message and one message brings the deltas of every
 request that had one ready (about one engine step). The worker side is
-pdcluster/service/worker_stream.py.
+pdcluster/worker/worker_stream.py.
 
     start(request, timeout) -> StreamCall   queued for the writer task (which batches whatever is
                                             queued while a write is in flight), tagged

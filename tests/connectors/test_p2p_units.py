@@ -154,7 +154,7 @@ def test_params_survive_the_router_proto_and_stay_signed() -> None:
     from pdcluster.connectors.p2p.options import P2POptions, PeerEntry
     from pdcluster.connectors.p2p.params import build_params
     from pdcluster.connectors.p2p.peer import resolve_producer
-    from pdcluster.service.convert import kv_params_from_proto, kv_params_to_proto
+    from pdcluster.worker.convert import kv_params_from_proto, kv_params_to_proto
 
     kp = generate_keypair("producer")
     req = _request(list(range(10)))

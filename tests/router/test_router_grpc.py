@@ -301,7 +301,7 @@ def test_tls_frontends(cluster, tmp_path):
     import subprocess
 
     from pdcluster._proto import router_pb2_grpc
-    from pdcluster.service.tls import TLSConfig, channel_credentials
+    from pdcluster.worker.tls import TLSConfig, channel_credentials
 
     if shutil.which("openssl") is None:
         pytest.skip("openssl not installed")

@@ -9,9 +9,9 @@ from pdcluster.decode_worker import DecodeRole
 from pdcluster.engine.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
 from pdcluster.prefill_worker import PrefillRole
 from pdcluster.sampling_params import SamplingParams
-from pdcluster.service import convert
-from pdcluster.service.roles import AggregatedRole, KvTransferRejected
-from pdcluster.service.worker_stats import HitRateWindow
+from pdcluster.worker import convert
+from pdcluster.worker.roles import AggregatedRole, KvTransferRejected
+from pdcluster.worker.worker_stats import HitRateWindow
 
 
 def test_unset_fields_keep_defaults() -> None:

@@ -18,8 +18,8 @@ from pdcluster.engine.kv_events_pub import decode_batch, decode_snapshot, encode
 from pdcluster.sampling_params import SamplingParams
 from pdcluster.security.curve import make_client_socket
 from pdcluster.security.keys import KeyMaterialError, generate_keypair, init_keys, keypair_to_string
-from pdcluster.service.kv_events import ENV_ALLOWED_KEYS, ENV_WORKER_KEY, KVEventsConfig
-from pdcluster.service.server import start_worker_server
+from pdcluster.worker.kv_events import ENV_ALLOWED_KEYS, ENV_WORKER_KEY, KVEventsConfig
+from pdcluster.worker.server import start_worker_server
 
 
 async def _recv(sock: zmq.Socket, timeout_s: float = 5.0) -> bytes:

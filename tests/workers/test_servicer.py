@@ -22,8 +22,8 @@ from pdcluster.engine.outputs import CompletionOutput
 from pdcluster.engine.request import RequestStatus
 from pdcluster.prefill_worker import PrefillRole
 from pdcluster.sampling_params import SamplingParams
-from pdcluster.service.server import start_worker_server
-from pdcluster.service.tls import TLSConfig, channel_credentials
+from pdcluster.worker.server import start_worker_server
+from pdcluster.worker.tls import TLSConfig, channel_credentials
 
 MAX_MODEL_LEN = 256  # the `engine` fixture's (conftest.py)
 PROMPT = [5, 6]

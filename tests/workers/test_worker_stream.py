@@ -28,7 +28,7 @@ from pdcluster._proto import common_pb2, worker_pb2
 from pdcluster.engine.async_engine import AsyncEngine
 from pdcluster.engine.request import RequestStatus
 from pdcluster.sampling_params import SamplingParams
-from pdcluster.service.worker_stream import StreamSession
+from pdcluster.worker.worker_stream import StreamSession
 
 
 @pytest.fixture(scope="module")
@@ -224,8 +224,8 @@ def test_router_reaches_an_mtls_worker_over_the_stream(engine: AsyncEngine, ref_
     from pdcluster._proto import router_pb2, router_pb2_grpc
     from pdcluster.router.app import Router
     from pdcluster.router.config import RouterConfig
-    from pdcluster.service.server import start_worker_server
-    from pdcluster.service.tls import TLSConfig
+    from pdcluster.worker.server import start_worker_server
+    from pdcluster.worker.tls import TLSConfig
 
     async def main():
         server_tls = TLSConfig(cert=str(certs / "server.pem"), key=str(certs / "server.key"), ca=str(certs / "ca.pem"))

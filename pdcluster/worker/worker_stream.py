@@ -29,11 +29,11 @@ import grpc
 
 from pdcluster._proto import common_pb2, worker_pb2
 from pdcluster.sampling_params import SamplingParams
-from pdcluster.service import convert
-from pdcluster.service.inflight import Inflight, Refusal
+from pdcluster.worker import convert
+from pdcluster.worker.inflight import Inflight, Refusal
 
 if TYPE_CHECKING:
-    from pdcluster.service.worker_servicer import WorkerServicer
+    from pdcluster.worker.worker_servicer import WorkerServicer
 
 # A batch is flushed before it passes this: well under the router's 4 MiB receive limit.
 DEFAULT_MAX_BATCH_BYTES = 1 << 20

@@ -38,7 +38,7 @@ from pdcluster.security.keys import (
     load_keypair,
     normalize_public_key,
 )
-from pdcluster.service.worker_stats import KVEventsInfo
+from pdcluster.worker.worker_stats import KVEventsInfo
 
 log = logging.getLogger(__name__)
 

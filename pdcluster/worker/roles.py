@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdcluster.service.convert import ROLE_TO_PROTO
+from pdcluster.worker.convert import ROLE_TO_PROTO
 
 
 class KvTransferRejected(Exception):

@@ -1,4 +1,4 @@
-"""pdcluster.service: the gRPC service code every worker role shares.
+"""pdcluster.worker: the gRPC service code every worker role shares.
 
     convert.py          proto <-> engine types (SamplingParams, RequestOutput deltas, KV params)
     options.py          gRPC message-size limits and channel/server options

@@ -18,11 +18,11 @@ from typing import Any
 import grpc
 
 from pdcluster._proto import worker_pb2_grpc
-from pdcluster.service.health import EngineHealth
-from pdcluster.service.options import DEFAULT_MAX_MESSAGE_BYTES, server_options
-from pdcluster.service.roles import AggregatedRole, RoleHandler
-from pdcluster.service.tls import TLSConfig, server_credentials
-from pdcluster.service.worker_servicer import WorkerServicer
+from pdcluster.worker.health import EngineHealth
+from pdcluster.worker.options import DEFAULT_MAX_MESSAGE_BYTES, server_options
+from pdcluster.worker.roles import AggregatedRole, RoleHandler
+from pdcluster.worker.tls import TLSConfig, server_credentials
+from pdcluster.worker.worker_servicer import WorkerServicer
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ async def start_worker_server(
     worker_id = worker_id or f"{handler.name}@{_format_address(host, bound)}"
     publisher = None
     if kv_events is not None:
-        from pdcluster.service.kv_events import KVEventService  # zmq only when publishing
+        from pdcluster.worker.kv_events import KVEventService  # zmq only when publishing
 
         publisher = KVEventService(engine, kv_events, worker_id, epoch)
     try:

@@ -32,11 +32,11 @@ from pdcluster._proto import common_pb2, worker_pb2, worker_pb2_grpc
 from pdcluster.engine.async_engine import EngineDeadError
 from pdcluster.engine.outputs import RequestOutput
 from pdcluster.sampling_params import SamplingParams
-from pdcluster.service import convert
-from pdcluster.service.inflight import Inflight, Refusal
-from pdcluster.service.roles import KvTransferRejected, RoleHandler
-from pdcluster.service.worker_stats import HitRateWindow, KVEventsInfo, build_info, build_stats
-from pdcluster.service.worker_stream import StreamSession
+from pdcluster.worker import convert
+from pdcluster.worker.inflight import Inflight, Refusal
+from pdcluster.worker.roles import KvTransferRejected, RoleHandler
+from pdcluster.worker.worker_stats import HitRateWindow, KVEventsInfo, build_info, build_stats
+from pdcluster.worker.worker_stream import StreamSession
 
 log = logging.getLogger(__name__)
 
