@@ -22,6 +22,7 @@ from pdcluster.engine.request import Request, RequestStatus
 
 from .registry import (
     BUILTIN_CONNECTORS,
+    CONNECTORS,
     ENTRY_POINT_GROUP,
     available_connectors,
     create_connector,
@@ -32,7 +33,7 @@ from .registry import (
 KVConnector = KVConnectorBase  # the name plugin authors see
 
 __all__ = [
-    "BUILTIN_CONNECTORS", "ENTRY_POINT_GROUP", "KVCacheLayout", "KVConnector", "KVConnectorBase",
+    "BUILTIN_CONNECTORS", "CONNECTORS", "ENTRY_POINT_GROUP", "KVCacheLayout", "KVConnector", "KVConnectorBase",
     "KVConnectorMetadata", "KVConnectorRole", "KVEvent", "KVTransferFailure", "Request", "RequestStatus",
     "SchedulerOutput", "available_connectors", "create_connector", "engine_connector_factory",
     "resolve_connector_class",

@@ -45,14 +45,18 @@ class Registry(Generic[T]):
     """Named objects of one kind (`what`: used in every error message).
 
     `check(obj)` returns the object as a `T` or raises `TypeError`/`ValueError`; it runs on every
-    resolved object, built-in or plugin. `entry_point_group=None` disables plugin discovery.
+    resolved object, built-in or plugin. `entry_point_group=None` disables plugin discovery;
+    `allow_dotted=False` refuses "module:attr" names (closed sets such as routing policies).
     """
 
     def __init__(self, what: str, *, entry_point_group: str | None = None,
-                 check: Callable[[object], T] | None = None, allow_dotted: bool = True) -> None:
+                 check: Callable[[object], T] | None = None, allow_dotted: bool = True,
+                 list_sources: bool = False) -> None:
         self.what = what
         self.entry_point_group = entry_point_group
         self.allow_dotted = allow_dotted
+        # Unknown-name errors list "name (module:attr)": where plugins can clash, say which is which.
+        self.list_sources = list_sources
         self._check = check
         self._builtins: dict[str, str | T] = {}
         self._loaded: dict[str, T] = {}
@@ -106,8 +110,7 @@ class Registry(Generic[T]):
                     hint = (f"; or install a package with a '{self.entry_point_group}' entry point")
                 if self.allow_dotted:
                     hint = f"; or give a dotted path 'package.module:Name'{hint}"
-                raise ValueError(f"unknown {self.what} {name!r}; available: "
-                                 f"{', '.join(self.names()) or 'none'}{hint}")
+                raise ValueError(f"unknown {self.what} {name!r}; available: {self._listing()}{hint}")
             try:
                 obj = ep.load()
             except Exception as e:  # a broken plugin: say which one
@@ -118,6 +121,11 @@ class Registry(Generic[T]):
             raise ValueError(f"{self.what} {name!r} resolved to {obj!r}, which is refused: {e}") from e
         self._loaded[name] = checked  # type: ignore[assignment]
         return checked  # type: ignore[return-value]
+
+    def _listing(self) -> str:
+        if self.list_sources:
+            return ", ".join(f"{name} ({source})" for name, source in self.available().items()) or "none"
+        return ", ".join(self.names()) or "none"
 
 
 def subclass_of(base: type) -> Callable[[object], type]:
