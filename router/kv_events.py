@@ -9,7 +9,7 @@
 
 `EventStreamTracker` is pure (no sockets, no clock) and unit-tested; `KVEventSubscriber` is the
 thin ZMQ shell around one tracker per worker. The wire format and the publisher live in
-pdcluster.engine.kv_events_pub (workers import it; this module re-exports the types).
+pdcluster.worker.kv_events_pub (workers import it; this module re-exports the types).
 """
 
 from __future__ import annotations
@@ -23,7 +23,10 @@ from dataclasses import dataclass
 
 import zmq
 
-from pdcluster.engine.kv_events_pub import (
+from pdcluster.security.curve import make_client_socket
+from pdcluster.security.envelope import MalformedMessage
+from pdcluster.security.keys import KeyPair
+from pdcluster.worker.kv_events_pub import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -34,9 +37,6 @@ from pdcluster.engine.kv_events_pub import (
     decode_snapshot,
     encode_snapshot_request,
 )
-from pdcluster.security.curve import make_client_socket
-from pdcluster.security.envelope import MalformedMessage
-from pdcluster.security.keys import KeyPair
 
 from .prefix_index import PrefixIndex
 

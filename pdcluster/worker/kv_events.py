@@ -7,7 +7,7 @@
     snapshot requests (ROUTER socket) are answered from the mirror; heartbeats re-send the seq.
 
 Why a mirror instead of reading the block pool: a snapshot at seq N must hold exactly what
-batches <= N built (pdcluster/engine/kv_events_pub.py). The mirror is updated by the very
+batches <= N built (pdcluster/worker/kv_events_pub.py). The mirror is updated by the very
 events that were published, in the same thread, so it is consistent with the seq by
 construction and snapshots never wait for the engine thread.
 
@@ -27,7 +27,6 @@ from typing import Any
 import zmq
 
 from pdcluster.engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from pdcluster.engine.kv_events_pub import KVEventPublisher
 from pdcluster.security.curve import CurveAuthenticator
 from pdcluster.security.envelope import MalformedMessage
 from pdcluster.security.keys import (
@@ -38,6 +37,7 @@ from pdcluster.security.keys import (
     load_keypair,
     normalize_public_key,
 )
+from pdcluster.worker.kv_events_pub import KVEventPublisher
 from pdcluster.worker.worker_stats import KVEventsInfo
 
 log = logging.getLogger(__name__)

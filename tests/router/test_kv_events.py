@@ -9,7 +9,12 @@ import msgpack
 import pytest
 import zmq
 
-from pdcluster.engine.kv_events_pub import (
+from pdcluster.router.kv_events import EventStreamTracker, KVEventSubscriber
+from pdcluster.router.prefix_index import PrefixIndex
+from pdcluster.security.curve import CurveAuthenticator
+from pdcluster.security.envelope import MalformedMessage
+from pdcluster.security.keys import generate_keypair
+from pdcluster.worker.kv_events_pub import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -23,11 +28,6 @@ from pdcluster.engine.kv_events_pub import (
     encode_snapshot,
     encode_snapshot_request,
 )
-from pdcluster.router.kv_events import EventStreamTracker, KVEventSubscriber
-from pdcluster.router.prefix_index import PrefixIndex
-from pdcluster.security.curve import CurveAuthenticator
-from pdcluster.security.envelope import MalformedMessage
-from pdcluster.security.keys import generate_keypair
 
 
 def h(*ids: int) -> tuple[bytes, ...]:
@@ -226,7 +226,7 @@ def test_subscriber_not_on_allow_list_learns_nothing(cluster):
 
 
 def test_split_events_respects_wire_bounds(monkeypatch):
-    import pdcluster.engine.kv_events_pub as pubmod
+    import pdcluster.worker.kv_events_pub as pubmod
 
     monkeypatch.setattr(pubmod, "MAX_HASHES_PER_BATCH", 4)
     monkeypatch.setattr(pubmod, "MAX_EVENTS_PER_BATCH", 3)

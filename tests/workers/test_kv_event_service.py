@@ -14,11 +14,11 @@ from pdcluster.config import EngineArgs
 from pdcluster.engine.async_engine import AsyncEngine
 from pdcluster.engine.block_hash import compute_block_hashes
 from pdcluster.engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
-from pdcluster.engine.kv_events_pub import decode_batch, decode_snapshot, encode_snapshot_request
 from pdcluster.sampling_params import SamplingParams
 from pdcluster.security.curve import make_client_socket
 from pdcluster.security.keys import KeyMaterialError, generate_keypair, init_keys, keypair_to_string
 from pdcluster.worker.kv_events import ENV_ALLOWED_KEYS, ENV_WORKER_KEY, KVEventsConfig
+from pdcluster.worker.kv_events_pub import decode_batch, decode_snapshot, encode_snapshot_request
 from pdcluster.worker.server import start_worker_server
 
 

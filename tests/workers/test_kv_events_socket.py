@@ -9,14 +9,14 @@ import pytest
 import zmq
 
 from pdcluster._proto import common_pb2, worker_pb2
-from pdcluster.engine.kv_events_pub import (
+from pdcluster.security.curve import make_client_socket
+from pdcluster.security.keys import generate_keypair, load_keypair
+from pdcluster.worker.kv_events_pub import (
     BlockStored,
     decode_batch,
     decode_snapshot,
     encode_snapshot_request,
 )
-from pdcluster.security.curve import make_client_socket
-from pdcluster.security.keys import generate_keypair, load_keypair
 
 WINDOW_S = 2.5  # > 2 heartbeats (1 s): an allowed subscriber surely hears something
 

@@ -1,8 +1,9 @@
 """KV cache events: the wire format and the worker-side publisher.
 
 Each worker tells the routers which KV blocks (by chained block hash) it has stored and evicted,
-so prefix-aware routing can send a request where its prefix is already cached. This module is
-in the core because workers publish and the router decodes, and both import the core.
+so prefix-aware routing can send a request where its prefix is already cached. It lives with the
+worker (the engine never calls it: the worker's KVEventService drains the engine's events into
+it); the router imports it only for the wire format it decodes.
 
 Wire (msgpack envelopes, pdcluster.security.envelope; size-bounded and schema-checked):
 
