@@ -1,16 +1,18 @@
 """Architecture name -> model class, and model path resolution.
 
-Model classes are imported on first use (PEP 562 module `__getattr__`) so that resolving a path
-or reading a config does not import torch.
+The architectures are one `Registry` (pdcluster/registry.py) of lazy "module:Class" built-ins:
+model classes are imported on first use (and `ARCHITECTURES` is built on access, PEP 562) so that
+resolving a path or reading a config does not import torch.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 from typing import Any
 
-# HF `architectures` entry -> "module:Class" implementing it.
+from pdcluster.registry import Registry
+
+# HF `architectures` entry -> "module:Class" implementing it (lazy: registering imports no torch).
 _ARCHITECTURE_PATHS: dict[str, str] = {
     "LlamaForCausalLM": "pdcluster.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "pdcluster.models.llama:LlamaForCausalLM",
@@ -19,25 +21,36 @@ _ARCHITECTURE_PATHS: dict[str, str] = {
 }
 
 
-def _load(path: str) -> type:
-    module, name = path.split(":")
-    return getattr(importlib.import_module(module), name)
+def _model_class(obj: object) -> type:
+    if not isinstance(obj, type):
+        raise ValueError("not a class")
+    return obj
+
+
+def _build_registry() -> Registry[type]:
+    # Closed set: an architecture name comes from a checkpoint's config.json, so no dotted paths.
+    registry: Registry[type] = Registry("model architecture", check=_model_class, allow_dotted=False)
+    for arch, path in _ARCHITECTURE_PATHS.items():
+        registry.register(arch, path)
+    return registry
+
+
+MODEL_ARCHITECTURES = _build_registry()
 
 
 def __getattr__(name: str) -> Any:
     if name == "ARCHITECTURES":  # dict[str, type], built on access
-        return {arch: _load(path) for arch, path in _ARCHITECTURE_PATHS.items()}
+        return {arch: MODEL_ARCHITECTURES.get(arch) for arch in MODEL_ARCHITECTURES.names()}
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_ARCHITECTURE_PATHS)
+    return MODEL_ARCHITECTURES.names()
 
 
 def get_model_class(arch: str) -> type:
-    if arch not in _ARCHITECTURE_PATHS:
-        raise ValueError(f"unsupported architecture {arch!r}; supported: {supported_architectures()}")
-    return _load(_ARCHITECTURE_PATHS[arch])
+    """The model class for an HF architecture name; ValueError listing the supported ones."""
+    return MODEL_ARCHITECTURES.get(arch)
 
 
 def resolve_model_path(model: str | None) -> str:
