@@ -2,13 +2,16 @@
 
 `get_ops("torch")` returns the torch references; `get_ops("triton")` the Triton launchers (imported
 lazily: importing triton is slow and not needed on the CPU path). Both expose the same functions
-with the same contracts, documented next to each reference in this package.
+with the same contracts, documented next to each reference in this package. The backends are one
+`Registry` (pdcluster/registry.py) of builders; each builder imports its kernels when called.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from pdcluster.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -21,21 +24,43 @@ class Ops:
     reshape_and_cache: Callable
 
 
+def _torch_ops() -> Ops:
+    from .activation import silu_and_mul_torch
+    from .cache_write import reshape_and_cache_torch
+    from .norm import fused_add_rms_norm_torch, rms_norm_torch
+    from .rotary import rotary_embedding_torch
+
+    return Ops("torch", rms_norm_torch, fused_add_rms_norm_torch, silu_and_mul_torch,
+               rotary_embedding_torch, reshape_and_cache_torch)
+
+
+def _triton_ops() -> Ops:
+    from .activation import silu_and_mul_triton
+    from .cache_write import reshape_and_cache_triton
+    from .norm import fused_add_rms_norm_triton, rms_norm_triton
+    from .rotary import rotary_embedding_triton
+
+    return Ops("triton", rms_norm_triton, fused_add_rms_norm_triton, silu_and_mul_triton,
+               rotary_embedding_triton, reshape_and_cache_triton)
+
+
+def _ops_builder(obj: object) -> Callable[[], Ops]:
+    if not callable(obj):
+        raise ValueError("not a callable returning Ops")
+    return obj  # type: ignore[return-value]
+
+
+def _build_registry() -> Registry[Callable[[], Ops]]:
+    # Closed set: a backend is a model-runner flag, so no dotted paths or plugins.
+    registry: Registry[Callable[[], Ops]] = Registry("ops backend", check=_ops_builder, allow_dotted=False)
+    registry.register("torch", _torch_ops)
+    registry.register("triton", _triton_ops)
+    return registry
+
+
+OPS_BACKENDS = _build_registry()
+
+
 def get_ops(backend: str) -> Ops:
-    if backend == "torch":
-        from .activation import silu_and_mul_torch
-        from .cache_write import reshape_and_cache_torch
-        from .norm import fused_add_rms_norm_torch, rms_norm_torch
-        from .rotary import rotary_embedding_torch
-
-        return Ops("torch", rms_norm_torch, fused_add_rms_norm_torch, silu_and_mul_torch,
-                   rotary_embedding_torch, reshape_and_cache_torch)
-    if backend == "triton":
-        from .activation import silu_and_mul_triton
-        from .cache_write import reshape_and_cache_triton
-        from .norm import fused_add_rms_norm_triton, rms_norm_triton
-        from .rotary import rotary_embedding_triton
-
-        return Ops("triton", rms_norm_triton, fused_add_rms_norm_triton, silu_and_mul_triton,
-                   rotary_embedding_triton, reshape_and_cache_triton)
-    raise ValueError(f"ops backend must be 'torch' or 'triton', got {backend!r}")
+    """The op set of `backend` ("torch" | "triton"); ValueError listing the backends."""
+    return OPS_BACKENDS.get(backend)()
