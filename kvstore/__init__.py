@@ -15,7 +15,7 @@ import importlib
 from typing import Any
 
 _LAZY = {
-    "KVStoreClient": "client", "KVStoreError": "client", "PendingPut": "client",
+    "KVStoreClient": "client", "KVStoreError": "master_rpc", "PendingPut": "client",
     "MasterConfig": "entities", "Status": "entities",
     "MasterServer": "master", "add_master_args": "master", "run_master": "master",
     "StorageNode": "node", "add_node_args": "node", "run_node": "node",
