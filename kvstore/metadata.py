@@ -14,41 +14,44 @@ Lifecycle of an object:
 Invariants:
 - Only PUBLISHED objects are visible (get/exists); a key has at most one object.
 - Bytes of a gone object are reused only after every token that could touch them has expired:
-  free_at = max(lease_until, write_expiry) + grace. Until then they sit in the quarantine. A gone
-  arena's untaken space likewise waits for its (fixed) write_expiry + grace.
+  free_at = max(lease_until, write_expiry) + grace. Until then they sit in the quarantine
+  (quarantine.py). A gone arena's untaken space likewise waits for its (fixed) write_expiry + grace.
 - Eviction skips pinned, leased (lease_until > now) and PENDING objects, and never touches
   arenas (they are like PENDING puts: counted as used until they go). Arena rules: arena.py.
+
+Nodes, segments and placement are the SegmentTable (segments.py); this module holds what happens
+to objects and arenas on top of them.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import secrets
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .allocator import ExtentAllocator
 from .arena import Arena
 from .entities import PENDING, PUBLISHED, MasterConfig, Node, Obj, Placement, Segment, Status
-
-SegSpec = tuple[int, int, str, int]  # segment_id, size, shm_name, incarnation
+from .quarantine import Quarantine
+from .segments import SegmentTable, SegSpec
 
 
 class MetadataStore:
     def __init__(self, config: MasterConfig, log: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.cfg = config
-        self.nodes: dict[str, Node] = {}
+        self.table = SegmentTable(config.align)
+        self.nodes: dict[str, Node] = self.table.nodes  # the same dict: read by the servicer and persistence
         self.objects: dict[str, Obj] = {}
         self.arenas: dict[str, Arena] = {}
         self.lru: OrderedDict[str, None] = OrderedDict()  # PUBLISHED keys, least recently used first
-        self.quarantine: list[tuple[int, int, list[Placement]]] = []  # heap of (free_at, seq, extents)
-        self.quarantined_bytes = 0
+        self.quarantine = Quarantine()
         self.published_bytes = 0  # kept incrementally: stats are scraped often, objects may be millions
         self.counters: Counter[str] = Counter()
-        self._seq = itertools.count()
         self._log = log
+
+    @property
+    def quarantined_bytes(self) -> int:
+        return self.quarantine.bytes
 
     def _emit(self, rec: dict[str, Any]) -> None:
         if self._log is not None:
@@ -59,13 +62,13 @@ class MetadataStore:
 
     # -- capacity ----------------------------------------------------------------------------
     def segments(self) -> list[Segment]:
-        return [s for n in self.nodes.values() for s in n.segments.values()]
+        return self.table.segments()
 
     def capacity(self) -> int:
-        return sum(s.alloc.capacity for s in self.segments())
+        return self.table.capacity()
 
     def used(self) -> int:
-        return sum(s.alloc.used for s in self.segments())
+        return self.table.used()
 
     # -- puts --------------------------------------------------------------------------------
     def put_start(self, key: str, size: int, replica_num: int, pinned: bool, now: int) -> tuple[Status, Obj | None]:
@@ -97,27 +100,12 @@ class MetadataStore:
 
     def _place_evicting(self, size: int, replica_num: int, now: int) -> list[Placement]:
         replica_num = max(1, min(replica_num, self.cfg.max_replicas))
-        placements = self._place(size, replica_num)
+        placements = self.table.place(size, replica_num)
         evicted = 0
         while not placements and evicted < 256 and self._evict_one(now):  # make room, LRU first
             evicted += 1
-            placements = self._place(size, replica_num)
+            placements = self.table.place(size, replica_num)
         return placements
-
-    def _place(self, size: int, replica_num: int) -> list[Placement]:
-        """Best effort: up to replica_num extents on distinct nodes, emptiest segments first."""
-        out: list[Placement] = []
-        nodes_used: set[str] = set()
-        for seg in sorted(self.segments(), key=lambda s: s.alloc.free_bytes, reverse=True):
-            if seg.node_id in nodes_used or seg.alloc.free_bytes < size:
-                continue
-            off = seg.alloc.alloc(size)
-            if off is not None:
-                out.append(Placement(seg, off, seg.alloc.round(size)))
-                nodes_used.add(seg.node_id)
-                if len(out) == replica_num:
-                    break
-        return out
 
     def put_end(self, key: str, put_id: str, now: int) -> Status:
         obj = self.objects.get(key)
@@ -148,7 +136,7 @@ class MetadataStore:
         cap = int(max((s.alloc.capacity for s in self.segments()), default=0) * self.cfg.arena_max_fraction)
         size = min(size, cap - cap % self.cfg.align)
         replica_num = max(1, min(replica_num, self.cfg.max_replicas))
-        placements = self._place(size, replica_num) if size > 0 else []
+        placements = self.table.place(size, replica_num) if size > 0 else []
         if not placements:
             self.counters["arena_no_space"] += 1
             return Status.NO_SPACE, None
@@ -261,15 +249,7 @@ class MetadataStore:
 
     def heartbeat(self, node_id: str, segs: Sequence[tuple[int, int]], now: int) -> Status:
         """segs: (segment_id, incarnation). UNKNOWN_NODE tells the node to mount (again)."""
-        node = self.nodes.get(node_id)
-        if node is None:
-            return Status.UNKNOWN_NODE
-        for sid, inc in segs:
-            seg = node.segments.get(sid)
-            if seg is None or seg.incarnation != inc:
-                return Status.UNKNOWN_NODE
-        node.last_seen_ms = now
-        return Status.OK
+        return self.table.heartbeat(node_id, segs, now)
 
     def tick(self, now: int) -> None:
         """Periodic: reclaim timed-out puts, drop silent nodes, release quarantine, evict."""
@@ -281,8 +261,7 @@ class MetadataStore:
         for node_id in [n.node_id for n in self.nodes.values() if now - n.last_seen_ms > dead_after]:
             self.counters["nodes_lost"] += 1
             self.unmount(node_id, None, now)
-        while self.quarantine and self.quarantine[0][0] <= now:
-            _, _, extents = heapq.heappop(self.quarantine)
+        for extents in self.quarantine.pop_due(now):
             self._free(extents, counted=True)
         self.evict_to_watermark(now)
 
@@ -330,45 +309,26 @@ class MetadataStore:
         if free_at <= now:
             self._free(extents, counted=False)
         elif extents:
-            heapq.heappush(self.quarantine, (free_at, next(self._seq), extents))
-            self.quarantined_bytes += sum(p.alloc_size for p in extents if self._live(p))
-
-    def _live(self, p: Placement) -> bool:
-        node = self.nodes.get(p.seg.node_id)
-        return node is not None and node.segments.get(p.seg.segment_id) is p.seg
+            self.quarantine.hold(extents, free_at, sum(p.alloc_size for p in extents if self.table.live(p)))
 
     def _free(self, extents: list[Placement], counted: bool) -> None:
         for p in extents:
-            if self._live(p):  # a segment that went away took its extents with it
+            if self.table.live(p):  # a segment that went away took its extents with it
                 p.seg.alloc.free(p.offset, p.alloc_size)
                 if counted:
-                    self.quarantined_bytes -= p.alloc_size
+                    self.quarantine.bytes -= p.alloc_size
 
     def _do_mount(self, node_id: str, host: str, port: int, host_id: str, segs: Sequence[SegSpec],
                   now: int) -> None:
-        node = self.nodes.get(node_id)
-        if node is None:
-            node = self.nodes[node_id] = Node(node_id, host, port, host_id, now)
-        node.data_host, node.data_port, node.host_id, node.last_seen_ms = host, port, host_id, now
-        stale = [sid for sid, size, shm, inc in segs
-                 if sid in node.segments and (node.segments[sid].incarnation, node.segments[sid].size) != (inc, size)]
+        node, stale = self.table.touch(node_id, host, port, host_id, segs, now)
         if stale:  # same id, new memory: everything on the old memory is gone
             self._do_unmount(node_id, stale, now)
-            node = self.nodes.setdefault(node_id, node)
-        for sid, size, shm, inc in segs:
-            if sid not in node.segments:
-                node.segments[sid] = Segment(node_id, sid, size, shm, inc, ExtentAllocator(size, self.cfg.align))
+        self.table.add(node, segs)
 
     def _do_unmount(self, node_id: str, sids: list[int] | None, now: int) -> None:
-        node = self.nodes[node_id]
-        lost = set(node.segments if sids is None else sids) & set(node.segments)
-        gone = {id(node.segments[s]) for s in lost}
-        for sid in lost:
-            self.quarantined_bytes -= sum(p.alloc_size for _, _, ext in self.quarantine for p in ext
-                                          if p.seg is node.segments[sid])
-            del node.segments[sid]
-        if sids is None or not node.segments:
-            del self.nodes[node_id]
+        lost = self.table.remove(node_id, sids)
+        self.quarantine.forget(lost)
+        gone = {id(seg) for seg in lost}
         grace = self._ms(self.cfg.grace_s)
         for obj in list(self.objects.values()):
             if not any(id(p.seg) in gone for p in obj.placements):

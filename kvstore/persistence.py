@@ -15,7 +15,6 @@ After replay (`finish_recovery`):
 
 from __future__ import annotations
 
-import heapq
 from typing import Any
 
 from .entities import PENDING, PUBLISHED, Placement
@@ -90,8 +89,8 @@ def snapshot_state(store: MetadataStore) -> dict[str, Any]:
         o = store.objects[key]
         objects.append([o.key, o.size, o.state, o.put_id, o.pinned, o.write_expiry_ms,
                         [encode_placement(p) for p in o.placements]])
-    quarantine = [[free_at, [encode_placement(p) + [p.alloc_size] for p in ext if store._live(p)]]
-                  for free_at, _, ext in store.quarantine]
+    quarantine = [[free_at, [encode_placement(p) + [p.alloc_size] for p in ext if store.table.live(p)]]
+                  for free_at, _, ext in store.quarantine.heap]
     arenas = [[a.arena_id, a.write_expiry_ms, [encode_placement(p) + [p.alloc_size] for p in a.placements],
                [list(r) for r in a.taken()]] for a in store.arenas.values()]
     return {"version": SNAPSHOT_VERSION, "nodes": nodes, "objects": objects, "quarantine": quarantine,
@@ -138,4 +137,4 @@ def finish_recovery(store: MetadataStore, now: int) -> None:
         obj.lease_until_ms = max(obj.lease_until_ms, lease)
     for node in store.nodes.values():
         node.last_seen_ms = now
-    heapq.heapify(store.quarantine)
+    store.quarantine.reorder()
