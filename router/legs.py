@@ -20,7 +20,7 @@ from pdcluster._proto import worker_pb2
 from .config import RouterConfig
 from .errors import RouterError, unavailable
 from .metrics import RouterMetrics
-from .policies import PrefixAware, RouteRequest, RoutingPolicy
+from .policies import RouteRequest, RoutingPolicy
 from .registry import WorkerHandle, WorkerRegistry
 from .request_state import RequestState
 
@@ -40,6 +40,7 @@ class LegRunner:
         self.registry = registry
         self.policy = policy
         self.metrics = metrics
+        self._block_size: int | None = None  # the workers' KV block size, once one reported it
 
     async def run(self, state: RequestState, roles: Sequence[str], wreq: worker_pb2.WorkerGenerateRequest,
                   *, leg: str) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
@@ -127,16 +128,22 @@ class LegRunner:
         view = self.policy.pick(route, [h.view() for h in handles], {h.worker_id: h.load() for h in handles})
         return None if view is None else by_address.get(view.address)
 
+    def block_size(self) -> int | None:
+        """The workers' KV block size (learned once: every worker of one model shares it)."""
+        if self._block_size is None:
+            info = self.registry.first_info()
+            if info is not None and info.block_size:
+                self._block_size = info.block_size
+        return self._block_size
+
     def block_hashes(self, state: RequestState) -> list[bytes] | None:
-        """The prompt's chained block hashes (once per request), when the policy uses them."""
-        policy = self.policy
-        if not isinstance(policy, PrefixAware):
-            return None
+        """The prompt's chained block hashes (once per request), when the policy routes by them."""
         if state.block_hashes is None:
-            if policy.block_size is None:
-                info = self.registry.first_info()
-                if info is None or not info.block_size:
-                    return None
-                policy.block_size = info.block_size  # every worker of one model shares it
-            state.block_hashes = list(policy.block_hashes(RouteRequest(state.request_id, state.prep.prompt_token_ids)))
+            block_size = self.block_size()
+            if block_size is None:
+                return None
+            hashes = self.policy.block_hashes(RouteRequest(state.request_id, state.prep.prompt_token_ids), block_size)
+            if hashes is None:
+                return None
+            state.block_hashes = list(hashes)
         return state.block_hashes

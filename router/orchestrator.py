@@ -31,7 +31,7 @@ from .convert import error_response
 from .errors import RouterError
 from .legs import LegRunner
 from .metrics import RouterMetrics
-from .policies import PrefixAware, RoutingPolicy
+from .policies import RouteRequest, RoutingPolicy
 from .preprocess import PreparedRequest
 from .registry import WorkerRegistry
 from .request_state import RequestState
@@ -145,15 +145,13 @@ class Orchestrator:
         return len(state.prep.prompt_token_ids) - cached > threshold
 
     def _best_cached_tokens(self, state: RequestState) -> int:
-        policy = self.policy
-        if not isinstance(policy, PrefixAware):
-            return 0
-        hashes = self.legs.block_hashes(state)
+        hashes = self.legs.block_hashes(state)  # None unless the policy routes by cached prefix
         if not hashes:
             return 0
         views = [h.view() for h in self.registry.candidates(("decode",))]
-        matched = policy.index.match(hashes, [v.worker_id for v in views])
-        return max(matched.values(), default=0) * (policy.block_size or 0)
+        route = RouteRequest(state.request_id, state.prep.prompt_token_ids, hashes)
+        matched = self.policy.prefix_match(route, views)
+        return max(matched.values(), default=0) * (self.legs.block_size() or 0)
 
     async def _disaggregated(self, state: RequestState) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
         """Prefill leg (max_tokens=1) on a prefill worker, its first token straight to the client,
@@ -261,19 +259,19 @@ class Orchestrator:
     async def abort(self, request_ids: Sequence[str]) -> list[str]:
         """Abort running requests by id; the client's stream ends with finish_reason ABORT."""
         known = []
-        for rid in request_ids:
-            state = self._running.get(rid)
+        for request_id in request_ids:
+            state = self._running.get(request_id)
             if state is None:
                 continue
-            known.append(rid)
+            known.append(request_id)
             state.aborted = True
             for address, call in list(state.active_calls.items()):
                 aborted: list[str] = []
                 try:
-                    aborted = await state.touched[address].client.abort([rid], _ABORT_TIMEOUT_S)
+                    aborted = await state.touched[address].client.abort([request_id], _ABORT_TIMEOUT_S)
                 except grpc.aio.AioRpcError:
                     pass
-                if rid not in aborted:
+                if request_id not in aborted:
                     call.cancel()  # the worker did not know it (yet): stop reading ourselves
                 else:
                     # The worker ends the stream with ABORT; should it not, stop reading anyway.

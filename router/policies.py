@@ -3,7 +3,11 @@
 One interface, `RoutingPolicy.pick(request, workers, stats) -> WorkerView | None`, pure: no I/O,
 no clocks, no global state (a policy instance may keep its own counter or seeded RNG). The
 router filters the pool (role, circuit breaker) before calling pick; pick itself skips
-unhealthy workers and returns None when nobody can serve.
+unhealthy workers and returns None when nobody can serve. A policy that routes by cached
+prefix also answers `block_hashes(request, block_size)` and `prefix_match(request, workers)`;
+the router asks every policy these (the defaults say "not a prefix policy") and passes the
+workers' block size in, so it never needs to know a policy's class or set its attributes.
+Policies are found by name in `ROUTING_POLICIES`, a closed `Registry` (pdcluster/registry.py).
 
 Load of a worker (`WorkerStats.queue_len`): the larger of the router's own in-flight count
 (fresh, but blind to other routers) and the worker's running + waiting (counts everybody,
@@ -18,6 +22,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar
+
+from pdcluster.registry import Registry, subclass_of
 
 from .prefix_index import PrefixIndex
 
@@ -70,6 +76,15 @@ class RoutingPolicy(ABC):
     @abstractmethod
     def pick(self, request: RouteRequest, workers: Sequence[WorkerView], stats: StatsMap) -> WorkerView | None:
         """The worker to serve request, or None when no healthy worker is left."""
+
+    def block_hashes(self, request: RouteRequest, block_size: int | None = None) -> Sequence[bytes] | None:
+        """The prompt's chained block hashes this policy routes by, or None when it routes by none
+        (the default) or cannot hash yet (no block size known). `block_size` is the workers'."""
+        return None
+
+    def prefix_match(self, request: RouteRequest, workers: Sequence[WorkerView]) -> dict[str, int]:
+        """worker_id -> leading prompt blocks that worker caches; {} when this policy tracks none."""
+        return {}
 
 
 class RoundRobin(RoutingPolicy):
@@ -155,16 +170,21 @@ class PrefixAware(RoutingPolicy):
         self._hash_fn = hash_fn or _compute_block_hashes
         self.fallback = fallback or LeastLoaded()
 
-    def block_hashes(self, request: RouteRequest) -> Sequence[bytes]:
+    def block_hashes(self, request: RouteRequest, block_size: int | None = None) -> Sequence[bytes] | None:
+        """Precomputed hashes win; else the prompt hashed with `block_size` (the workers', from the
+        router) or, without one, the block size this policy was built with."""
         if request.block_hashes is not None:
             return request.block_hashes
-        if self.block_size is None or len(request.prompt_token_ids) < self.block_size:
+        size = block_size if block_size is not None else self.block_size
+        if size is None:
+            return None
+        if len(request.prompt_token_ids) < size:
             return ()
-        return self._hash_fn(request.prompt_token_ids, self.block_size)
+        return self._hash_fn(request.prompt_token_ids, size)
 
     def pick(self, request: RouteRequest, workers: Sequence[WorkerView], stats: StatsMap) -> WorkerView | None:
         candidates = _healthy(workers)
-        hashes = self.block_hashes(request)
+        hashes = self.block_hashes(request) or ()
         matched = self.index.match(hashes, [w.worker_id for w in candidates]) if hashes else {}
         if not matched:
             return self.fallback.pick(request, candidates, stats)
@@ -177,21 +197,27 @@ class PrefixAware(RoutingPolicy):
 
         return min(candidates, key=rank)
 
-    def overlap(self, request: RouteRequest, workers: Sequence[WorkerView]) -> dict[str, int]:
-        """Matched blocks per worker (for metrics and the router's conditional disaggregation)."""
+    def prefix_match(self, request: RouteRequest, workers: Sequence[WorkerView]) -> dict[str, int]:
+        """Matched blocks per worker, healthy or not (for the router's conditional disaggregation)."""
         hashes = self.block_hashes(request)
         return self.index.match(hashes, [w.worker_id for w in workers]) if hashes else {}
 
 
+def _build_registry() -> Registry[type[RoutingPolicy]]:
+    # Closed set: the router's config validates the name up front, so no dotted paths or plugins.
+    registry: Registry[type[RoutingPolicy]] = Registry(
+        "routing policy", check=subclass_of(RoutingPolicy), allow_dotted=False)
+    for cls in (RoundRobin, LeastLoaded, PowerOfTwo, PrefixAware):
+        registry.register(cls.name, cls)
+    return registry
+
+
+ROUTING_POLICIES = _build_registry()
+# name -> class, read-only (config validation and tests read it; the registry stays the one source).
 POLICIES: Mapping[str, type[RoutingPolicy]] = MappingProxyType(
-    {cls.name: cls for cls in (RoundRobin, LeastLoaded, PowerOfTwo, PrefixAware)}
-)
+    {name: ROUTING_POLICIES.get(name) for name in ROUTING_POLICIES.names()})
 
 
 def make_policy(name: str, **kwargs: Any) -> RoutingPolicy:
     """A policy by registry name; kwargs go to its constructor (prefix_aware needs index=)."""
-    try:
-        cls = POLICIES[name]
-    except KeyError:
-        raise ValueError(f"unknown routing policy {name!r}; choose one of {sorted(POLICIES)}") from None
-    return cls(**kwargs)
+    return ROUTING_POLICIES.get(name)(**kwargs)

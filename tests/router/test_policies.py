@@ -116,10 +116,25 @@ def test_prefix_aware_computes_hashes_lazily():
     p = PrefixAware(index, block_size=16, hash_fn=fake_hash)
     assert p.pick(REQ, W, {}).worker_id == "w3"
     assert calls == [(64, 16)]
-    assert p.overlap(REQ, W) == {"w3": 2}
+    assert p.prefix_match(REQ, W) == {"w3": 2}
     # Precomputed hashes win; prompts shorter than a block need no hashing.
     p.pick(RouteRequest("r", prompt_token_ids=[1, 2, 3]), W, {})
     assert len(calls) == 2
+
+
+def test_the_router_asks_every_policy_for_prefix_matches():
+    # The router never checks a policy's class: non-prefix policies say "no hashes, no matches".
+    for p in (RoundRobin(), LeastLoaded(), PowerOfTwo(seed=1)):
+        assert p.block_hashes(REQ, 16) is None
+        assert p.prefix_match(REQ, W) == {}
+    index = PrefixIndex()
+    index.add_blocks("w1", hashes(2))
+    p = PrefixAware(index, hash_fn=lambda token_ids, block_size: hashes(len(token_ids) // block_size))
+    assert p.block_hashes(REQ) is None  # no block size yet: nothing to hash with
+    assert p.block_hashes(REQ, 16) == hashes(4)  # the workers' block size, passed in, not assigned
+    assert p.block_size is None
+    assert p.block_hashes(RouteRequest("r", prompt_token_ids=[1, 2]), 16) == ()
+    assert p.prefix_match(RouteRequest("r", block_hashes=hashes(4)), W) == {"w1": 2}
 
 
 def test_prefix_aware_with_engine_block_hash():
@@ -136,7 +151,9 @@ def test_registry():
     assert set(POLICIES) == {"round_robin", "least_loaded", "power_of_two", "prefix_aware"}
     assert isinstance(make_policy("power_of_two", seed=1), PowerOfTwo)
     assert isinstance(make_policy("prefix_aware", index=PrefixIndex()), PrefixAware)
-    with pytest.raises(ValueError, match="unknown routing policy"):
+    with pytest.raises(ValueError, match="unknown routing policy 'random'; available: least_loaded"):
         make_policy("random")
+    with pytest.raises(ValueError, match="dotted paths are not accepted"):
+        make_policy("pdcluster.router.policies:RoundRobin")
     with pytest.raises(TypeError):
         POLICIES["x"] = RoundRobin  # read-only registry
