@@ -134,12 +134,12 @@ class EventStreamTracker:
         return TrackerAction(RESYNC, reason)
 
     def _apply_events(self, batch: KVEventBatch) -> None:
-        for ev in batch.events:
-            if isinstance(ev, BlockStored):
-                self.index.add_blocks(self.worker_id, ev.block_hashes)
-            elif isinstance(ev, BlockRemoved):
-                self.index.remove_blocks(self.worker_id, ev.block_hashes)
-            elif isinstance(ev, AllBlocksCleared):
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                self.index.add_blocks(self.worker_id, event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                self.index.remove_blocks(self.worker_id, event.block_hashes)
+            elif isinstance(event, AllBlocksCleared):
                 self.index.clear_worker(self.worker_id)
 
 

@@ -189,10 +189,10 @@ class _WorkerCollector(Collector):
         ejections = CounterMetricFamily("pdcluster_router_worker_ejections", "Times the worker was ejected",
                                         labels=labels)
         for h in self._workers.handles:
-            lv = [h.worker_id, h.address, h.role]
+            label_values = [h.worker_id, h.address, h.role]
             for family, value in gauges.values():
-                family.add_metric(lv, value(h))
-            ejections.add_metric(lv, h.breaker.num_ejections)
+                family.add_metric(label_values, value(h))
+            ejections.add_metric(label_values, h.breaker.num_ejections)
         yield from (family for family, _ in gauges.values())
         yield ejections
         if self._kv_sync is not None:
