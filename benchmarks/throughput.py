@@ -49,19 +49,18 @@ def run_pdcluster(model: str, prompts, outs, repeats: int, tp: int, extra: dict,
     try:
         params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in outs]
         llm.generate(prompts[:2], params[:2])  # warm-up
-        runner = llm.engine.core.runner
-        before = runner.collective_stats() if tp > 1 else None
+        before = llm.collective_stats() if tp > 1 else None
         times = []
         for _ in range(repeats):
-            llm.engine.core.scheduler.reset_prefix_cache()  # measure compute, not cache hits
+            llm.reset_prefix_cache()  # measure compute, not cache hits
             t0 = time.perf_counter()
             res = llm.generate(prompts, params)
             times.append(time.perf_counter() - t0)
             assert [len(r.outputs[0].token_ids) for r in res] == outs
         if before is not None and comm is not None:
-            comm.update(_collective_summary(before, runner.collective_stats(), sum(times)))
+            comm.update(_collective_summary(before, llm.collective_stats(), sum(times)))
     finally:
-        llm.engine.shutdown()  # TP: stop the rank processes before anything else is measured
+        llm.shutdown()  # TP: stop the rank processes before anything else is measured
     return times
 
 

@@ -5,7 +5,7 @@ command queue and get their per-request deltas through an asyncio.Queue each. to
 GIL inside its ops, so the event loop stays responsive while a step runs.
 
     caller (event loop)                      engine thread
-    generate() --("add", req)--> cmds -----> add_prepared(); step(); ... --call_soon_threadsafe--> stream queue
+    generate() --("add", request)--> cmds -> add_prepared(); step(); ... --call_soon_threadsafe--> stream queue
     abort() / cancelled --("abort")--> cmds -> abort() (frees blocks)
 """
 
@@ -20,7 +20,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdcluster.config import EngineArgs
+from pdcluster.config import EngineArgs, EngineConfig
+from pdcluster.engine.block_pool import KVEvent
 from pdcluster.engine.llm_engine import LLMEngine
 from pdcluster.engine.outputs import CompletionOutput, RequestOutput
 from pdcluster.sampling_params import SamplingParams
@@ -66,6 +67,35 @@ class AsyncEngine:
     def from_engine_args(cls, args: EngineArgs, connector: Any = None) -> AsyncEngine:
         return cls(LLMEngine.from_engine_args(args, connector=connector))
 
+    # -- the facade: what services read of the engine (nothing outside engine/ reaches further) --
+    @property
+    def config(self) -> EngineConfig:
+        """The frozen engine configuration (model, cache, scheduler, parallel)."""
+        return self.engine.config
+
+    @property
+    def model_path(self) -> str:
+        return self.engine.config.model.model_path
+
+    @property
+    def block_size(self) -> int:
+        return self.engine.config.cache.block_size
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.engine.eos_token_ids
+
+    def new_request_id(self) -> str:
+        return self.engine.new_request_id()
+
+    def decode_token(self, token_id: int) -> str:
+        """One token's text, special tokens kept (for logprob entries)."""
+        return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    async def take_kv_events(self) -> list[KVEvent]:
+        """The prefix-cache events since the last call, taken on the engine thread."""
+        return await self.call(_take_kv_events)
+
     # -- caller side ---------------------------------------------------------------------------
     @property
     def is_healthy(self) -> bool:
@@ -88,15 +118,15 @@ class AsyncEngine:
         runner_error = self.engine.core.health_error()  # e.g. a tensor-parallel rank died while idle
         if runner_error is not None:
             raise EngineDeadError(f"engine is not running: {runner_error}")
-        req, text = self.engine.prepare_request(prompt, sampling_params, request_id, kv_transfer_params,
+        request, text = self.engine.prepare_request(prompt, sampling_params, request_id, kv_transfer_params,
                                                 prefill_output_token_ids)
-        rid = req.request_id
+        request_id = request.request_id
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
-            if rid in self._streams:
-                raise ValueError(f"request_id {rid!r} is already in flight")
-            self._streams[rid] = stream
-        self._cmds.put(("add", req, text, stream))
+            if request_id in self._streams:
+                raise ValueError(f"request_id {request_id!r} is already in flight")
+            self._streams[request_id] = stream
+        self._cmds.put(("add", request, text, stream))
         finished = False
         try:
             while True:
@@ -109,9 +139,9 @@ class AsyncEngine:
                     return
         finally:
             with self._lock:
-                self._streams.pop(rid, None)
+                self._streams.pop(request_id, None)
             if not finished:
-                self._cmds.put(("abort", [rid]))
+                self._cmds.put(("abort", [request_id]))
 
     async def abort(self, request_id: str) -> None:
         self._cmds.put(("abort", [request_id]))
@@ -123,6 +153,7 @@ class AsyncEngine:
         return await fut
 
     def get_stats(self) -> dict[str, Any]:
+        """The engine's counters as of its last step (a snapshot; never blocks on the engine)."""
         return self.stats
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -161,16 +192,16 @@ class AsyncEngine:
     def _apply(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, req, text, stream = cmd
+            _, request, text, stream = cmd
             with self._lock:
-                alive = self._streams.get(req.request_id) is stream
+                alive = self._streams.get(request.request_id) is stream
             if alive:  # the caller may have gone away before we got here
-                self.engine.add_prepared(req, text)
-                self._live[req.request_id] = stream
+                self.engine.add_prepared(request, text)
+                self._live[request.request_id] = stream
         elif kind == "abort":
             self.engine.abort(cmd[1])
-            for rid in cmd[1]:
-                self._live.pop(rid, None)
+            for request_id in cmd[1]:
+                self._live.pop(request_id, None)
         elif kind == "call":
             _, fn, fut = cmd
             try:
@@ -195,8 +226,10 @@ class AsyncEngine:
         self.stats = self.engine.get_stats()
         live = self._live
         with self._lock:  # a stream whose consumer has gone gets nothing (its loop may be closed)
-            targets = [(live.pop(o.request_id, None) if o.finished else live.get(o.request_id), o) for o in outputs]
-            targets = [(st, o) for st, o in targets if st is not None and self._streams.get(o.request_id) is st]
+            targets = [(live.pop(out.request_id, None) if out.finished else live.get(out.request_id), out)
+                       for out in outputs]
+            targets = [(stream, out) for stream, out in targets
+                       if stream is not None and self._streams.get(out.request_id) is stream]
         for stream, out in targets:
             stream.put(out)
 
@@ -208,8 +241,12 @@ class AsyncEngine:
             self.engine.abort(list(streams))
         except Exception:
             logger.exception("abort after failure also failed")
-        for rid, stream in streams.items():
-            stream.put(_error_output(rid, str(err)))
+        for request_id, stream in streams.items():
+            stream.put(_error_output(request_id, str(err)))
+
+
+def _take_kv_events(engine: LLMEngine) -> list[KVEvent]:
+    return engine.core.scheduler.take_kv_events()
 
 
 def _settle(fut: asyncio.Future, res: Any, err: BaseException | None) -> None:

@@ -29,6 +29,17 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (false while a running request holds blocks)."""
+        return self.engine.core.scheduler.reset_prefix_cache()
+
+    def collective_stats(self) -> dict[str, float]:
+        """Tensor parallel only: rank 0's cumulative collective counts and times."""
+        return self.engine.core.runner.collective_stats()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],

@@ -24,5 +24,5 @@ class Inflight:
     task: asyncio.Task | None = None
     num_tokens: int = 0
     num_prompt_tokens: int = 0
-    # GenerateStream: ends the request with finish_reason ABORT (Generate queues _ABORTED instead).
+    # GenerateStream: ends the request with finish_reason ABORT (Generate's queue gets request_table.ABORTED instead).
     on_abort: Callable[[], None] | None = None

@@ -1,7 +1,7 @@
 """The worker's KV-event publisher task: engine prefix-cache events -> CURVE ZMQ PUB.
 
     engine thread                 event loop (this task, every interval_s)
-    BlockPool events --take_kv_events() via AsyncEngine.call-->
+    BlockPool events --AsyncEngine.take_kv_events()-->
         KVEventPublisher.publish (bounded batches, seq+1 each)  --> routers' SUB sockets
         --> mirror set (hashes stored and not removed, as of the last published seq)
     snapshot requests (ROUTER socket) are answered from the mirror; heartbeats re-send the seq.
@@ -26,6 +26,7 @@ from typing import Any
 
 import zmq
 
+from pdcluster.engine.async_engine import AsyncEngine
 from pdcluster.engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from pdcluster.security.curve import CurveAuthenticator
 from pdcluster.security.envelope import MalformedMessage
@@ -82,13 +83,9 @@ class KVEventsConfig:
         return cls(keypair_from_string(env[ENV_WORKER_KEY], "worker"), allowed, **kwargs)
 
 
-def _take_events(engine: Any) -> list[KVEvent]:
-    return engine.core.scheduler.take_kv_events()  # runs on the engine thread (AsyncEngine.call)
-
-
 class KVEventService:
-    def __init__(self, engine: Any, config: KVEventsConfig, publisher_id: str, epoch: int) -> None:
-        """engine: an AsyncEngine. Binds the sockets now (so endpoints are known); start() runs it."""
+    def __init__(self, engine: AsyncEngine, config: KVEventsConfig, publisher_id: str, epoch: int) -> None:
+        """Binds the sockets now (so endpoints are known); start() runs it."""
         self.engine = engine
         self.config = config
         self._ctx = zmq.Context()
@@ -142,7 +139,7 @@ class KVEventService:
         # The engine call is kept across ticks (never timed out and dropped): events it takes
         # exist nowhere else, so losing them would make the mirror and the routers diverge.
         if self._pending is None and self.engine.is_healthy:
-            self._pending = asyncio.ensure_future(self.engine.call(_take_events))
+            self._pending = asyncio.ensure_future(self.engine.take_kv_events())
         if self._pending is not None and self._pending.done():
             fut, self._pending = self._pending, None
             if fut.exception() is None:
@@ -171,11 +168,11 @@ class KVEventService:
         self._last_send = time.monotonic()
 
     def _apply(self, events: Sequence[KVEvent]) -> None:
-        for ev in events:
-            if isinstance(ev, BlockStored):
-                self._mirror.update(ev.block_hashes)
-            elif isinstance(ev, BlockRemoved):
-                self._mirror.difference_update(ev.block_hashes)
+        for event in events:
+            if isinstance(event, BlockStored):
+                self._mirror.update(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                self._mirror.difference_update(event.block_hashes)
             else:
                 self._mirror.clear()
 

@@ -11,9 +11,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdcluster._proto import common_pb2, worker_pb2
+
+if TYPE_CHECKING:
+    from pdcluster.engine.async_engine import AsyncEngine
 
 DEFAULT_HIT_RATE_WINDOW_S = 60.0
 
@@ -31,11 +34,11 @@ class HitRateWindow:
         # Keep one sample at or before the window start: it is the baseline of the difference.
         while len(self._samples) > 2 and self._samples[1][0] <= now - self.window_s:
             self._samples.popleft()
-        _, q0, h0 = self._samples[0]
-        dq, dh = queries - q0, hits - h0
-        if dq <= 0:  # no admissions in the window: fall back to the lifetime rate
+        _, base_queries, base_hits = self._samples[0]
+        window_queries, window_hits = queries - base_queries, hits - base_hits
+        if window_queries <= 0:  # no admissions in the window: fall back to the lifetime rate
             return hits / queries if queries else 0.0
-        return dh / dq
+        return window_hits / window_queries
 
 
 @dataclass(frozen=True)
@@ -78,9 +81,9 @@ def build_stats(worker_id: str, role: int, model: str, block_size: int, stats: M
     )
 
 
-def build_info(worker_id: str, role: int, engine: Any, epoch: int, kv: KVEventsInfo,
+def build_info(worker_id: str, role: int, engine: AsyncEngine, epoch: int, kv: KVEventsInfo,
                connector_name: str, version: str) -> worker_pb2.WorkerInfo:
-    """engine: an LLMEngine (its frozen EngineConfig and EOS ids)."""
+    """From the engine's frozen EngineConfig and EOS ids."""
     cfg = engine.config
     return worker_pb2.WorkerInfo(
         worker_id=worker_id,

@@ -23,17 +23,15 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 
-from pdcluster._proto import common_pb2, worker_pb2
+from pdcluster._proto import worker_pb2
 from pdcluster.sampling_params import SamplingParams
 from pdcluster.worker import convert
 from pdcluster.worker.inflight import Inflight, Refusal
-
-if TYPE_CHECKING:
-    from pdcluster.worker.worker_servicer import WorkerServicer
+from pdcluster.worker.request_table import RequestTable, abort_response
 
 # A batch is flushed before it passes this: well under the router's 4 MiB receive limit.
 DEFAULT_MAX_BATCH_BYTES = 1 << 20
@@ -42,7 +40,7 @@ DEFAULT_MAX_BATCH_BYTES = 1 << 20
 @dataclass(eq=False)
 class _Run:
     tag: int
-    rid: str
+    request_id: str
     params: SamplingParams
     stream: bool
     inflight: Inflight
@@ -52,8 +50,8 @@ class _Run:
 
 
 class StreamSession:
-    def __init__(self, servicer: WorkerServicer, max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES) -> None:
-        self.servicer = servicer
+    def __init__(self, requests: RequestTable, max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES) -> None:
+        self.requests = requests  # the worker's table, shared with Generate
         self.max_batch_bytes = max_batch_bytes
         self._runs: dict[int, _Run] = {}
         self._out: list[worker_pb2.WorkerGenerateResponse | worker_pb2.StreamError] = []
@@ -100,41 +98,41 @@ class StreamSession:
                 for tag in msg.abort_tags:
                     run = self._runs.get(tag)
                     if run is not None:
-                        self.servicer.abort(run.rid)  # cancels the pump, ends the run with ABORT
-                for g in msg.generate:
-                    self._start(g)
+                        self.requests.abort(run.request_id)  # cancels the pump, ends the run with ABORT
+                for generate in msg.generate:
+                    self._start(generate)
         finally:
             self._peer_done = True
             self._wake.set()
 
-    def _start(self, g: worker_pb2.StreamGenerate) -> None:
-        request = g.request
-        tag = g.tag
+    def _start(self, generate: worker_pb2.StreamGenerate) -> None:
+        request = generate.request
+        tag = generate.tag
         if tag in self._runs:
             # Replies could not be told apart: a broken sender; end its stream (and its requests).
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"tag: {tag} is already in use on this stream")
-        rid = request.request_id
+        request_id = request.request_id
         if self._closing:
-            self._error(tag, rid, grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
+            self._error(tag, request_id, grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
             return
-        if not rid:
-            self._error(tag, rid, grpc.StatusCode.INVALID_ARGUMENT, "request_id: required on GenerateStream")
+        if not request_id:
+            self._error(tag, request_id, grpc.StatusCode.INVALID_ARGUMENT, "request_id: required on GenerateStream")
             return
-        s = self.servicer
+        requests = self.requests
         try:
-            params, kv = s.check_request(request, rid)
-        except Refusal as r:
-            self._error(tag, rid, r.code, r.message)
+            params, kv = requests.check(request, request_id)
+        except Refusal as refusal:
+            self._error(tag, request_id, refusal.code, refusal.message)
             return
         inflight = Inflight(num_prompt_tokens=len(request.prompt_token_ids))
-        run = _Run(tag, rid, params, request.stream, inflight)
+        run = _Run(tag, request_id, params, request.stream, inflight)
         inflight.on_abort = lambda: self._end_aborted(run)
         self._runs[tag] = run
-        s._inflight[rid] = inflight
+        requests.track(request_id, inflight)
         loop = asyncio.get_running_loop()
-        inflight.task = s.start_pump(rid, request, params, kv, lambda item: self._deliver(run, item))
-        if g.HasField("timeout_s"):
-            run.timer = loop.call_later(max(0.0, g.timeout_s), self._expire, run)
+        inflight.task = requests.start_pump(request_id, request, params, kv, lambda item: self._deliver(run, item))
+        if generate.HasField("timeout_s"):
+            run.timer = loop.call_later(max(0.0, generate.timeout_s), self._expire, run)
 
     # -- one request ---------------------------------------------------------------------------
     def _deliver(self, run: _Run, item: Any) -> bool:
@@ -142,34 +140,30 @@ class StreamSession:
         if run.ended:
             return True
         inflight = run.inflight
-        refusal = self.servicer.refusal_for(item, sent=bool(run.collected) or inflight.num_tokens > 0)
+        refusal = self.requests.refusal_for(item, sent=bool(run.collected) or inflight.num_tokens > 0)
         if refusal is not None:
             self._finish(run)
-            self._error(run.tag, run.rid, refusal.code, refusal.message)
+            self._error(run.tag, run.request_id, refusal.code, refusal.message)
             return True
-        resp = self.servicer.response(run.rid, inflight, item, run.params)
-        self._emit(run, resp)
-        return resp.finished
+        response = self.requests.response(run.request_id, inflight, item, run.params)
+        self._emit(run, response)
+        return response.finished
 
-    def _emit(self, run: _Run, resp: worker_pb2.WorkerGenerateResponse) -> None:
-        if resp.finished:
+    def _emit(self, run: _Run, response: worker_pb2.WorkerGenerateResponse) -> None:
+        if response.finished:
             self._finish(run)
         if not run.stream:
-            run.collected.append(resp)
-            if not resp.finished:
+            run.collected.append(response)
+            if not response.finished:
                 return
-            resp = convert.merge_responses(run.collected)
-        resp.stream_tag = run.tag
-        self._out.append(resp)
+            response = convert.merge_responses(run.collected)
+        response.stream_tag = run.tag
+        self._out.append(response)
         self._wake.set()
 
     def _end_aborted(self, run: _Run) -> None:
-        if run.ended:
-            return
-        inflight = run.inflight
-        self._emit(run, worker_pb2.WorkerGenerateResponse(
-            request_id=run.rid, finished=True, finish_reason=common_pb2.FINISH_REASON_ABORT,
-            usage=common_pb2.Usage(prompt_tokens=inflight.num_prompt_tokens, completion_tokens=inflight.num_tokens)))
+        if not run.ended:
+            self._emit(run, abort_response(run.request_id, run.inflight))
 
     def _expire(self, run: _Run) -> None:
         if run.ended:
@@ -177,7 +171,7 @@ class StreamSession:
         self._finish(run)
         if run.inflight.task is not None:
             run.inflight.task.cancel()  # closes AsyncEngine.generate: the engine frees the blocks now
-        self._error(run.tag, run.rid, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded; request aborted")
+        self._error(run.tag, run.request_id, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded; request aborted")
 
     def _finish(self, run: _Run) -> None:
         """The run sends nothing more: forget it (its pump ends on its own or is cancelled)."""
@@ -186,12 +180,10 @@ class StreamSession:
             run.timer.cancel()
         if self._runs.get(run.tag) is run:
             del self._runs[run.tag]
-        inflight_map = self.servicer._inflight
-        if inflight_map.get(run.rid) is run.inflight:
-            del inflight_map[run.rid]
+        self.requests.forget(run.request_id, run.inflight)
 
-    def _error(self, tag: int, rid: str, code: grpc.StatusCode, message: str) -> None:
-        self._out.append(worker_pb2.StreamError(tag=tag, request_id=rid, code=code.value[0], message=message))
+    def _error(self, tag: int, request_id: str, code: grpc.StatusCode, message: str) -> None:
+        self._out.append(worker_pb2.StreamError(tag=tag, request_id=request_id, code=code.value[0], message=message))
         self._wake.set()
 
     # -- the replies ---------------------------------------------------------------------------

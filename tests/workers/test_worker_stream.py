@@ -204,7 +204,7 @@ def test_shutdown_ends_the_stream(engine: AsyncEngine) -> None:
 
 
 def test_batches_stay_under_the_byte_bound() -> None:
-    session = StreamSession(servicer=None, max_batch_bytes=200)  # type: ignore[arg-type]
+    session = StreamSession(requests=None, max_batch_bytes=200)  # type: ignore[arg-type]
     out = [worker_pb2.WorkerGenerateResponse(request_id=f"r{i}", token_ids=list(range(20)), stream_tag=i)
            for i in range(10)]
     out.insert(3, worker_pb2.StreamError(tag=99, request_id="bad", code=3, message="x"))

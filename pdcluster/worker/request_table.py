@@ -1,0 +1,172 @@
+"""RequestTable: what a worker tracks per running request, for the unary Generate path and the
+GenerateStream session alike.
+
+    check()        a request's sampling params and the role's verdict on its KV params, or Refusal
+    track()/forget() the in-flight map (request id -> Inflight), one entry per running request
+    start_pump()   the engine request as a task feeding a sink (a queue, or a stream session)
+    refusal_for()  the status an engine item ends a request with, if any
+    response()     one engine item as a WorkerGenerateResponse (ABORTED: abort_response)
+    abort()        cancel the pump (the engine frees the blocks) and end the request with ABORT
+
+The gRPC adapters (worker_servicer.py, worker_stream.py) own the transport: deadlines, status
+codes on the wire, batching. Everything a request is, and every way it ends, lives here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from contextlib import aclosing
+from typing import Any
+
+import grpc
+
+from pdcluster._proto import common_pb2, worker_pb2
+from pdcluster.engine.async_engine import AsyncEngine, EngineDeadError
+from pdcluster.engine.outputs import RequestOutput
+from pdcluster.sampling_params import SamplingParams
+from pdcluster.worker import convert
+from pdcluster.worker.inflight import Inflight, Refusal
+from pdcluster.worker.roles import KvTransferRejected, RoleHandler
+
+log = logging.getLogger(__name__)
+
+ABORTED = object()  # queued by abort() for a request without on_abort: end it with finish_reason ABORT
+
+# A pumped item: (arrival time, engine output), the exception that ended the request, or ABORTED.
+Sink = Callable[[Any], "bool | None"]
+
+
+def abort_response(request_id: str, inflight: Inflight) -> worker_pb2.WorkerGenerateResponse:
+    """The final response of an aborted request (both paths send exactly this)."""
+    return worker_pb2.WorkerGenerateResponse(
+        request_id=request_id, finished=True, finish_reason=common_pb2.FINISH_REASON_ABORT,
+        usage=common_pb2.Usage(prompt_tokens=inflight.num_prompt_tokens, completion_tokens=inflight.num_tokens))
+
+
+class RequestTable:
+    def __init__(self, engine: AsyncEngine, role: RoleHandler) -> None:
+        self.engine = engine
+        self.role = role
+        self._eos = frozenset(engine.eos_token_ids)
+        self._inflight: dict[str, Inflight] = {}
+        self._pumps: dict[str, asyncio.Task] = {}  # request id -> its pump task, until that ends
+
+    def __len__(self) -> int:
+        return len(self._inflight)
+
+    def new_request_id(self) -> str:
+        return self.engine.new_request_id()
+
+    # -- admission -------------------------------------------------------------------------------
+    def check(self, request: worker_pb2.WorkerGenerateRequest,
+              request_id: str) -> tuple[SamplingParams, dict | None]:
+        """The request's sampling params and accepted KV params, or Refusal."""
+        try:
+            params = convert.sampling_params_from_proto(request.sampling_params)
+            eos = request.eos_token_ids
+            if eos and frozenset(eos) != self._eos:
+                raise ValueError(f"eos_token_ids: overriding the model's EOS tokens {sorted(self._eos)} is not "
+                                 "supported; send extra ones as sampling_params.stop_token_ids")
+            kv = convert.kv_params_from_proto(request.kv_transfer_params) \
+                if request.HasField("kv_transfer_params") else None
+            kv = self.role.accept(kv)
+        except ValueError as e:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        except KvTransferRejected as e:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
+        if request_id in self._inflight:
+            raise Refusal(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already running here")
+        if not self.engine.is_healthy:
+            raise Refusal(grpc.StatusCode.UNAVAILABLE, "engine is not running")
+        return params, kv
+
+    def track(self, request_id: str, inflight: Inflight) -> None:
+        self._inflight[request_id] = inflight
+
+    def forget(self, request_id: str, inflight: Inflight) -> None:
+        """Drop the entry if it is still this request's (a reused id may own it by now)."""
+        if self._inflight.get(request_id) is inflight:
+            del self._inflight[request_id]
+
+    # -- running -----------------------------------------------------------------------------------
+    def start_pump(self, request_id: str, request: worker_pb2.WorkerGenerateRequest, params: SamplingParams,
+                   kv: dict | None, sink: Sink) -> asyncio.Task:
+        """Run the request in the engine as a task that hands sink each (arrival time, output), or
+        the exception that ended it, until the request ends or sink returns true. Cancelling the
+        task closes AsyncEngine.generate, which aborts the request and frees its blocks.
+
+        An aborted request with the same id may still be leaving the engine (its cancelled task has
+        not finished): the new one starts after it, so a client that reuses an id right after a
+        cancel is served, not refused as a duplicate."""
+        previous = self._pumps.get(request_id)
+        if previous is not None and previous.done():
+            previous = None
+        task = asyncio.get_running_loop().create_task(self._pump(request_id, request, params, kv, sink, previous))
+        self._pumps[request_id] = task
+        task.add_done_callback(lambda t: self._pumps.pop(request_id) if self._pumps.get(request_id) is t else None)
+        return task
+
+    async def _pump(self, request_id: str, request: worker_pb2.WorkerGenerateRequest, params: SamplingParams,
+                    kv: dict | None, sink: Sink, previous: asyncio.Task | None) -> None:
+        if previous is not None:
+            await asyncio.wait([previous])
+        prior = list(request.prefill_output_token_ids)  # the decode leg's; the engine validates them
+        try:
+            async with aclosing(self.engine.generate(list(request.prompt_token_ids), params, request_id=request_id,
+                                                     kv_transfer_params=kv,
+                                                     prefill_output_token_ids=prior or None)) as outputs:
+                async for out in outputs:
+                    if sink((time.time(), out)):
+                        return
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # the receiver maps it to a status code
+            sink(e)
+
+    def refusal_for(self, item: Any, sent: bool) -> Refusal | None:
+        """The status a pumped item ends the request with, if any: an exception from the engine,
+        or an error output before anything was sent while the engine is down (the router then
+        retries elsewhere). None: send the item as a delta."""
+        if isinstance(item, BaseException):
+            if isinstance(item, ValueError):
+                return Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(item))
+            if isinstance(item, EngineDeadError):
+                return Refusal(grpc.StatusCode.UNAVAILABLE, str(item))
+            log.error("request failed", exc_info=item)
+            return Refusal(grpc.StatusCode.INTERNAL, f"internal error: {item!r}")
+        if item is not ABORTED:
+            _, out = item
+            if out.error and not sent and not self.engine.is_healthy:
+                return Refusal(grpc.StatusCode.UNAVAILABLE, out.error)
+        return None
+
+    def response(self, request_id: str, inflight: Inflight, item: Any,
+                 params: SamplingParams) -> worker_pb2.WorkerGenerateResponse:
+        if item is ABORTED:
+            return abort_response(request_id, inflight)
+        arrival, out = item
+        assert isinstance(out, RequestOutput)
+        inflight.num_tokens += len(out.outputs[0].token_ids)
+        token_text = self.engine.decode_token if params.logprobs is not None and params.detokenize else None
+        return convert.output_to_response(out, arrival_time=arrival, num_completion_tokens=inflight.num_tokens,
+                                          token_text=token_text)
+
+    # -- ending ------------------------------------------------------------------------------------
+    def abort(self, request_id: str) -> bool:
+        """End a running request with finish_reason ABORT; false if it is not running here."""
+        inflight = self._inflight.get(request_id)
+        if inflight is None:
+            return False
+        if inflight.task is not None:
+            inflight.task.cancel()  # closes AsyncEngine.generate -> engine abort, blocks freed
+        if inflight.on_abort is not None:
+            inflight.on_abort()
+        else:
+            inflight.queue.put_nowait(ABORTED)
+        return True
+
+    def abort_all(self) -> int:
+        return sum(self.abort(request_id) for request_id in list(self._inflight))
