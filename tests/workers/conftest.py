@@ -49,7 +49,7 @@ def worker(demo_model: str, key_dir: pathlib.Path, tmp_path_factory: pytest.Temp
 
     wp = start_worker(["--role", "both", "--model", demo_model, "--max-model-len", "256", "--key-dir", str(key_dir),
                        "--worker-id", "w-test", "--max-message-bytes", str(MAX_MESSAGE_BYTES)],
-                      tmp_path_factory.mktemp("worker-logs"))
+                      tmp_path_factory.mktemp("worker-logs"), hold=True)  # ids "held-...": see engine_hold.py
     try:
         yield wp
     finally:

@@ -79,10 +79,10 @@ def test_non_streaming_is_one_response(stub) -> None:
 
 
 def test_cancel_mid_stream_frees_blocks(stub) -> None:
-    call = stub.Generate(gen_request(list(range(3, 40)), "cancel-me", max_tokens=200), timeout=60)
-    for i, _ in enumerate(call):
-        if i == 2:
-            break
+    # "held-": the worker holds it after its first delta (engine_hold.py), so it is still running.
+    call = stub.Generate(gen_request(list(range(3, 40)), "held-cancel-me", max_tokens=200), timeout=60)
+    for _ in call:
+        break
     during = stub.Stats(worker_pb2.StatsRequest(), timeout=5)
     call.cancel()
     assert during.num_kv_blocks_used > 0
@@ -92,18 +92,18 @@ def test_cancel_mid_stream_frees_blocks(stub) -> None:
 
 def test_deadline_exceeded_frees_blocks(stub) -> None:
     with pytest.raises(grpc.RpcError) as e:
-        list(stub.Generate(gen_request(list(range(50, 60)), "late", max_tokens=240), timeout=0.4))
+        list(stub.Generate(gen_request(list(range(50, 60)), "held-late", max_tokens=240), timeout=0.4))
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     s = wait_idle(stub)
     assert s.num_running == 0 and s.num_kv_blocks_used == 0
 
 
 def test_abort_rpc_ends_stream(stub) -> None:
-    call = stub.Generate(gen_request([9, 8, 7], "abort-me", max_tokens=240), timeout=60)
+    call = stub.Generate(gen_request([9, 8, 7], "held-abort-me", max_tokens=240), timeout=60)
     first = next(call)
     assert not first.finished
-    resp = stub.Abort(common_pb2.AbortRequest(request_ids=["abort-me", "unknown-id"]), timeout=5)
-    assert list(resp.aborted_request_ids) == ["abort-me"]
+    resp = stub.Abort(common_pb2.AbortRequest(request_ids=["held-abort-me", "unknown-id"]), timeout=5)
+    assert list(resp.aborted_request_ids) == ["held-abort-me"]
     last = list(call)[-1]
     assert last.finished and last.finish_reason == common_pb2.FINISH_REASON_ABORT
     assert wait_idle(stub).num_kv_blocks_used == 0

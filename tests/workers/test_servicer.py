@@ -11,6 +11,7 @@ from typing import Any
 
 import grpc
 import pytest
+from engine_hold import EngineHold
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdcluster import LLM
@@ -28,7 +29,7 @@ from pdcluster.worker.tls import TLSConfig, channel_credentials
 MAX_MODEL_LEN = 256  # the `engine` fixture's (conftest.py)
 PROMPT = [5, 6]
 NUM_REF = 8  # tokens compared with the offline LLM
-LONG = MAX_MODEL_LEN - len(PROMPT) - 4  # a request that runs for seconds unless ended early
+LONG = MAX_MODEL_LEN - len(PROMPT) - 4  # with serve(hold=...): a request that only ends when ended early
 
 
 def _engine_args(model: str) -> EngineArgs:
@@ -88,8 +89,9 @@ async def _ended_in_engine(engine: AsyncEngine, r: Any) -> None:
     assert await _until(lambda: engine.get_stats()["kv_blocks_used"] == 0 and engine.get_stats()["num_running"] == 0)
 
 
-def serve(engine: AsyncEngine, test, role="both", **server_kw) -> None:
-    """Run test(stub, server, channel) against a fresh in-process worker around `engine`."""
+def serve(engine: AsyncEngine, test, role="both", hold: tuple[str, ...] = (), **server_kw) -> None:
+    """Run test(stub, server, channel) against a fresh in-process worker around `engine`; the
+    requests named in hold stop after their first output until ended (engine_hold.py)."""
     async def main():
         server, port = await start_worker_server(engine, role, port=0, **server_kw)
         try:
@@ -97,7 +99,8 @@ def serve(engine: AsyncEngine, test, role="both", **server_kw) -> None:
                 await test(worker_pb2_grpc.WorkerStub(ch), server, ch)
         finally:
             await server.stop(None)
-    asyncio.run(main())
+    with EngineHold(engine, *hold):
+        asyncio.run(main())
 
 
 def test_stream_stats_and_info(engine: AsyncEngine, reference: CompletionOutput, demo_model: str) -> None:
@@ -130,19 +133,19 @@ def test_client_cancel_aborts_in_engine(engine: AsyncEngine) -> None:
         call.cancel()
         await _ended_in_engine(engine, r)
         assert await _until(lambda: server.servicer.num_inflight == 0)
-    serve(engine, t)
+    serve(engine, t, hold=("c1",))
 
 
 def test_deadline_aborts_in_engine(engine: AsyncEngine) -> None:
     async def t(stub, server, ch):
-        call = stub.Generate(req("d1", max_tokens=LONG), timeout=1.0)
+        call = stub.Generate(req("d1", max_tokens=LONG), timeout=3.0)  # time for the first token; held after it
         r, _ = await _started(engine, call, "d1")
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await read_rest(call)
         assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         await _ended_in_engine(engine, r)
         assert await _until(lambda: server.servicer.num_inflight == 0)
-    serve(engine, t)
+    serve(engine, t, hold=("d1",))
 
 
 def test_abort_rpc_and_duplicate_id(engine: AsyncEngine) -> None:
@@ -159,7 +162,7 @@ def test_abort_rpc_and_duplicate_id(engine: AsyncEngine) -> None:
         assert seen[-1].finished and seen[-1].finish_reason == common_pb2.FINISH_REASON_ABORT
         assert seen[-1].usage.completion_tokens == sum(len(x.token_ids) for x in seen) < LONG
         await _ended_in_engine(engine, r)
-    serve(engine, t)
+    serve(engine, t, hold=("a1",))
 
 
 def test_stop_aborts_inflight_streams(engine: AsyncEngine) -> None:
@@ -170,7 +173,7 @@ def test_stop_aborts_inflight_streams(engine: AsyncEngine) -> None:
         rest = await read_rest(call)
         assert rest[-1].finished and rest[-1].finish_reason == common_pb2.FINISH_REASON_ABORT
         await _ended_in_engine(engine, r)
-    serve(engine, t)
+    serve(engine, t, hold=("s1",))
 
 
 def test_dead_engine_is_unavailable_and_not_serving(demo_model: str, reference: CompletionOutput) -> None:

@@ -85,8 +85,8 @@ async def started(call, r: Replies, *tags: int) -> None:
     await r.read_until(call, lambda: all(r.deltas.get(t) for t in tags))
 
 
-def serve(engine: AsyncEngine, test) -> None:
-    serve_on(engine, test)
+def serve(engine: AsyncEngine, test, hold: tuple[str, ...] = ()) -> None:
+    serve_on(engine, test, hold=hold)
     # Every test leaves the engine idle: aborts reach the engine thread a moment after the reply.
     deadline = time.monotonic() + 10
     while engine.get_stats()["kv_blocks_used"] and time.monotonic() < deadline:
@@ -128,7 +128,7 @@ def test_errors_are_per_request(engine: AsyncEngine, ref_tokens: list[int]) -> N
         assert r.deltas[1][-1].finish_reason == common_pb2.FINISH_REASON_ABORT
         await call.done_writing()
         assert await call.code() == grpc.StatusCode.OK
-    serve(engine, t)
+    serve(engine, t, hold=("e1",))
 
 
 def test_a_reused_tag_ends_the_stream(engine: AsyncEngine) -> None:
@@ -142,12 +142,13 @@ def test_a_reused_tag_ends_the_stream(engine: AsyncEngine) -> None:
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tag" in e.value.details()
         await _ended_in_engine(engine, one)
         assert await _until(lambda: server.servicer.num_inflight == 0)
-    serve(engine, t)
+    serve(engine, t, hold=("t1",))
 
 
 def test_abort_by_tag_reuse_of_id_and_deadline(engine: AsyncEngine, ref_tokens: list[int]) -> None:
     async def t(stub, server, ch):
-        # "b" would take seconds; its deadline ends it after 0.5 s whether or not it has sent a delta.
+        # "a" and "b" are held after their first delta (the new "a" is not); b's deadline ends it
+        # after 0.5 s whether or not it has sent a delta.
         call, r = await open_stream(stub, gen(1, "a", max_tokens=LONG), gen(2, "b", max_tokens=LONG, timeout_s=0.5))
         await started(call, r, 1)
         ra = await _engine_request(engine, "a")
@@ -163,7 +164,7 @@ def test_abort_by_tag_reuse_of_id_and_deadline(engine: AsyncEngine, ref_tokens: 
         await call.done_writing()
         assert await call.code() == grpc.StatusCode.OK
         assert await _until(lambda: server.servicer.num_inflight == 0)
-    serve(engine, t)
+    serve(engine, t, hold=("a", "b"))
 
 
 def test_abort_rpc_reaches_stream_requests(engine: AsyncEngine) -> None:
@@ -175,7 +176,7 @@ def test_abort_rpc_reaches_stream_requests(engine: AsyncEngine) -> None:
         await r.read_until(call, lambda: r.ended(7))
         assert r.deltas[7][-1].finish_reason == common_pb2.FINISH_REASON_ABORT
         call.cancel()
-    serve(engine, t)
+    serve(engine, t, hold=("x",))
 
 
 def test_closing_the_stream_aborts_its_requests(engine: AsyncEngine) -> None:
@@ -187,7 +188,7 @@ def test_closing_the_stream_aborts_its_requests(engine: AsyncEngine) -> None:
         for one in reqs:
             await _ended_in_engine(engine, one)
         assert await _until(lambda: server.servicer.num_inflight == 0)
-    serve(engine, t)
+    serve(engine, t, hold=("c1", "c2"))
 
 
 def test_shutdown_ends_the_stream(engine: AsyncEngine) -> None:
@@ -200,7 +201,7 @@ def test_shutdown_ends_the_stream(engine: AsyncEngine) -> None:
         assert r.deltas[1][-1].finish_reason == common_pb2.FINISH_REASON_ABORT
         assert await call.read() is grpc.aio.EOF and await call.code() == grpc.StatusCode.OK
         await _ended_in_engine(engine, one)
-    serve(engine, t)
+    serve(engine, t, hold=("s1",))
 
 
 def test_batches_stay_under_the_byte_bound() -> None:

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 READY_PREFIX = "PDCLUSTER_READY "
+HELD_CLI = pathlib.Path(__file__).resolve().parent.parent / "held_cli.py"
 
 
 @dataclass
@@ -51,12 +52,13 @@ class WorkerProcess:
 
 
 def start_worker(args: Sequence[str], log_dir: pathlib.Path, *, env: dict[str, str] | None = None,
-                 timeout: float = 180.0) -> WorkerProcess:
-    return start_cli(["serve-worker", *args], log_dir, env=env, timeout=timeout)
+                 timeout: float = 180.0, hold: bool = False) -> WorkerProcess:
+    """hold: requests with ids starting with engine_hold.HOLD_PREFIX are held after their first output."""
+    return start_cli(["serve-worker", *args], log_dir, env=env, timeout=timeout, hold=hold)
 
 
 def start_cli(args: Sequence[str], log_dir: pathlib.Path, *, env: dict[str, str] | None = None,
-              timeout: float = 180.0) -> WorkerProcess:
+              timeout: float = 180.0, hold: bool = False) -> WorkerProcess:
     """`pdcluster ARGS...` (serve-worker, router, ...) until its PDCLUSTER_READY line."""
     log_dir.mkdir(parents=True, exist_ok=True)
     stderr_path = log_dir / f"{args[0]}-{time.monotonic_ns()}.stderr"
@@ -64,7 +66,8 @@ def start_cli(args: Sequence[str], log_dir: pathlib.Path, *, env: dict[str, str]
     full_env.update(env or {})
     full_env.setdefault("PDCLUSTER_DEVICE", "cpu")
     with open(stderr_path, "wb") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "pdcluster.cluster.cli", *args],
+        cli = [str(HELD_CLI)] if hold else ["-m", "pdcluster.cluster.cli"]
+        proc = subprocess.Popen([sys.executable, *cli, *args],
                                 stdout=subprocess.PIPE, stderr=err, env=full_env, text=True)
     lines: queue.SimpleQueue[str | None] = queue.SimpleQueue()
 
