@@ -36,6 +36,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--router", default=None, help="HOST:PORT of a pdcluster router (gRPC)")
+    p.add_argument("--api-key", default=None, help="the router's --api-key (default $PDCLUSTER_API_KEY)")
     p.set_defaults(func=_cmd_generate)
 
 

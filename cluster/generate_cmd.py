@@ -12,9 +12,11 @@ def run_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
     if args.router:
+        import os
+
         from pdcluster.client import Client
 
-        with Client(args.router) as client:
+        with Client(args.router, api_key=args.api_key or os.environ.get("PDCLUSTER_API_KEY")) as client:
             for delta in client.generate_stream(args.prompt, params, chat=args.chat):
                 sys.stdout.write(delta.text)
                 sys.stdout.flush()

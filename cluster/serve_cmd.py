@@ -40,10 +40,18 @@ def _add_router_flags(p: argparse.ArgumentParser, *, grpc_port: int = 50051, htt
     p.add_argument("--health-interval", type=float, default=1.0, help="seconds between worker health checks")
     p.add_argument("--request-timeout", type=float, default=600.0, help="deadline of requests that bring none")
     p.add_argument("--key-dir", default=None, help="cluster keys (`pdcluster keys init`): KV events for prefix_aware")
+    a = p.add_argument_group("client access")
+    a.add_argument("--api-key", default=None,
+                   help="clients must send 'Authorization: Bearer KEY' (HTTP /v1/*) or the same 'authorization' "
+                        "metadata (gRPC); default $PDCLUSTER_API_KEY (an environment variable stays out of `ps`)")
+    a.add_argument("--insecure", action="store_true",
+                   help="allow a non-loopback --host with neither TLS nor an API key (refused otherwise)")
     g = p.add_argument_group("TLS")
-    g.add_argument("--tls-cert", default=None, help="PEM certificate of the router's gRPC and HTTPS frontends")
-    g.add_argument("--tls-key", default=None)
-    g.add_argument("--tls-ca", default=None, help="CA of client certificates: turns on mutual TLS")
+    g.add_argument("--tls-cert", "--ssl-certfile", dest="tls_cert", default=None,
+                   help="PEM certificate of the router's gRPC and HTTPS frontends")
+    g.add_argument("--tls-key", "--ssl-keyfile", dest="tls_key", default=None)
+    g.add_argument("--tls-ca", "--ssl-ca-certs", dest="tls_ca", default=None,
+                   help="CA of client certificates: turns on mutual TLS")
     g.add_argument("--worker-tls-ca", default=None, help="CA of the workers' certificates: TLS to the workers")
     g.add_argument("--worker-tls-cert", default=None, help="client certificate for workers that require mTLS")
     g.add_argument("--worker-tls-key", default=None)
@@ -54,7 +62,18 @@ def _add_router_flags(p: argparse.ArgumentParser, *, grpc_port: int = 50051, htt
     p.add_argument("--worker-channel", choices=("stream", "call"), default="stream",
                    help="stream: every request to a worker over one multiplexed stream (default); "
                         "call: one gRPC call per request")
+    b = p.add_argument_group("request bounds")
+    b.add_argument("--max-stop-token-ids", type=int, default=None, help="per request (default 64)")
+    b.add_argument("--max-json-depth", type=int, default=None, help="nesting of HTTP bodies (default 32)")
+    b.add_argument("--max-message-bytes", type=int, default=None, help="gRPC messages and HTTP bodies (default 4 MiB)")
+    b.add_argument("--params-cache-bytes", type=int, default=None, help="memo of validated sampling parameters")
+    b.add_argument("--max-concurrent-streams", type=int, default=None,
+                   help="gRPC calls at once on one client connection (default max-inflight + 64)")
     p.add_argument("--log-level", default="INFO")
+
+
+_BOUNDS = ("max_stop_token_ids", "max_json_depth", "max_message_bytes", "params_cache_bytes",
+           "max_concurrent_streams")
 
 
 def add_serve(sub: argparse._SubParsersAction) -> None:
@@ -95,12 +114,27 @@ def _router_config(args: argparse.Namespace, workers: tuple[str, ...], key_dir: 
         worker_tls = TLSConfig(cert=args.worker_tls_cert, key=args.worker_tls_key, ca=args.worker_tls_ca,
                                server_name=args.worker_tls_server_name)
 
+    import os
+
+    bounds = {name: getattr(args, name) for name in _BOUNDS if getattr(args, name) is not None}
+    api_key = args.api_key or os.environ.get("PDCLUSTER_API_KEY") or None
     return RouterConfig(
+        api_key=api_key, insecure=args.insecure, **bounds,
         workers=workers, model=model, served_model_name=args.served_model_name, policy=args.policy,
         host=args.host, grpc_port=args.grpc_port, http_port=None if args.http_port < 0 else args.http_port,
         max_inflight=args.max_inflight, max_retries=args.max_retries, health_interval_s=args.health_interval,
         request_timeout_s=args.request_timeout, key_dir=key_dir, tls=tls, worker_tls=worker_tls,
         disagg_min_uncached_tokens=args.disagg_threshold, worker_channel=args.worker_channel)
+
+
+def _check_exposure(args: argparse.Namespace) -> None:
+    """Before anything starts: a non-loopback --host needs TLS, an API key or --insecure."""
+    import os
+
+    from pdcluster.router.auth import check_exposure
+
+    check_exposure(args.host, tls=bool(args.tls_cert), insecure=args.insecure,
+                   api_key=bool(args.api_key or os.environ.get("PDCLUSTER_API_KEY")))
 
 
 def _setup_logging(level: str) -> None:
@@ -110,6 +144,7 @@ def _setup_logging(level: str) -> None:
 # -- pdcluster router -------------------------------------------------------------------------
 def run_router(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level)
+    _check_exposure(args)
     from pdcluster.router.config import parse_worker_list
 
     config = _router_config(args, parse_worker_list(args.workers), args.key_dir, args.model)
@@ -190,6 +225,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from pdcluster.cluster.local_launcher import LaunchError, LocalLauncher, WorkerSpec
 
     _setup_logging(args.log_level)
+    _check_exposure(args)
     # Until the router's loop installs its own handlers, SIGTERM unwinds through `finally`
     # (stopping the workers) instead of killing this process on the spot.
     signal.signal(signal.SIGTERM, _raise_system_exit)
@@ -215,7 +251,9 @@ def run_serve(args: argparse.Namespace) -> int:
     for role, count in pools:
         connector = [] if role == "both" else ["--kv-connector", args.connector]
         connector += ["--tp", str(tp_of[role])]
-        specs += [WorkerSpec(f"{role}-{i}", ["--role", role, "--host", args.host, "--port", "0", "--model", model,
+        # Workers are internal: loopback whatever --host says (the router, beside them, is the
+        # only client-facing port of `serve`).
+        specs += [WorkerSpec(f"{role}-{i}", ["--role", role, "--host", "127.0.0.1", "--port", "0", "--model", model,
                                              "--worker-id", f"{role}-{i}", "--key-dir", key_dir, *connector, *extra])
                   for i in range(count)]
     try:

@@ -146,6 +146,12 @@ def _client_error(e: grpc.RpcError) -> ClientError:
     return ClientError(code or grpc.StatusCode.UNKNOWN, details or "")
 
 
+def _auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
+    """The router's `--api-key`, sent with every call (plaintext channels cannot carry call
+    credentials, so it is plain metadata: use TLS beyond loopback)."""
+    return (("authorization", f"Bearer {api_key}"),) if api_key else None
+
+
 def _channel_args(address: str, tls: TLSConfig | None, max_message_bytes: int) -> dict[str, Any]:
     return {"target": address, "options": channel_options(max_message_bytes) + channel_tls_options(tls)}
 
@@ -154,8 +160,9 @@ class Client:
     """Synchronous router client; thread-safe; a context manager that closes its channel."""
 
     def __init__(self, address: str, timeout: float | None = None, tls: TLSConfig | None = None,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, api_key: str | None = None) -> None:
         self.address = address
+        self._md = _auth_metadata(api_key)
         self.timeout = timeout  # default per-call deadline in seconds (None: no deadline)
         kw = _channel_args(address, tls, max_message_bytes)
         self._channel = grpc.secure_channel(credentials=channel_credentials(tls), **kw) if tls is not None \
@@ -182,7 +189,8 @@ class Client:
                         model: str = "", return_prompt_token_ids: bool = False) -> Iterator[Delta]:
         req = build_request(prompt, sampling_params, request_id=request_id, chat=chat, model=model,
                             return_prompt_token_ids=return_prompt_token_ids)
-        call = self._stub.Generate(req, timeout=deadline_s if deadline_s is not None else self.timeout)
+        call = self._stub.Generate(req, timeout=deadline_s if deadline_s is not None else self.timeout,
+                                 metadata=self._md)
         try:
             for msg in call:
                 yield delta_from_proto(msg)
@@ -197,7 +205,8 @@ class Client:
         req = build_request(prompt, sampling_params, request_id=request_id, chat=chat, stream=False, model=model,
                             return_prompt_token_ids=return_prompt_token_ids)
         try:
-            msgs = list(self._stub.Generate(req, timeout=deadline_s if deadline_s is not None else self.timeout))
+            msgs = list(self._stub.Generate(req, timeout=deadline_s if deadline_s is not None else self.timeout,
+                                 metadata=self._md))
         except grpc.RpcError as e:
             raise _client_error(e) from None
         return merge_deltas([delta_from_proto(m) for m in msgs])
@@ -205,7 +214,8 @@ class Client:
     def abort(self, request_ids: str | Sequence[str]) -> list[str]:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         try:
-            resp = self._stub.Abort(common_pb2.AbortRequest(request_ids=ids), timeout=self.timeout)
+            resp = self._stub.Abort(common_pb2.AbortRequest(request_ids=ids), timeout=self.timeout,
+                                                metadata=self._md)
         except grpc.RpcError as e:
             raise _client_error(e) from None
         return list(resp.aborted_request_ids)
@@ -213,7 +223,7 @@ class Client:
     def list_workers(self, role: str | None = None) -> list[router_pb2.WorkerEntry]:
         req = router_pb2.ListWorkersRequest(role=ROLE_TO_PROTO[role] if role else 0)
         try:
-            return list(self._stub.ListWorkers(req, timeout=self.timeout).workers)
+            return list(self._stub.ListWorkers(req, timeout=self.timeout, metadata=self._md).workers)
         except grpc.RpcError as e:
             raise _client_error(e) from None
 
@@ -222,8 +232,9 @@ class AsyncClient:
     """asyncio router client (grpc.aio); create and use it inside one event loop."""
 
     def __init__(self, address: str, timeout: float | None = None, tls: TLSConfig | None = None,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, api_key: str | None = None) -> None:
         self.address = address
+        self._md = _auth_metadata(api_key)
         self.timeout = timeout
         kw = _channel_args(address, tls, max_message_bytes)
         self._channel = grpc.aio.secure_channel(credentials=channel_credentials(tls), **kw) if tls is not None \
@@ -244,7 +255,8 @@ class AsyncClient:
                               model: str = "", return_prompt_token_ids: bool = False) -> AsyncIterator[Delta]:
         req = build_request(prompt, sampling_params, request_id=request_id, chat=chat, model=model,
                             return_prompt_token_ids=return_prompt_token_ids)
-        call = self._stub.Generate(req, timeout=deadline_s if deadline_s is not None else self.timeout)
+        call = self._stub.Generate(req, timeout=deadline_s if deadline_s is not None else self.timeout,
+                                 metadata=self._md)
         try:
             async for msg in call:
                 yield delta_from_proto(msg)
@@ -258,7 +270,8 @@ class AsyncClient:
                        model: str = "", return_prompt_token_ids: bool = False) -> CompletionResult:
         req = build_request(prompt, sampling_params, request_id=request_id, chat=chat, stream=False, model=model,
                             return_prompt_token_ids=return_prompt_token_ids)
-        call = self._stub.Generate(req, timeout=deadline_s if deadline_s is not None else self.timeout)
+        call = self._stub.Generate(req, timeout=deadline_s if deadline_s is not None else self.timeout,
+                                 metadata=self._md)
         try:
             msgs = [m async for m in call]
         except grpc.RpcError as e:
@@ -268,7 +281,8 @@ class AsyncClient:
     async def abort(self, request_ids: str | Sequence[str]) -> list[str]:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         try:
-            resp = await self._stub.Abort(common_pb2.AbortRequest(request_ids=ids), timeout=self.timeout)
+            resp = await self._stub.Abort(common_pb2.AbortRequest(request_ids=ids), timeout=self.timeout,
+                                                metadata=self._md)
         except grpc.RpcError as e:
             raise _client_error(e) from None
         return list(resp.aborted_request_ids)
@@ -276,7 +290,7 @@ class AsyncClient:
     async def list_workers(self, role: str | None = None) -> list[router_pb2.WorkerEntry]:
         req = router_pb2.ListWorkersRequest(role=ROLE_TO_PROTO[role] if role else 0)
         try:
-            return list((await self._stub.ListWorkers(req, timeout=self.timeout)).workers)
+            return list((await self._stub.ListWorkers(req, timeout=self.timeout, metadata=self._md)).workers)
         except grpc.RpcError as e:
             raise _client_error(e) from None
 

@@ -14,6 +14,10 @@ from typing import Any
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_LEN = 1024
+# Every engine step scans a request's stop ids: 64 is the default bound a server applies
+# (router --max-stop-token-ids); the hard ceiling is what any engine accepts at all.
+DEFAULT_MAX_STOP_TOKEN_IDS = 64
+MAX_STOP_TOKEN_IDS = 1024
 MAX_SEED = 2**63 - 1
 
 
@@ -119,14 +123,16 @@ class SamplingParams:
         stop = self.stop
         if isinstance(stop, str):
             stop = (stop,)
+        if isinstance(stop, (list, tuple)) and len(stop) > MAX_STOP_STRINGS:  # before scanning them
+            raise ValueError(f"stop has {len(stop)} strings; at most {MAX_STOP_STRINGS} allowed")
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
             raise ValueError("stop must be a string or a list of strings")
-        if len(stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop has {len(stop)} strings; at most {MAX_STOP_STRINGS} allowed")
         if any(not s or len(s) > MAX_STOP_STRING_LEN for s in stop):
             raise ValueError(f"stop strings must be non-empty and at most {MAX_STOP_STRING_LEN} characters")
         self._set("stop", tuple(stop))
         ids = self.stop_token_ids
+        if isinstance(ids, (list, tuple)) and len(ids) > MAX_STOP_TOKEN_IDS:  # before scanning them
+            raise ValueError(f"stop_token_ids has {len(ids)} ids; at most {MAX_STOP_TOKEN_IDS} allowed")
         if not isinstance(ids, (list, tuple)) or not all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
         ):

@@ -23,6 +23,8 @@ from pdcluster.engine.tokenizer import Tokenizer
 from pdcluster.security.keys import load_allowed_public_keys, load_keypair
 from pdcluster.worker.tls import TLSConfig
 
+from .admission import Admission
+from .auth import check_exposure
 from .config import RouterConfig
 from .http_server import HttpFrontend
 from .kv_sync import KVEventSync
@@ -49,6 +51,7 @@ class Router:
         self.registry: WorkerRegistry | None = None
         self.preprocessor: Preprocessor | None = None
         self.orchestrator: Orchestrator | None = None
+        self.admission: Admission | None = None
         self.health: RouterHealth | None = None
         self._grpc_server = None
         self._http_runner: web.AppRunner | None = None
@@ -57,6 +60,7 @@ class Router:
 
     async def start(self) -> None:
         cfg = self.config
+        check_exposure(cfg.host, tls=cfg.tls is not None, api_key=cfg.api_key is not None, insecure=cfg.insecure)
         if cfg.key_dir:
             keypair = load_keypair(cfg.key_dir, cfg.key_name)
             allowed = set(load_allowed_public_keys(cfg.key_dir).values())
@@ -71,10 +75,12 @@ class Router:
             model = await self._model_path()
             tokenizer = self._tokenizer or await asyncio.to_thread(Tokenizer.from_pretrained, model)
             self.preprocessor = Preprocessor(tokenizer, served_model_names=_served_names(cfg, model),
-                                             **_model_limits(model))
+                                             max_stop_token_ids=cfg.max_stop_token_ids,
+                                             params_cache_bytes=cfg.params_cache_bytes, **_model_limits(model))
             self.orchestrator = Orchestrator(cfg, self.registry, self.policy, self.metrics)
+            self.admission = Admission(cfg.max_inflight, self.orchestrator, self.metrics)
             self._on_workers_changed()
-            servicer = RouterServicer(cfg, self.preprocessor, self.orchestrator, self.registry)
+            servicer = RouterServicer(cfg, self.preprocessor, self.orchestrator, self.registry, self.admission)
             self._grpc_server, self.grpc_port = build_grpc_server(cfg, servicer, self.health)
             await self._grpc_server.start()
             if cfg.http_port is not None:
@@ -106,7 +112,8 @@ class Router:
 
     async def _start_http(self) -> None:
         assert self.preprocessor and self.orchestrator and self.registry
-        frontend = HttpFrontend(self.config, self.preprocessor, self.orchestrator, self.registry, self.metrics)
+        frontend = HttpFrontend(self.config, self.preprocessor, self.orchestrator, self.registry, self.metrics,
+                                self.admission)
         runner = web.AppRunner(frontend.app(), handler_cancellation=True, access_log=None)
         await runner.setup()
         self._http_runner = runner

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from pdcluster.sampling_params import DEFAULT_MAX_STOP_TOKEN_IDS, MAX_STOP_TOKEN_IDS
 from pdcluster.worker.tls import TLSConfig
 
 from .policies import POLICIES
@@ -41,16 +42,35 @@ class RouterConfig:
     # "stream": all requests to a worker over one Worker.GenerateStream (batched deltas);
     # "call": one Worker.Generate call per request (workers without GenerateStream, comparisons).
     worker_channel: str = "stream"
+    # Bounds on request data (issue 16): each refusal names the field and the limit.
+    max_stop_token_ids: int = DEFAULT_MAX_STOP_TOKEN_IDS
+    max_json_depth: int = 32                 # HTTP bodies nested deeper -> 400
+    params_cache_bytes: int = 4 << 20        # memo of validated sampling params, bounded by bytes
+    # Per HTTP/2 connection (one peer's channel) and in all; None = derived from max_inflight.
+    max_concurrent_streams: int | None = None
+    max_concurrent_rpcs: int | None = None
+    # Client authentication (vLLM's --api-key): `Authorization: Bearer <key>` on HTTP and gRPC.
+    api_key: str | None = field(default=None, repr=False)
+    # Allow a non-loopback host with neither TLS nor an API key (refused otherwise).
+    insecure: bool = False
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy: unknown routing policy {self.policy!r}; choose one of {sorted(POLICIES)}")
-        for name in ("max_inflight", "eject_after_failures", "max_message_bytes"):
+        for name in ("max_inflight", "eject_after_failures", "max_message_bytes", "max_json_depth",
+                     "params_cache_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.worker_channel not in WORKER_CHANNELS:
             raise ValueError(f"worker_channel: {self.worker_channel!r} is not one of {WORKER_CHANNELS}")
+        if not 0 <= self.max_stop_token_ids <= MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"max_stop_token_ids must be in [0, {MAX_STOP_TOKEN_IDS}], got {self.max_stop_token_ids}")
+        for name in ("max_concurrent_streams", "max_concurrent_rpcs"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty")
         if self.max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
         for name in ("health_interval_s", "health_timeout_s", "request_timeout_s", "kv_poll_interval_s",
@@ -67,6 +87,14 @@ class RouterConfig:
 
     def replace(self, **changes: object) -> RouterConfig:
         return dataclasses.replace(self, **changes)
+
+    @property
+    def streams_per_connection(self) -> int:
+        return self.max_concurrent_streams or self.max_inflight + 64  # headroom: health, Abort
+
+    @property
+    def concurrent_rpcs(self) -> int:
+        return self.max_concurrent_rpcs or 2 * self.max_inflight + 64
 
 
 def _check_address(address: str) -> None:

@@ -23,6 +23,8 @@ from aiohttp import web
 
 from pdcluster._proto import common_pb2, worker_pb2
 
+from .admission import Admission
+from .auth import ApiKey
 from .config import RouterConfig
 from .errors import RouterError, invalid
 from .metrics import RouterMetrics
@@ -48,8 +50,9 @@ def _dumps(obj: Any) -> bytes:
 
 class HttpFrontend:
     def __init__(self, config: RouterConfig, preprocessor: Preprocessor, orchestrator: Orchestrator,
-                 registry: WorkerRegistry, metrics: RouterMetrics) -> None:
+                 registry: WorkerRegistry, metrics: RouterMetrics, admission: Admission | None = None) -> None:
         self.config = config
+        self.admission = admission or Admission(config.max_inflight, orchestrator, metrics)
         self.pre = preprocessor
         self.orch = orchestrator
         self.registry = registry
@@ -57,7 +60,10 @@ class HttpFrontend:
         self.created = int(time.time())
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.max_message_bytes, middlewares=[_json_errors])
+        middlewares: list[Any] = [_json_errors]
+        if self.config.api_key is not None:
+            middlewares.append(ApiKey(self.config.api_key).http_middleware())
+        app = web.Application(client_max_size=self.config.max_message_bytes, middlewares=middlewares)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -90,11 +96,12 @@ class HttpFrontend:
 
     async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         try:
-            body = await _read_json(request, self.config.max_message_bytes)
-            parse = parse_chat if chat else parse_completion
-            greq, opts = parse(body, self.pre.model_name)
-            greq.request_id = request.headers.get("X-Request-Id", "")
-            prep = await self.pre.prepare(greq, self.config.request_timeout_s, chat_max_tokens_default=chat)
+            with self.admission.preparing("http"):
+                body = await _read_json(request, self.config.max_message_bytes, self.config.max_json_depth)
+                parse = parse_chat if chat else parse_completion
+                greq, opts = parse(body, self.pre.model_name)
+                greq.request_id = request.headers.get("X-Request-Id", "")
+                prep = await self.pre.prepare(greq, self.config.request_timeout_s, chat_max_tokens_default=chat)
         except RouterError as e:
             self.orch.count_refused("http", e)
             return _error(e)
@@ -170,7 +177,7 @@ async def _event(resp: web.StreamResponse, obj: Any) -> None:
     await resp.write(b"data: " + _dumps(obj) + b"\n\n")
 
 
-async def _read_json(request: web.Request, limit: int) -> Any:
+async def _read_json(request: web.Request, limit: int, max_depth: int) -> Any:
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
@@ -178,9 +185,34 @@ async def _read_json(request: web.Request, limit: int) -> Any:
                           f"request body exceeds the limit of {limit} bytes",
                           "body", http_status=413) from None
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
+    except RecursionError:  # deeper than the parser's own stack allows
+        raise _too_deep(max_depth) from None
     except (ValueError, UnicodeDecodeError) as e:
         raise invalid("body", f"the request body is not valid JSON: {e}") from None
+    # No body can nest deeper than it has brackets: most are checked by two C-speed counts.
+    if raw.count(b"[") + raw.count(b"{") > max_depth and _depth(body, max_depth) > max_depth:
+        raise _too_deep(max_depth)
+    return body
+
+
+def _too_deep(max_depth: int) -> RouterError:
+    return invalid("body", f"the request body nests JSON deeper than the limit of {max_depth} levels")
+
+
+def _depth(obj: Any, limit: int) -> int:
+    """Nesting depth of parsed JSON, iteratively; stops counting once past limit."""
+    deepest = 0
+    stack = [(obj, 1)] if isinstance(obj, (dict, list)) else []
+    while stack:
+        node, d = stack.pop()
+        if d > deepest:
+            deepest = d
+            if deepest > limit:
+                return deepest
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, d + 1) for c in children if isinstance(c, (dict, list)))
+    return deepest
 
 
 @web.middleware

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdcluster._proto import common_pb2, router_pb2
+from pdcluster.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
 from .errors import invalid
 
@@ -35,6 +36,9 @@ _SAMPLING_FIELDS: dict[str, tuple[str, str]] = {
 _UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "suffix": None, "logit_bias": None, "tools": None,
                 "tool_choice": "none", "functions": None, "function_call": None, "prompt_logprobs": None}
 _MAX_TOKEN_ID = 0xFFFFFFFF
+# Lists are counted before anything walks them (the finer limits are checked later, once, for
+# both frontends: the configured stop_token_ids bound and the vocabulary in the Preprocessor).
+MAX_MESSAGES = 4096
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,8 @@ def parse_completion(body: Any, default_model: str) -> tuple[router_pb2.Generate
     logprobs = body.get("logprobs")
     if logprobs is not None and not _is_int(logprobs):
         raise invalid("logprobs", "must be an integer (the number of top logprobs)")
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise invalid("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {logprobs}")
     opts = _common(body, req, default_model, chat=False, logprobs=logprobs)
     return req, opts
 
@@ -77,6 +83,8 @@ def parse_chat(body: Any, default_model: str) -> tuple[router_pb2.GenerateReques
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "must be a non-empty list of messages")
+    if len(messages) > MAX_MESSAGES:
+        raise invalid("messages", f"messages has {len(messages)} entries; at most {MAX_MESSAGES} allowed")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise invalid("messages", f"messages[{i}] must be an object with a string 'role'")
@@ -92,6 +100,8 @@ def parse_chat(body: Any, default_model: str) -> tuple[router_pb2.GenerateReques
         top = body.get("top_logprobs")
         if top is not None and not _is_int(top):
             raise invalid("top_logprobs", "must be an integer")
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise invalid("top_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {top}")
         logprobs = top or 0
     elif body.get("top_logprobs") is not None:
         raise invalid("top_logprobs", "requires logprobs=true")
@@ -148,11 +158,15 @@ def _fill_sampling(body: dict, sp: common_pb2.SamplingParams) -> None:
     stop = body.get("stop")
     if stop is not None:
         stop = [stop] if isinstance(stop, str) else stop
+        if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
+            raise invalid("stop", f"stop has {len(stop)} strings; at most {MAX_STOP_STRINGS} allowed")
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
             raise invalid("stop", "must be a string or a list of strings")
         sp.stop.extend(stop)
     ids = body.get("stop_token_ids")
     if ids is not None:
+        if isinstance(ids, list) and len(ids) > MAX_STOP_TOKEN_IDS:
+            raise invalid("stop_token_ids", f"stop_token_ids has {len(ids)} ids; at most {MAX_STOP_TOKEN_IDS} allowed")
         if not isinstance(ids, list) or not all(_is_int(t) and 0 <= t <= _MAX_TOKEN_ID for t in ids):
             raise invalid("stop_token_ids", "must be a list of non-negative integers")
         sp.stop_token_ids.extend(ids)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -19,7 +19,7 @@ import jinja2
 
 from pdcluster._proto import common_pb2, router_pb2
 from pdcluster.engine.tokenizer import Tokenizer
-from pdcluster.sampling_params import SamplingParams
+from pdcluster.sampling_params import DEFAULT_MAX_STOP_TOKEN_IDS, SamplingParams
 
 from .convert import sampling_params_from_proto
 from .errors import RouterError, invalid
@@ -29,7 +29,9 @@ MAX_CHAT_MESSAGES = 4096
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 # Prompts longer than this are tokenized off the event loop: other requests keep streaming.
 _OFFLOAD_CHARS = 16384
-_PARAMS_CACHE_SIZE = 4096
+DEFAULT_PARAMS_CACHE_BYTES = 4 << 20
+# What one memoised entry costs beside its key: the frozen dataclass, its tuples, the dict slot.
+_ENTRY_OVERHEAD = 1024
 
 
 @dataclass
@@ -49,15 +51,20 @@ class PreparedRequest:
 
 class Preprocessor:
     def __init__(self, tokenizer: Tokenizer, *, served_model_names: Collection[str], vocab_size: int | None = None,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, max_stop_token_ids: int = DEFAULT_MAX_STOP_TOKEN_IDS,
+                 params_cache_bytes: int = DEFAULT_PARAMS_CACHE_BYTES) -> None:
         self.tokenizer = tokenizer
         self.served_model_names = tuple(served_model_names)
         self._names = frozenset(self.served_model_names)
         self.vocab_size = vocab_size or tokenizer.vocab_size
         self.max_model_len = max_model_len
+        self.max_stop_token_ids = max_stop_token_ids
         # Most clients send the same few parameter sets: validated ones are memoised by their
-        # bytes (SamplingParams is frozen; only valid sets are kept; the dict is bounded).
+        # bytes (SamplingParams is frozen; only valid sets are kept). Bounded by bytes, not
+        # entries: the oldest entries go first once the estimated size exceeds the budget.
         self._params_cache: dict[bytes, SamplingParams] = {}
+        self._params_cache_bytes = 0
+        self._params_cache_budget = params_cache_bytes
 
     @property
     def model_name(self) -> str:
@@ -97,11 +104,35 @@ class Preprocessor:
         key = pb.SerializeToString(deterministic=True)
         params = self._params_cache.get(key)
         if params is None:
+            self._check_stop_token_ids(pb.stop_token_ids)
             params = sampling_params_from_proto(pb)
-            if len(self._params_cache) >= _PARAMS_CACHE_SIZE:
-                self._params_cache.clear()
-            self._params_cache[key] = params
+            self._memoise(key, params)
         return params
+
+    def _check_stop_token_ids(self, ids: Sequence[int]) -> None:
+        """Before SamplingParams scans them: the configured count, then each id in the vocabulary."""
+        if len(ids) > self.max_stop_token_ids:
+            raise invalid("stop_token_ids", f"stop_token_ids has {len(ids)} ids; at most "
+                          f"{self.max_stop_token_ids} allowed")
+        if ids and max(ids) >= self.vocab_size:
+            raise invalid("stop_token_ids", f"token id {max(ids)} is out of range [0, {self.vocab_size})")
+
+    def _memoise(self, key: bytes, params: SamplingParams) -> None:
+        cost = 2 * len(key) + _ENTRY_OVERHEAD  # the key, and the params it decodes to (about as big)
+        if cost * 16 > self._params_cache_budget:
+            return  # one entry may not take a large share: such sets are validated each time
+        cache = self._params_cache
+        while cache and self._params_cache_bytes + cost > self._params_cache_budget:
+            old = next(iter(cache))  # insertion order: the oldest
+            del cache[old]
+            self._params_cache_bytes -= 2 * len(old) + _ENTRY_OVERHEAD
+        cache[key] = params
+        self._params_cache_bytes += cost
+
+    @property
+    def params_cache_bytes(self) -> int:
+        """The cache's estimated size (tests, metrics)."""
+        return self._params_cache_bytes
 
     async def _prompt_token_ids(self, req: router_pb2.GenerateRequest) -> list[int]:
         which = req.WhichOneof("input")
@@ -114,6 +145,9 @@ class Preprocessor:
             ids = list(req.prompt_token_ids.ids)
             if not ids:
                 raise invalid("prompt_token_ids", "must not be empty")
+            if self.max_model_len and len(ids) >= self.max_model_len:
+                raise invalid("prompt_token_ids", f"prompt has {len(ids)} tokens; this model's maximum context "
+                              f"length is {self.max_model_len}")
             if max(ids) >= self.vocab_size:
                 raise invalid("prompt_token_ids", f"token id {max(ids)} is out of range [0, {self.vocab_size})")
             return ids

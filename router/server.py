@@ -20,6 +20,8 @@ from grpc_health.v1.health import aio as health_aio
 from pdcluster._proto import common_pb2, router_pb2, router_pb2_grpc
 from pdcluster.worker.tls import server_credentials
 
+from .admission import Admission
+from .auth import ApiKey
 from .config import RouterConfig
 from .convert import response_from_worker
 from .errors import RouterError
@@ -34,11 +36,12 @@ _ROLES = {"prefill": common_pb2.WORKER_ROLE_PREFILL, "decode": common_pb2.WORKER
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
     def __init__(self, config: RouterConfig, preprocessor: Preprocessor, orchestrator: Orchestrator,
-                 registry: WorkerRegistry) -> None:
+                 registry: WorkerRegistry, admission: Admission | None = None) -> None:
         self.config = config
         self.pre = preprocessor
         self.orch = orchestrator
         self.registry = registry
+        self.admission = admission or Admission(config.max_inflight, orchestrator, orchestrator.metrics)
 
     async def Generate(self, request: router_pb2.GenerateRequest,  # noqa: N802 - gRPC method name
                        context: grpc.aio.ServicerContext) -> None:
@@ -49,7 +52,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         # orchestrator's stream at once (it aborts the worker legs).
         timeout = context.time_remaining()
         try:
-            prep = await self.pre.prepare(request, timeout if timeout is not None else self.config.request_timeout_s)
+            with self.admission.preparing("grpc"):  # refused before tokenizing when full
+                prep = await self.pre.prepare(request, timeout if timeout is not None else self.config.request_timeout_s)
         except RouterError as e:
             self.orch.count_refused("grpc", e)
             await context.abort(e.code, e.message)
@@ -126,9 +130,11 @@ class RouterHealth:
 def build_grpc_server(config: RouterConfig, servicer: RouterServicer, health: RouterHealth) -> tuple[grpc.aio.Server, int]:
     """A server with the Router and health services bound to host:grpc_port; returns it and the
     bound port (grpc_port 0 picks a free one)."""
-    server = grpc.aio.server(options=[
+    interceptors = [ApiKey(config.api_key).grpc_interceptor()] if config.api_key is not None else []
+    server = grpc.aio.server(interceptors=interceptors, maximum_concurrent_rpcs=config.concurrent_rpcs, options=[
         ("grpc.max_receive_message_length", config.max_message_bytes),  # larger -> RESOURCE_EXHAUSTED
         ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.max_concurrent_streams", config.streams_per_connection),  # per connection (one peer's channel)
         # gRPC sets SO_REUSEPORT by default: a second server could then share a busy port
         # silently. A port in use must be an error.
         ("grpc.so_reuseport", 0),

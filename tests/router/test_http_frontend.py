@@ -268,3 +268,93 @@ def test_client_disconnect_mid_stream_aborts(cluster):
     cancelled = c.metric("pdcluster_router_requests_total", {"frontend": "http", "status": "CANCELLED"})
     assert cancelled == 2
     assert good(c) == 200
+
+
+# -- bounds (issue 16): every refusal names the field and the limit -----------------------------
+BOUNDED = [
+    ({"prompt": "x", "stop_token_ids": list(range(65))}, "stop_token_ids", "64"),
+    ({"prompt": "x", "stop_token_ids": list(range(100_000))}, "stop_token_ids", "1024"),
+    ({"prompt": "x", "stop_token_ids": [10**6]}, "stop_token_ids", "out of range"),
+    ({"prompt": "x", "stop": ["s"] * 33}, "stop", "32"),
+    ({"prompt": "x", "stop": ["s" * 1025]}, "stop", "1024"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs", "20"),
+    ({"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias", "not supported"),
+    ({"prompt": "x", "n": 3}, "n", "not supported"),
+    ({"prompt": list(range(300))}, "prompt_token_ids", "256"),
+]
+
+
+@pytest.mark.parametrize("body,param,limit", BOUNDED, ids=[b[1] + str(i) for i, b in enumerate(BOUNDED)])
+def test_bounded_fields(cluster, body, param, limit):
+    c = cluster(1)
+    code, err = post(c, "/v1/completions", body)
+    assert code == 400, err
+    assert err["error"]["param"] == param and limit in err["error"]["message"], err
+
+
+def test_bounded_chat_fields(cluster):
+    c = cluster(1)
+    msgs = [{"role": "user", "content": "x"}]
+    code, err = post(c, "/v1/chat/completions", {"messages": msgs, "logprobs": True, "top_logprobs": 50})
+    assert code == 400 and err["error"]["param"] == "top_logprobs" and "20" in err["error"]["message"]
+    code, err = post(c, "/v1/chat/completions", {"messages": msgs * 5000})
+    assert code == 400 and err["error"]["param"] == "messages" and "4096" in err["error"]["message"]
+
+
+def test_deep_json_is_400(cluster):
+    c = cluster(1, max_json_depth=16)
+    deep = b'{"prompt": "x", "extra": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    code, err = post(c, "/v1/completions", deep)
+    assert code == 400 and err["error"]["param"] == "body" and "16" in err["error"]["message"], err
+    code, err = post(c, "/v1/completions", b'{"prompt": "x", "extra": ' + b"[" * 20 + b"]" * 20 + b"}")
+    assert code == 400 and "16" in err["error"]["message"]
+    # Brackets inside strings are not nesting.
+    assert post(c, "/v1/completions", {"prompt": "[" * 100, "max_tokens": 1})[0] == 200
+    assert good(c) == 200
+
+
+def test_params_cache_is_bounded_by_bytes(cluster):
+    c = cluster(1, params_cache_bytes=64 << 10)
+    for i in range(200):  # distinct parameter sets, each at the stop_token_ids limit
+        body = {"prompt": [1], "max_tokens": 1, "stop_token_ids": [i + k for k in range(64)]}
+        assert post(c, "/v1/completions", body)[0] == 200
+    assert 0 < c.router.preprocessor.params_cache_bytes <= 64 << 10
+
+
+def test_admission_before_tokenization(cluster):
+    c = cluster(1, max_inflight=1)
+    calls = []
+    pre = c.router.preprocessor
+    real = pre.prepare
+
+    async def counting(*a, **kw):
+        calls.append(1)
+        return await real(*a, **kw)
+
+    pre.prepare = counting
+    oa = client(c)
+    stream = oa.completions.create(model=pre.model_name, prompt=[1], max_tokens=LONG, stream=True,
+                                   extra_body={"ignore_eos": True})
+    next(iter(stream))
+    assert len(calls) == 1
+    code, err = post(c, "/v1/completions", {"prompt": "a long prompt " * 1000, "max_tokens": 1})
+    assert code == 429 and "1 requests in flight" in err["error"]["message"]
+    assert len(calls) == 1  # refused before the preprocessor ran
+    stream.close()
+
+
+def test_api_key_with_the_openai_client(cluster):
+    c = cluster(1, api_key="sekrit-key")
+    model = c.router.preprocessor.model_name
+    good_client = openai.OpenAI(base_url=c.http_url + "/v1", api_key="sekrit-key", max_retries=0, timeout=30)
+    r = good_client.completions.create(model=model, prompt=[1], max_tokens=1)
+    assert r.choices[0].text is not None
+    for wrong in ("wrong", "sekrit-ke", "Sekrit-key"):
+        bad = openai.OpenAI(base_url=c.http_url + "/v1", api_key=wrong, max_retries=0, timeout=30)
+        with pytest.raises(openai.AuthenticationError):
+            bad.completions.create(model=model, prompt=[1], max_tokens=1)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+    code, err = post(c, "/v1/completions", {"prompt": [1], "max_tokens": 1})  # no header at all
+    assert code == 401 and err["error"]["code"] == 401
+    assert get(c, "/health")[0] == 200 and get(c, "/metrics")[0] == 200  # open, as in vLLM
