@@ -62,7 +62,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
 
     model = str(ensure_demo_model(tmp_path_factory.mktemp("demo") / "model"))
     logs = tmp_path_factory.mktemp("client-logs")
-    worker = start_worker(["--model", model, "--max-model-len", "256", "--worker-id", "cw0"], logs)
+    worker = start_worker(["--model", model, "--max-model-len", "256", "--worker-id", "cw0"], logs,
+                          hold=True)  # ids "held-...": held after their first output (engine_hold.py)
     router = None
     try:
         router = start_cli(["router", "--workers", worker.address, "--grpc-port", "0", "--http-port", "-1",
@@ -127,15 +128,15 @@ def test_errors_are_client_errors(client: Client) -> None:
         client.generate([], GREEDY)
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
     with pytest.raises(ClientError) as e:
-        client.generate(IDS, SamplingParams(max_tokens=240, ignore_eos=True), deadline_s=0.3)
+        client.generate(IDS, SamplingParams(max_tokens=240, ignore_eos=True), request_id="held-late", deadline_s=0.3)
     assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
     assert client.generate(IDS, SamplingParams(max_tokens=2)).finished  # still serving
 
 
 def test_leaving_a_stream_early_frees_the_worker(cluster, client: Client) -> None:
-    for i, _ in enumerate(client.generate_stream(list(range(20, 60)), SamplingParams(max_tokens=200, ignore_eos=True))):
-        if i == 2:
-            break
+    for _ in client.generate_stream(list(range(20, 60)), SamplingParams(max_tokens=200, ignore_eos=True),
+                                    request_id="held-leaver"):
+        break  # held: still running on the worker when the client leaves
     s = _wait_worker_idle(cluster[0])
     assert s.num_running == 0 and s.num_kv_blocks_used == 0
 
