@@ -22,6 +22,9 @@ the per-step communication cost. On CUDA it is the host-side time (NCCL work is 
 from __future__ import annotations
 
 import datetime
+import ipaddress
+import os
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +57,10 @@ def _gloo(store: Any, rank: int, size: int, timeout_s: float) -> Any:
 
 
 def _nccl(store: Any, rank: int, size: int, timeout_s: float) -> Any:
+    # NCCL's bootstrap and proxy listeners bind the interface NCCL picks (the first non-loopback
+    # one by default); the ranks of one instance share this host, so loopback is enough. An
+    # explicit NCCL_SOCKET_IFNAME (a multi-node deployment) wins.
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = datetime.timedelta(seconds=timeout_s)
     return dist.ProcessGroupNCCL(store, rank, size, opts)
@@ -159,9 +166,28 @@ def _root(rank: int) -> Any:
 
 def make_store(host: str, port: int, world_size: int, is_master: bool, timeout_s: float) -> Any:
     """The rendezvous store. The master passes port 0 and reads the bound port from `.port`, so
-    there is no pick-a-free-port race."""
-    return dist.TCPStore(host, port, world_size, is_master, timeout=datetime.timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+    there is no pick-a-free-port race.
+
+    The master's listening socket is bound here, on `host` (loopback), and handed to TCPStore:
+    given a host and port, TCPStore itself listens on every interface (`*:PORT`), where anyone
+    could write rendezvous keys of an unauthenticated store."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not is_master:
+        return dist.TCPStore(host, port, world_size, False, timeout=timeout)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.bind((host, port))
+        if not ipaddress.ip_address(listener.getsockname()[0]).is_loopback:
+            raise ValueError(f"the TP rendezvous must bind loopback, not {host!r}")
+        listener.listen(max(64, 2 * world_size))
+        bound = listener.getsockname()[1]
+    except BaseException:
+        listener.close()
+        raise
+    # The store owns the descriptor from here on (it closes it when destroyed).
+    return dist.TCPStore(host, bound, world_size, True, timeout=timeout, wait_for_workers=False,
+                         master_listen_fd=listener.detach())
 
 
 def attach_tp_group(model: torch.nn.Module, group: TPGroup) -> int:
