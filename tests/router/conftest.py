@@ -41,11 +41,11 @@ def worker_pool(demo_model: str, key_dir: pathlib.Path, tmp_path_factory: pytest
 
 @pytest.fixture
 def loop_thread() -> Iterator[LoopThread]:
-    lt = LoopThread()
+    loop = LoopThread()
     try:
-        yield lt
+        yield loop
     finally:
-        lt.close()
+        loop.close()
 
 
 @pytest.fixture
@@ -109,8 +109,8 @@ class Reference:
         """Greedy tokens of several prompts, run as one batch."""
         from pdcluster import SamplingParams
 
-        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        return [list(o.outputs[0].token_ids) for o in self.llm.generate(prompts, sp)]
+        sampling_params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        return [list(o.outputs[0].token_ids) for o in self.llm.generate(prompts, sampling_params)]
 
     def chat(self, messages: list[dict[str, str]], **params: Any) -> Any:
         from pdcluster import SamplingParams

@@ -140,9 +140,9 @@ def test_the_router_asks_every_policy_for_prefix_matches():
 def test_prefix_aware_with_engine_block_hash():
     block_hash = pytest.importorskip("pdcluster.engine.block_hash")
     tokens = list(range(40))
-    hs = block_hash.compute_block_hashes(tokens, 16)
+    engine_hashes = block_hash.compute_block_hashes(tokens, 16)
     index = PrefixIndex()
-    index.add_blocks("w1", hs[:2])
+    index.add_blocks("w1", engine_hashes[:2])
     p = PrefixAware(index, block_size=16)
     assert p.pick(RouteRequest("r", prompt_token_ids=tokens), W, {}).worker_id == "w1"
 

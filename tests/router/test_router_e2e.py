@@ -14,25 +14,25 @@ import openai
 
 from pdcluster._proto import common_pb2, router_pb2, router_pb2_grpc
 
-SP = common_pb2.SamplingParams
+SamplingParams = common_pb2.SamplingParams
 PROMPTS = ["The prefill pool reads the whole prompt", "Hello, world!", "Tokens, blocks, pages and caches"]
 
 
 def test_router_tokens_equal_offline_llm(cluster, demo_model, reference):
     c = cluster(2)
-    with grpc.insecure_channel(c.router.grpc_address) as ch:
-        stub = router_pb2_grpc.RouterStub(ch)
+    with grpc.insecure_channel(c.router.grpc_address) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
         got = []
         for prompt in PROMPTS:  # round robin: both workers serve
-            out = list(stub.Generate(router_pb2.GenerateRequest(prompt=prompt, stream=True, sampling_params=SP(
+            out = list(stub.Generate(router_pb2.GenerateRequest(prompt=prompt, stream=True, sampling_params=SamplingParams(
                 max_tokens=12, temperature=0, ignore_eos=True)), timeout=60))
             got.append([t for r in out for t in r.token_ids])
-    oa = openai.OpenAI(base_url=c.http_url + "/v1", api_key="x", max_retries=0)
-    text = oa.completions.create(model=demo_model, prompt=PROMPTS[0], max_tokens=12, temperature=0,
+    client = openai.OpenAI(base_url=c.http_url + "/v1", api_key="x", max_retries=0)
+    text = client.completions.create(model=demo_model, prompt=PROMPTS[0], max_tokens=12, temperature=0,
                                  extra_body={"ignore_eos": True}).choices[0].text
-    chat = oa.chat.completions.create(model=demo_model, messages=[{"role": "user", "content": PROMPTS[1]}],
+    chat = client.chat.completions.create(model=demo_model, messages=[{"role": "user", "content": PROMPTS[1]}],
                                       max_tokens=6, temperature=0, stream=True)
-    chat_text = "".join(ch.choices[0].delta.content or "" for ch in chat if ch.choices)
+    chat_text = "".join(chunk.choices[0].delta.content or "" for chunk in chat if chunk.choices)
     assert got == reference.batch_tokens(PROMPTS, 12)
     assert text == reference.generate(PROMPTS[0], max_tokens=12).text
     assert chat_text == reference.chat([{"role": "user", "content": PROMPTS[1]}], max_tokens=6, ignore_eos=False).text
@@ -50,10 +50,10 @@ def test_router_process_has_no_torch(worker_pool, demo_model):
             if line.startswith("PDCLUSTER_READY "):
                 break
         ready = json.loads(line.split(" ", 1)[1])
-        oa = openai.OpenAI(base_url=ready["http"] + "/v1", api_key="x", max_retries=0)
-        model = oa.models.list().data[0].id
+        client = openai.OpenAI(base_url=ready["http"] + "/v1", api_key="x", max_retries=0)
+        model = client.models.list().data[0].id
         assert os.path.samefile(model, demo_model)
-        assert oa.completions.create(model=model, prompt="hi", max_tokens=2,
+        assert client.completions.create(model=model, prompt="hi", max_tokens=2,
                                      extra_body={"ignore_eos": True}).usage.completion_tokens == 2
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=20)
@@ -62,6 +62,6 @@ def test_router_process_has_no_torch(worker_pool, demo_model):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    imported = {ln.rsplit("|", 1)[-1].strip() for ln in err.splitlines() if ln.startswith("import time:")}
+    imported = {line.rsplit("|", 1)[-1].strip() for line in err.splitlines() if line.startswith("import time:")}
     assert "pdcluster.router.app" in imported
     assert not {m for m in imported if m.split(".")[0] in ("torch", "triton", "transformers")}

@@ -18,7 +18,7 @@ from real_router_cluster import is_idle, wait_until, worker_stats
 
 from pdcluster._proto import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 
-SP = common_pb2.SamplingParams
+SamplingParams = common_pb2.SamplingParams
 LENGTH, ERROR, ABORT = common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_ERROR, common_pb2.FINISH_REASON_ABORT
 # A generation that runs for over 2 s on the demo model (even on an idle machine). A cancelled
 # one must be gone from the worker within ABORT_WINDOW_S -- long before it could end by itself.
@@ -30,16 +30,16 @@ CHANNELS = pytest.mark.parametrize("channel", ["stream", "call"])
 RETRIES = ("pdcluster_router_retries_total", {"role": "decode"})
 
 
-def sp(max_tokens: int, **kw) -> common_pb2.SamplingParams:
+def sampling(max_tokens: int, **kwargs) -> common_pb2.SamplingParams:
     """Greedy and exactly max_tokens long: comparable with the offline engine."""
-    return SP(max_tokens=max_tokens, temperature=0, ignore_eos=True, **kw)
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **kwargs)
 
 
-def gen(stub, timeout: float = 30.0, **kw) -> list[router_pb2.GenerateResponse]:
-    kw.setdefault("prompt_token_ids", router_pb2.TokenIds(ids=[5, 6, 7]))
-    kw.setdefault("stream", True)
-    kw.setdefault("sampling_params", sp(2))
-    return list(stub.Generate(router_pb2.GenerateRequest(**kw), timeout=timeout))
+def gen(stub, timeout: float = 30.0, **kwargs) -> list[router_pb2.GenerateResponse]:
+    kwargs.setdefault("prompt_token_ids", router_pb2.TokenIds(ids=[5, 6, 7]))
+    kwargs.setdefault("stream", True)
+    kwargs.setdefault("sampling_params", sampling(2))
+    return list(stub.Generate(router_pb2.GenerateRequest(**kwargs), timeout=timeout))
 
 
 def tokens(out) -> list[int]:
@@ -48,12 +48,12 @@ def tokens(out) -> list[int]:
 
 def long_stream(stub, request_id: str = "", ids=(1,), max_tokens: int = LONG, timeout: float = 60.0):
     return stub.Generate(router_pb2.GenerateRequest(
-        request_id=request_id, prompt_token_ids=router_pb2.TokenIds(ids=list(ids)), sampling_params=sp(max_tokens),
+        request_id=request_id, prompt_token_ids=router_pb2.TokenIds(ids=list(ids)), sampling_params=sampling(max_tokens),
         stream=True), timeout=timeout)
 
 
 def assert_good(stub) -> None:
-    out = gen(stub, sampling_params=sp(2))
+    out = gen(stub, sampling_params=sampling(2))
     assert out[-1].finished and out[-1].finish_reason == LENGTH and len(tokens(out)) == 2
 
 
@@ -61,7 +61,7 @@ def assert_good(stub) -> None:
 def test_stream_and_unary(cluster, reference, channel):
     c = cluster(1, worker_channel=channel)
     want = reference.generate([5, 6, 7], max_tokens=4)
-    out = gen(c.stub, sampling_params=sp(4), return_prompt_token_ids=True, request_id="r-1")
+    out = gen(c.stub, sampling_params=sampling(4), return_prompt_token_ids=True, request_id="r-1")
     assert [list(r.token_ids) for r in out] == [[t] for t in want.token_ids]  # one delta per token
     assert "".join(r.text for r in out) == want.text
     assert list(out[0].prompt_token_ids) == [5, 6, 7]
@@ -70,17 +70,17 @@ def test_stream_and_unary(cluster, reference, channel):
     assert last.usage.completion_tokens == 4 and last.usage.prompt_tokens == 3
     assert last.route.decode_worker_id == c.workers[0].worker_id and not last.route.disaggregated
     assert last.first_token_time > 0
-    (one,) = gen(c.stub, sampling_params=sp(3), stream=False)
+    (one,) = gen(c.stub, sampling_params=sampling(3), stream=False)
     assert list(one.token_ids) == list(want.token_ids[:3]) and one.finished
     # A text prompt is tokenized by the router; the worker generates from those ids.
     tok = c.router.preprocessor.tokenizer
-    out = gen(c.stub, prompt_token_ids=None, prompt="Hello world", sampling_params=sp(3), return_prompt_token_ids=True)
+    out = gen(c.stub, prompt_token_ids=None, prompt="Hello world", sampling_params=sampling(3), return_prompt_token_ids=True)
     assert list(out[0].prompt_token_ids) == tok.encode("Hello world")
     assert tokens(out) == reference.tokens("Hello world", 3)
     # Chat messages are rendered with the model's template.
     messages = [{"role": "user", "content": "Hi"}]
     chat = router_pb2.ChatMessages(messages=[router_pb2.ChatMessage(**m) for m in messages], add_generation_prompt=True)
-    out = gen(c.stub, prompt_token_ids=None, chat=chat, sampling_params=sp(3), return_prompt_token_ids=True)
+    out = gen(c.stub, prompt_token_ids=None, chat=chat, sampling_params=sampling(3), return_prompt_token_ids=True)
     assert list(out[0].prompt_token_ids) == tok.apply_chat_template(messages, True, True)
     assert tokens(out) == list(reference.chat(messages, max_tokens=3).token_ids)
 
@@ -104,7 +104,7 @@ def test_concurrent_streams_are_independent(cluster, reference):
     results: dict[int, list[int]] = {}
 
     def run(i: int) -> None:
-        out = gen(c.stub, prompt_token_ids=router_pb2.TokenIds(ids=prompts[i]), sampling_params=sp(8))
+        out = gen(c.stub, prompt_token_ids=router_pb2.TokenIds(ids=prompts[i]), sampling_params=sampling(8))
         results[i] = tokens(out)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
@@ -122,9 +122,9 @@ def test_worker_errors_on_the_request_reach_the_client(cluster):
     c = cluster(2)
     channels = [grpc.insecure_channel(w.address) for w in c.workers]
     try:
-        held = [worker_pb2_grpc.WorkerStub(ch).Generate(worker_pb2.WorkerGenerateRequest(
-            request_id="dup-1", prompt_token_ids=[1], sampling_params=sp(LONG), stream=True), timeout=60)
-            for ch in channels]
+        held = [worker_pb2_grpc.WorkerStub(channel).Generate(worker_pb2.WorkerGenerateRequest(
+            request_id="dup-1", prompt_token_ids=[1], sampling_params=sampling(LONG), stream=True), timeout=60)
+            for channel in channels]
         for h in held:
             next(h)
         with pytest.raises(grpc.RpcError) as e:
@@ -136,14 +136,14 @@ def test_worker_errors_on_the_request_reach_the_client(cluster):
         # The HTTP frontend maps it too.
         req = urllib.request.Request(c.http_url + "/v1/completions", data=b'{"prompt": [1], "max_tokens": 2}',
                                      headers={"Content-Type": "application/json", "X-Request-Id": "dup-1"})
-        with pytest.raises(urllib.error.HTTPError) as he:
+        with pytest.raises(urllib.error.HTTPError) as http_error:
             urllib.request.urlopen(req, timeout=10)
-        assert he.value.code == 409 and b"already running here" in he.value.read()
+        assert http_error.value.code == 409 and b"already running here" in http_error.value.read()
         for h in held:
             h.cancel()
     finally:
-        for ch in channels:
-            ch.close()
+        for channel in channels:
+            channel.close()
     assert c.wait_idle(0, ABORT_WINDOW_S) and c.wait_idle(1, ABORT_WINDOW_S)
     assert_good(c.stub)
 
@@ -155,7 +155,7 @@ def test_retry_before_first_token_only(cluster, reference, channel):
     first, second = c.workers  # round robin: a fresh router picks workers[0] first
     assert c.wait_settled()
     first.kill()
-    out = gen(c.stub, sampling_params=sp(4))  # the first pick fails before any token: retried
+    out = gen(c.stub, sampling_params=sampling(4))  # the first pick fails before any token: retried
     assert tokens(out) == reference.tokens([5, 6, 7], 4)
     assert out[-1].route.num_retries == 1 and out[-1].route.decode_worker_id == second.worker_id
     assert c.metric(*RETRIES) == 1
@@ -182,16 +182,16 @@ BAD_INPUTS = [
     ({"prompt_token_ids": None}, grpc.StatusCode.INVALID_ARGUMENT, "input"),
     ({"prompt_token_ids": router_pb2.TokenIds(ids=[])}, grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids"),
     ({"prompt_token_ids": router_pb2.TokenIds(ids=[10**6])}, grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids"),
-    ({"sampling_params": SP(temperature=-1)}, grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
-    ({"sampling_params": SP(top_p=0)}, grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
-    ({"sampling_params": SP(n=2)}, grpc.StatusCode.INVALID_ARGUMENT, "n"),
-    ({"sampling_params": SP(max_tokens=0)}, grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
-    ({"sampling_params": SP(max_tokens=4, min_tokens=5)}, grpc.StatusCode.INVALID_ARGUMENT, "min_tokens"),
-    ({"sampling_params": SP(max_tokens=10**6)}, grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
+    ({"sampling_params": SamplingParams(temperature=-1)}, grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+    ({"sampling_params": SamplingParams(top_p=0)}, grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+    ({"sampling_params": SamplingParams(n=2)}, grpc.StatusCode.INVALID_ARGUMENT, "n"),
+    ({"sampling_params": SamplingParams(max_tokens=0)}, grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
+    ({"sampling_params": SamplingParams(max_tokens=4, min_tokens=5)}, grpc.StatusCode.INVALID_ARGUMENT, "min_tokens"),
+    ({"sampling_params": SamplingParams(max_tokens=10**6)}, grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
     # The workers' max_model_len (256), learnt from them, not config.json's 2048.
-    ({"sampling_params": SP(max_tokens=254)}, grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
-    ({"sampling_params": SP(logprobs=100)}, grpc.StatusCode.INVALID_ARGUMENT, "logprobs"),
-    ({"sampling_params": SP(stop=[""])}, grpc.StatusCode.INVALID_ARGUMENT, "stop"),
+    ({"sampling_params": SamplingParams(max_tokens=254)}, grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
+    ({"sampling_params": SamplingParams(logprobs=100)}, grpc.StatusCode.INVALID_ARGUMENT, "logprobs"),
+    ({"sampling_params": SamplingParams(stop=[""])}, grpc.StatusCode.INVALID_ARGUMENT, "stop"),
     ({"request_id": "x" * 300}, grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
     ({"model": "no-such-model"}, grpc.StatusCode.NOT_FOUND, "model"),
     ({"prompt_token_ids": None,
@@ -201,11 +201,11 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.parametrize("kw,code,field", BAD_INPUTS, ids=[b[2] + str(i) for i, b in enumerate(BAD_INPUTS)])
-def test_bad_input_matrix(cluster, kw, code, field):
+@pytest.mark.parametrize("kwargs,code,field", BAD_INPUTS, ids=[b[2] + str(i) for i, b in enumerate(BAD_INPUTS)])
+def test_bad_input_matrix(cluster, kwargs, code, field):
     c = cluster(1)
     with pytest.raises(grpc.RpcError) as e:
-        gen(c.stub, **kw)
+        gen(c.stub, **kwargs)
     assert e.value.code() == code
     assert field in e.value.details()
     assert c.metric(*AGGREGATED) == 0, "a refused request must not reach a worker"
@@ -305,21 +305,21 @@ def test_tls_frontends(cluster, tmp_path):
 
     if shutil.which("openssl") is None:
         pytest.skip("openssl not installed")
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    ec_key_args = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
 
     def openssl(*args: str) -> None:
         subprocess.run(["openssl", *args], cwd=tmp_path, check=True, capture_output=True)
 
-    openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=ca")
+    openssl("req", "-x509", *ec_key_args, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=ca")
     (tmp_path / "san.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
-    openssl("req", *ec, "-keyout", "s.key", "-out", "s.csr", "-subj", "/CN=router")
+    openssl("req", *ec_key_args, "-keyout", "s.key", "-out", "s.csr", "-subj", "/CN=router")
     openssl("x509", "-req", "-in", "s.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out", "s.pem",
             "-days", "2", "-extfile", "san.ext")
     c = cluster(1, tls=TLSConfig(cert=str(tmp_path / "s.pem"), key=str(tmp_path / "s.key")))
     assert c.http_url.startswith("https://")
     creds = channel_credentials(TLSConfig(ca=str(tmp_path / "ca.pem")))
-    with grpc.secure_channel(c.router.grpc_address, creds) as ch:
-        assert_good(router_pb2_grpc.RouterStub(ch))
+    with grpc.secure_channel(c.router.grpc_address, creds) as channel:
+        assert_good(router_pb2_grpc.RouterStub(channel))
     with pytest.raises(grpc.RpcError):  # plaintext is refused
         gen(c.stub, timeout=3)
     ctx = ssl.create_default_context(cafile=str(tmp_path / "ca.pem"))
@@ -338,7 +338,7 @@ def test_health_ejection_and_readmission(cluster):
     a.kill()  # crashed: failed checks eject it
     assert wait_until(lambda: c.healthy_ids() == {b.worker_id})
     for _ in range(4):
-        assert gen(c.stub, sampling_params=sp(1))[-1].route.decode_worker_id == b.worker_id
+        assert gen(c.stub, sampling_params=sampling(1))[-1].route.decode_worker_id == b.worker_id
     entries = {w.worker_id: w for w in c.stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=5).workers}
     assert not entries[a.worker_id].healthy and entries[b.worker_id].healthy
     assert entries[b.worker_id].stats.worker_id == b.worker_id
@@ -348,12 +348,12 @@ def test_health_ejection_and_readmission(cluster):
         gen(c.stub)
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     assert wait_until(lambda: router_health() == health_pb2.HealthCheckResponse.NOT_SERVING)
-    with pytest.raises(urllib.error.HTTPError) as he:
+    with pytest.raises(urllib.error.HTTPError) as http_error:
         urllib.request.urlopen(c.http_url + "/health", timeout=5)
-    assert he.value.code == 503
+    assert http_error.value.code == 503
     a.restart()  # a new process on the same port
     assert wait_until(lambda: c.healthy_ids() == {a.worker_id}, 20)
-    assert gen(c.stub, sampling_params=sp(1))[-1].route.decode_worker_id == a.worker_id
+    assert gen(c.stub, sampling_params=sampling(1))[-1].route.decode_worker_id == a.worker_id
     assert router_health() == health_pb2.HealthCheckResponse.SERVING
     b.resume()
     assert wait_until(lambda: c.healthy_ids() == {a.worker_id, b.worker_id})

@@ -10,12 +10,12 @@ from real_router_cluster import wait_until, worker_stats
 
 from pdcluster._proto import common_pb2, router_pb2
 
-SP = common_pb2.SamplingParams
+SamplingParams = common_pb2.SamplingParams
 
 
 def request(ids, max_tokens=2) -> router_pb2.GenerateRequest:
     return router_pb2.GenerateRequest(prompt_token_ids=router_pb2.TokenIds(ids=ids), stream=True,
-                                      sampling_params=SP(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+                                      sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
 
 
 def gen(stub, ids, max_tokens=2) -> router_pb2.GenerateResponse:

@@ -32,10 +32,10 @@ def test_circuit_breaker_states():
     b.record_health(True)
     assert b.state == CLOSED
     assert b.record_failure(fatal=True) and b.state == OPEN  # a failed RPC ejects at once
-    b2 = CircuitBreaker(2, start_open=False)
-    b2.record_health(False)
-    b2.record_health(False)
-    assert b2.state == OPEN
+    breaker = CircuitBreaker(2, start_open=False)
+    breaker.record_health(False)
+    breaker.record_health(False)
+    assert breaker.state == OPEN
 
 
 def test_config_validation():
@@ -53,13 +53,13 @@ def test_config_validation():
 
 def test_sampling_params_validation_names_the_field():
     assert sampling_params_from_proto(common_pb2.SamplingParams()).max_tokens == 16
-    sp = sampling_params_from_proto(common_pb2.SamplingParams(top_k=-1, stop=["x"], seed=3, temperature=0))
-    assert (sp.top_k, sp.stop, sp.seed, sp.temperature) == (0, ("x",), 3, 0.0)
-    for pb, field in [(common_pb2.SamplingParams(top_p=2), "top_p"),
+    params = sampling_params_from_proto(common_pb2.SamplingParams(top_k=-1, stop=["x"], seed=3, temperature=0))
+    assert (params.top_k, params.stop, params.seed, params.temperature) == (0, ("x",), 3, 0.0)
+    for message, field in [(common_pb2.SamplingParams(top_p=2), "top_p"),
                       (common_pb2.SamplingParams(repetition_penalty=0), "repetition_penalty"),
                       (common_pb2.SamplingParams(presence_penalty=5), "presence_penalty")]:
         with pytest.raises(RouterError) as e:
-            sampling_params_from_proto(pb)
+            sampling_params_from_proto(message)
         assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and e.value.field == field
 
 
