@@ -62,11 +62,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         except RouterError as e:
             await context.abort(e.code, e.message)
         first = True
-        rid = prep.request_id
+        request_id = prep.request_id
         try:
             async with aclosing(self.orch.stream(state)) as deltas:
                 async for delta in deltas:
-                    out = response_from_worker(delta, rid)
+                    out = response_from_worker(delta, request_id)
                     if first and prep.return_prompt_token_ids:
                         out.prompt_token_ids.extend(prep.prompt_token_ids)
                     first = False
