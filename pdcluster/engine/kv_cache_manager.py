@@ -55,6 +55,20 @@ class KVCacheStats:
     def prefix_hit_rate(self) -> float:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
 
+    def as_stats(self) -> dict[str, int | float]:
+        """The scheduler's get_stats() keys for these numbers."""
+        return {
+            "kv_cache_usage": self.usage,
+            "kv_blocks_total": self.num_blocks,
+            "kv_blocks_used": self.num_used_blocks,
+            "kv_blocks_free": self.num_free_blocks,
+            "kv_blocks_cached": self.num_cached_blocks,
+            "prefix_cache_queries": self.prefix_queries,
+            "prefix_cache_hits": self.prefix_hits,
+            "prefix_cache_hit_rate": self.prefix_hit_rate,
+            "external_prefix_hits": self.external_hits,
+        }
+
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, max_model_len: int,

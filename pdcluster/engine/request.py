@@ -1,4 +1,28 @@
-"""Request: the engine-side state of one generation request (owned by the scheduler)."""
+"""Request: the engine-side state of one generation request (owned by the scheduler).
+
+Request states (RequestStatus) and the Scheduler calls that move them:
+
+                      schedule(): the connector matches tokens asynchronously
+                 +--------------------------------------------------------+
+                 |                                                        v
+  add_request -> WAITING <--- update(): finished_recving ---- WAITING_FOR_REMOTE_KV
+                 |  ^          (num_computed = loaded tokens)   (blocks allocated; never scheduled)
+      schedule():|  | PREEMPTED: back at the FRONT of the waiting queue; re-admitted with
+      admitted   |  | prefix hits, it resumes as a NewRequestData carrying its output tokens
+                 v  |
+              RUNNING   schedule(): out of blocks -> the newest running request is PREEMPTED
+                 |      (its blocks freed, num_computed_tokens = 0: recompute); update() does the
+                 |      same to one whose loaded blocks failed under policy "recompute"
+                 v
+              FINISHED_STOPPED   eos (unless ignore_eos) or stop_token_ids, once min_tokens reached
+              FINISHED_LENGTH    max_tokens or max_model_len
+              FINISHED_ABORTED   finish_requests(), from any unfinished state
+              FINISHED_ERROR     can never fit the cache, or KV transfer failed under policy "fail"
+
+Blocks are freed when a request finishes, except: the connector's request_finished said
+delay_free (freed when finished_sending reports it), or a load was still in flight (freed when
+finished_recving reports it).
+"""
 
 from __future__ import annotations
 

@@ -58,7 +58,7 @@ def run_all(s: Scheduler, max_steps: int = 500, **kw) -> dict[str, list[EngineCo
 
 def assert_no_leaks(s: Scheduler) -> None:
     assert s.kv.req_to_blocks == {} and s.get_stats()["kv_blocks_used"] == 0
-    assert not s.requests and not s.held and not s.running and not s.waiting
+    assert not s.requests and not s.remote.held and not s.running and not s.waiting
 
 
 # == budget, FCFS, limits ==========================================================================
@@ -460,16 +460,16 @@ def _check_invariants(s: Scheduler) -> None:
         assert b.ref_cnt == held_by.get(b.block_id, 0), b
         assert (b.ref_cnt == 0) == (b.block_id in pool._free), b
         assert b.block_hash is None or pool._cached[b.block_hash] is b
-    assert set(s.kv.req_to_blocks) <= set(s.requests) | set(s.held)
+    assert set(s.kv.req_to_blocks) <= set(s.requests) | set(s.remote.held)
     assert len(s.running) <= s.config.max_num_seqs
     for r in s.running:
         assert r.status == RequestStatus.RUNNING and r.num_computed_tokens <= r.num_tokens
 
 
 def _random_reports(s: Scheduler, rng) -> dict:
-    if not (s.remote_kv or s.held):
+    if not (s.remote.loading or s.remote.held):
         return {}
-    pending = list(s.remote_kv) + list(s.held)
+    pending = list(s.remote.loading) + list(s.remote.held)
     reports = dict(finished_recving={r for r in pending if rng.random() < 0.3},
                    finished_sending={r for r in pending if rng.random() < 0.3})
     if rng.random() < 0.1:
