@@ -17,7 +17,7 @@ from .layout import LAYOUTS, ShardSlice, StoreLayout, default_store_tp_size
 
 _LAZY = {
     "StoreConnector": "connector", "StoreOptions": "options", "StoreConnectorMetadata": "meta",
-    "StoreBackend": "backend", "StoreBackendError": "backend", "PutResult": "backend", "make_backend": "backend",
+    "StoreBackend": "backend", "StoreBackendError": "backend", "PutResult": "backend", "make_backend": "backend_factory",
     "KVStoreBackend": "kvstore_backend", "MooncakeBackend": "mooncake_backend",
     "mooncake_available": "mooncake_backend",
 }

@@ -1,7 +1,7 @@
-"""The store connector's port to an object store: a small ABC and the factory of its backends.
+"""The store connector's port to an object store: a small ABC every backend implements.
 
-    kvstore    the built-in store (pdcluster.kvstore; `pdcluster kvstore master|node`), the default
-    mooncake   Mooncake Store (`MooncakeDistributedStore`, optional extra `pdcluster[mooncake]`)
+The backends (kvstore_backend.py, mooncake_backend.py) import this port; backend_factory.py
+finds them by name and builds them, so the port knows no backend.
 
 Both hold the same objects under the same keys (StoreLayout), so a deployment that outgrows the
 built-in store moves to Mooncake by changing `backend` and its address, nothing else.
@@ -19,8 +19,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
-BACKENDS = ("kvstore", "mooncake")
-
 
 class StoreBackendError(Exception):
     """The store could not be reached or answered garbage; the whole call failed."""
@@ -34,6 +32,12 @@ class PutResult(enum.IntEnum):
 
 class StoreBackend(ABC):
     name = "abstract"
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> StoreBackend:
+        """Build the backend from the connector's backend options (see options.py); every
+        backend that backend_factory.py builds by name implements this."""
+        raise NotImplementedError(f"{cls.__name__} cannot be built from options")
 
     @abstractmethod
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
@@ -63,17 +67,4 @@ class StoreBackend(ABC):
         """Undo register_buffer before the memory goes away."""
 
 
-def make_backend(name: str, options: dict[str, Any]) -> StoreBackend:
-    """Build backend `name` from the connector's backend options (see options.py)."""
-    if name == "kvstore":
-        from .kvstore_backend import KVStoreBackend
-
-        return KVStoreBackend.from_options(options)
-    if name == "mooncake":
-        from .mooncake_backend import MooncakeBackend  # imports mooncake only here
-
-        return MooncakeBackend.from_options(options)
-    raise ValueError(f"store backend must be one of {BACKENDS}, got {name!r}")
-
-
-__all__ = ["BACKENDS", "PutResult", "StoreBackend", "StoreBackendError", "make_backend"]
+__all__ = ["PutResult", "StoreBackend", "StoreBackendError"]

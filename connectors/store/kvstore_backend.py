@@ -35,11 +35,12 @@ class KVStoreBackend(StoreBackend):
         self._closed = False
 
     @classmethod
-    def from_options(cls, o: dict[str, Any]) -> KVStoreBackend:
-        return cls(str(o.get("master", "127.0.0.1:50070")), replica_num=int(o.get("replica_num", 1)),
-                   num_streams=int(o.get("num_streams", 4)), use_shm=bool(o.get("use_shm", True)),
-                   rpc_timeout_s=float(o.get("rpc_timeout_s", 10.0)), tls_ca=o.get("tls_ca"),
-                   tls_cert=o.get("tls_cert"), tls_key=o.get("tls_key"))
+    def from_options(cls, options: dict[str, Any]) -> KVStoreBackend:
+        get = options.get
+        return cls(str(get("master", "127.0.0.1:50070")), replica_num=int(get("replica_num", 1)),
+                   num_streams=int(get("num_streams", 4)), use_shm=bool(get("use_shm", True)),
+                   rpc_timeout_s=float(get("rpc_timeout_s", 10.0)), tls_ca=get("tls_ca"),
+                   tls_cert=get("tls_cert"), tls_key=get("tls_key"))
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         out: list[bool] = []

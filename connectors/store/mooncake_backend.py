@@ -54,10 +54,10 @@ class MooncakeBackend(StoreBackend):
         from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
         self._store = MooncakeDistributedStore()
-        rc = self._store.setup(local_hostname, metadata_server, int(segment_bytes), int(buffer_bytes), protocol,
-                               rdma_devices, master)
-        if rc != 0:
-            raise StoreBackendError(f"mooncake setup against master {master} failed (code {rc})")
+        code = self._store.setup(local_hostname, metadata_server, int(segment_bytes), int(buffer_bytes), protocol,
+                                 rdma_devices, master)
+        if code != 0:
+            raise StoreBackendError(f"mooncake setup against master {master} failed (code {code})")
         self._config = ReplicateConfig()
         self._config.replica_num = int(replica_num)
         self._registered: dict[int, int] = {}
@@ -65,24 +65,25 @@ class MooncakeBackend(StoreBackend):
         self._closed = False
 
     @classmethod
-    def from_options(cls, o: dict[str, Any]) -> MooncakeBackend:
-        return cls(str(o.get("mooncake_master", "127.0.0.1:50051")),
-                   metadata_server=str(o.get("mooncake_metadata_server", "P2PHANDSHAKE")),
-                   protocol=str(o.get("mooncake_protocol", "tcp")),
-                   rdma_devices=str(o.get("mooncake_rdma_devices", "")),
-                   local_hostname=str(o.get("mooncake_local_hostname", "127.0.0.1")),
-                   segment_bytes=int(o.get("mooncake_segment_bytes", 0)),
-                   buffer_bytes=int(o.get("mooncake_buffer_bytes", 16 << 20)),
-                   replica_num=int(o.get("replica_num", 1)))
+    def from_options(cls, options: dict[str, Any]) -> MooncakeBackend:
+        get = options.get
+        return cls(str(get("mooncake_master", "127.0.0.1:50051")),
+                   metadata_server=str(get("mooncake_metadata_server", "P2PHANDSHAKE")),
+                   protocol=str(get("mooncake_protocol", "tcp")),
+                   rdma_devices=str(get("mooncake_rdma_devices", "")),
+                   local_hostname=str(get("mooncake_local_hostname", "127.0.0.1")),
+                   segment_bytes=int(get("mooncake_segment_bytes", 0)),
+                   buffer_bytes=int(get("mooncake_buffer_bytes", 16 << 20)),
+                   replica_num=int(get("replica_num", 1)))
 
     def register_buffer(self, buffer: Any) -> None:
         addr, n = _addr_len(buffer)
         with self._lock:
             if addr in self._registered:
                 return
-            rc = self._store.register_buffer(addr, n)
-            if rc != 0:
-                raise StoreBackendError(f"mooncake register_buffer({n} bytes) failed (code {rc})")
+            code = self._store.register_buffer(addr, n)
+            if code != 0:
+                raise StoreBackendError(f"mooncake register_buffer({n} bytes) failed (code {code})")
             self._registered[addr] = n
 
     def unregister_buffer(self, buffer: Any) -> None:
@@ -104,8 +105,8 @@ class MooncakeBackend(StoreBackend):
             return []
         addrs, sizes = zip(*(_addr_len(b) for b in buffers))
         # Mooncake answers 0 for a key that already exists (objects are immutable there too).
-        rcs = self._store.batch_put_from(list(keys), list(addrs), list(sizes), self._config)
-        return [PutResult.STORED if rc == 0 else PutResult.FAILED for rc in rcs]
+        codes = self._store.batch_put_from(list(keys), list(addrs), list(sizes), self._config)
+        return [PutResult.STORED if code == 0 else PutResult.FAILED for code in codes]
 
     def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[bool]:
         if not keys:

@@ -36,7 +36,7 @@ from typing import Any
 
 from pdcluster.config import EngineConfig
 
-from .backend import BACKENDS
+from .backend_factory import BACKENDS
 from .layout import LAYOUTS, StoreLayout, default_store_tp_size
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}

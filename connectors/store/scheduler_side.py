@@ -31,7 +31,8 @@ from pdcluster.engine.block_pool import KVEvent
 from pdcluster.engine.outputs import SchedulerOutput
 from pdcluster.engine.request import Request
 
-from .backend import StoreBackend, StoreBackendError, make_backend
+from .backend import StoreBackend, StoreBackendError
+from .backend_factory import make_backend
 from .events import StoredBlockTracker
 from .meta import BlockSpec, StoreConnectorMetadata
 from .options import StoreOptions

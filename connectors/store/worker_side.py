@@ -34,7 +34,8 @@ import torch
 
 from pdcluster.engine.kv_connector import KVCacheLayout
 
-from .backend import PutResult, StoreBackend, StoreBackendError, make_backend
+from .backend import PutResult, StoreBackend, StoreBackendError
+from .backend_factory import make_backend
 from .block_io import pack_all, pack_layer, shard_objects, unpack_blocks
 from .meta import BlockSpec, StoreConnectorMetadata
 from .options import StoreOptions

@@ -7,7 +7,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from pdcluster.connectors.store.backend import PutResult, StoreBackend, make_backend
+from pdcluster.connectors.store.backend import PutResult, StoreBackend
+from pdcluster.connectors.store.backend_factory import make_backend
 from pdcluster.connectors.store.layout import StoreLayout
 
 LAYOUT = StoreLayout(model_id="m", num_layers=2, total_num_kv_heads=2, head_dim=8, block_size=4,

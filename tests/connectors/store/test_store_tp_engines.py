@@ -30,7 +30,8 @@ from distributed.tp_procs import alive, wait_dead
 from store_engines import generate, greedy, make_engine, settle
 
 from pdcluster.config import EngineArgs
-from pdcluster.connectors.store.backend import PutResult, make_backend
+from pdcluster.connectors.store.backend import PutResult
+from pdcluster.connectors.store.backend_factory import make_backend
 from pdcluster.connectors.store.options import StoreOptions
 from pdcluster.engine.block_hash import compute_block_hashes
 from pdcluster.engine.llm_engine import LLMEngine

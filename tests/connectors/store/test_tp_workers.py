@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from pdcluster.connectors.store.backend import make_backend
+from pdcluster.connectors.store.backend_factory import make_backend
 from pdcluster.connectors.store.events import StoredBlockTracker
 from pdcluster.connectors.store.layout import StoreLayout
 from pdcluster.connectors.store.meta import BlockSpec, StoreConnectorMetadata
