@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 
@@ -62,13 +63,18 @@ class TransferServer:
     def __init__(self, key: bytes, host: str = "127.0.0.1", port: int = 0, *,
                  max_ranges: int = DEFAULT_MAX_RANGES, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                  max_connections: int = 256, io_timeout_s: float = 30.0, idle_timeout_s: float = 300.0,
-                 clock_skew_ms: int = 0, on_refusal: Callable[[str], None] | None = None) -> None:
+                 header_timeout_s: float = 5.0, clock_skew_ms: int = 0,
+                 on_refusal: Callable[[str], None] | None = None) -> None:
         self._key = key
         self._max_ranges = max_ranges
         self._max_request_bytes = max_request_bytes
         self._max_connections = max_connections
         self._io_timeout = io_timeout_s
         self._idle_timeout = idle_timeout_s
+        # A new connection's first header, and any header once begun, must arrive within this:
+        # otherwise one peer could hold every connection slot for idle_timeout_s by sending
+        # nothing (or a byte at a time) before it ever shows a token.
+        self._header_timeout = header_timeout_s
         self._skew_ms = clock_skew_ms
         self._on_refusal = on_refusal
         self._lock = threading.Lock()
@@ -174,22 +180,28 @@ class TransferServer:
     def _serve_conn(self, sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         head = memoryview(bytearray(REQ_FIXED_LEN))
+        authenticated = False  # idle_timeout_s only between requests of a peer that showed a token
         try:
             while not self._stopping.is_set():
-                sock.settimeout(self._idle_timeout)
+                sock.settimeout(self._idle_timeout if authenticated else self._header_timeout)
                 try:
                     n = sock.recv_into(head, REQ_FIXED_LEN)
+                except TimeoutError:
+                    if not authenticated:
+                        self._refuse("header_timeout")
+                    return
                 except OSError:
                     return
                 if n == 0:
                     return  # clean close between requests
-                sock.settimeout(self._io_timeout)
                 try:
                     if n >= len(REQ_MAGIC) and head[:len(REQ_MAGIC)] != REQ_MAGIC:
                         # Refuse probes and garbage at once instead of waiting for a full header.
                         raise ProtocolError(ST_BAD_REQUEST, "bad_magic")
-                    recv_exact(sock, head[n:])
+                    self._recv_header_rest(sock, head, n)
+                    sock.settimeout(self._io_timeout)
                     self._handle(sock, head)
+                    authenticated = True
                 except ProtocolError as e:
                     self._refuse(e.reason)
                     self._send_status(sock, e.status)
@@ -209,6 +221,20 @@ class TransferServer:
             with self._lock:
                 self._conns.discard(sock)
             sock.close()
+
+    def _recv_header_rest(self, sock: socket.socket, head: memoryview, got: int) -> None:
+        """The rest of a begun header, all of it within header_timeout_s (or io_timeout_s if
+        shorter): a deadline, not a per-recv timeout, so a byte every few seconds keeps no slot."""
+        deadline = time.monotonic() + min(self._header_timeout, self._io_timeout)
+        while got < REQ_FIXED_LEN:
+            left = deadline - time.monotonic()
+            if left <= 0:  # counted as a truncated header, as a timeout inside recv is
+                raise TimeoutError("request header not complete in time")
+            sock.settimeout(left)
+            n = sock.recv_into(head[got:], REQ_FIXED_LEN - got)
+            if n == 0:
+                raise ConnectionError("peer closed the connection")
+            got += n
 
     @staticmethod
     def _send_status(sock: socket.socket, status: int) -> None:
