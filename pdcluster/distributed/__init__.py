@@ -9,5 +9,7 @@
     config_codec.py EngineConfig <-> plain dict (rank bootstrap)
     errors.py       TPRankFailedError
 
-Nothing is imported here: the engine imports TPExecutor lazily, only when TP is on.
+Nothing is imported here, and nothing in pdcluster/engine imports this package (it is built on
+the engine): the engine's executor registry names TPExecutor ("tp" in engine/executor.py) and
+loads it only when tensor_parallel_size > 1; a builder may also pass it in as `executor=`.
 """

@@ -7,6 +7,9 @@
 KV connector: the engine never imports connectors/ (DESIGN.md section 2); the service hands it
 either a factory `(role, engine_config) -> KVConnectorBase`, called once per role (scheduler
 side here, worker side inside the runner), or one instance that implements both halves.
+
+Executor: injected too (executor.py). The builder passes a factory, called once with the
+config and the worker-side connector: a ModelRunner, or pdcluster.distributed's TPExecutor.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pdcluster.config import EngineConfig
+from pdcluster.engine.executor import ExecutorFactory
 from pdcluster.engine.kv_connector import KVConnectorBase, KVConnectorRole
 from pdcluster.engine.outputs import EngineCoreOutput
 from pdcluster.engine.request import Request, RequestStatus
@@ -44,19 +48,12 @@ def build_connectors(config: EngineConfig, connector: ConnectorArg) -> tuple[KVC
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, connector: ConnectorArg = None, runner: Any = None) -> None:
+    def __init__(self, config: EngineConfig, executor: ExecutorFactory, connector: ConnectorArg = None) -> None:
         from pdcluster.engine.scheduler import Scheduler
 
         self.config = config
         sched_conn, worker_conn = build_connectors(config, connector)
-        if runner is None and config.parallel.tensor_parallel_size > 1:
-            from pdcluster.distributed.executor import TPExecutor  # rank 0 + child ranks, same API
-
-            runner = TPExecutor(config, connector=worker_conn)
-        if runner is None:
-            from pdcluster.engine.model_runner import ModelRunner
-
-            runner = ModelRunner(config, connector=worker_conn)
+        runner = executor(config, connector=worker_conn)
         self.runner = runner
         self.scheduler = Scheduler(config.scheduler, config.cache, connector=sched_conn)
         self.connector = sched_conn

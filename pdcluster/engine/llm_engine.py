@@ -10,6 +10,7 @@ from typing import Any
 
 from pdcluster.config import EngineArgs, EngineConfig
 from pdcluster.engine.engine_core import ConnectorArg, EngineCore
+from pdcluster.engine.executor import ExecutorFactory, default_executor
 from pdcluster.engine.input_processor import process_prompt, validate_request_id
 from pdcluster.engine.outputs import EngineCoreOutput, RequestOutput
 from pdcluster.engine.request import Request
@@ -19,19 +20,23 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, connector: ConnectorArg = None) -> None:
+    def __init__(self, config: EngineConfig, connector: ConnectorArg = None,
+                 executor: ExecutorFactory | None = None) -> None:
+        """`executor`: what runs the model (engine/executor.py); by default a ModelRunner, or the
+        TP executor when tensor_parallel_size > 1."""
         from pdcluster.engine.output_processor import OutputProcessor
         from pdcluster.engine.tokenizer import Tokenizer
 
         self.config = config
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer_path)
-        self.core = EngineCore(config, connector=connector)
+        self.core = EngineCore(config, executor or default_executor(config), connector=connector)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, connector: ConnectorArg = None) -> LLMEngine:
-        return cls(args.create_engine_config(), connector=connector)
+    def from_engine_args(cls, args: EngineArgs, connector: ConnectorArg = None,
+                         executor: ExecutorFactory | None = None) -> LLMEngine:
+        return cls(args.create_engine_config(), connector=connector, executor=executor)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
