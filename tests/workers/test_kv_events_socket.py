@@ -45,14 +45,17 @@ def test_allowed_key_gets_batches_and_snapshot(worker, stub, key_dir, ctx) -> No
     server_key = worker.ready["kv_events_public_key"]
     sub = make_client_socket(ctx, zmq.SUB, router, server_key, worker.ready["kv_events_endpoint"])
     sub.subscribe(b"")
-    time.sleep(0.3)  # PUB drops what it sends before the subscription arrives (slow joiner)
-    prompt = list(range(100, 148))  # 3 full blocks of 16 tokens: stored in the prefix cache
-    _generate(stub, prompt)
     got: list[bytes] = []
     stored: set[bytes] = set()
-    end = time.monotonic() + 10
-    while not stored and time.monotonic() < end:
-        _drain(sub, got, 100)
+    end = time.monotonic() + 60
+    attempt = 0
+    # PUB drops what it sends before the subscription arrives (slow joiner), however long that
+    # takes: send fresh prompts (3 full blocks of 16 tokens, stored in the prefix cache) until
+    # their events come through.
+    while len(stored) < 3 and time.monotonic() < end:
+        _generate(stub, [1 + attempt, *range(101, 148)])
+        attempt += 1
+        _drain(sub, got, 200)
         for batch in map(decode_batch, got):
             assert batch.publisher_id == "w-test" and batch.epoch == worker.ready["epoch"]
             stored.update(h for ev in batch.events if isinstance(ev, BlockStored) for h in ev.block_hashes)
@@ -100,7 +103,9 @@ def test_refused_clients_get_nothing(worker, stub, key_dir, ctx) -> None:
     received: dict[str, list[bytes]] = {name: [] for name in [*subs, *(f"dealer {n}" for n in dealers), "allowed"]}
     end = time.monotonic() + WINDOW_S
     n = 0
-    while time.monotonic() < end:
+    # At least WINDOW_S, and on until the allowed subscriber has heard something (a slow machine
+    # may take longer to connect): the refused ones had as long to receive.
+    while time.monotonic() < end or (not received["allowed"] and time.monotonic() < end + 60):
         _generate(stub, [200 + n] * 20)  # fresh blocks: stored events to publish
         n += 1
         for name, s in subs.items():
