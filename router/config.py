@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pdcluster.sampling_params import DEFAULT_MAX_STOP_TOKEN_IDS, MAX_STOP_TOKEN_IDS
 from pdcluster.worker.tls import TLSConfig
 
-from .policies import POLICIES
+from .policies import ROUTING_POLICIES
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 20  # gRPC's own default; prompts of ~1M tokens still fit
 WORKER_CHANNELS = ("stream", "call")
@@ -56,8 +56,8 @@ class RouterConfig:
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy: unknown routing policy {self.policy!r}; choose one of {sorted(POLICIES)}")
+        if self.policy not in ROUTING_POLICIES:
+            raise ValueError(f"policy: unknown routing policy {self.policy!r}; choose one of {ROUTING_POLICIES.names()}")
         for name in ("max_inflight", "eject_after_failures", "max_message_bytes", "max_json_depth",
                      "params_cache_bytes"):
             if getattr(self, name) < 1:

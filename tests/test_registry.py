@@ -72,3 +72,11 @@ def test_entry_point_plugins_are_found() -> None:
     reg: Registry[object] = Registry("console script", entry_point_group="console_scripts")
     assert "pdcluster" in reg.names()
     assert callable(reg.get("pdcluster"))
+
+
+def test_unknown_name_can_list_each_source() -> None:
+    reg: Registry[type] = Registry("widget", list_sources=True, allow_dotted=False)
+    reg.register("lazy", f"{__name__}:Impl")
+    reg.register("eager", Impl)
+    with pytest.raises(ValueError, match=rf"available: eager \({__name__}:Impl\), lazy \({__name__}:Impl\)$"):
+        reg.get("zzz")
