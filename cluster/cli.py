@@ -37,6 +37,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--router", default=None, help="HOST:PORT of a pdcluster router (gRPC)")
     p.add_argument("--api-key", default=None, help="the router's --api-key (default $PDCLUSTER_API_KEY)")
+    p.add_argument("--tls-ca", default=None, help="CA of the router's certificate: reach it over TLS")
     p.set_defaults(func=_cmd_generate)
 
 

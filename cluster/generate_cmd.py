@@ -14,12 +14,18 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.router:
         import os
 
-        from pdcluster.client import Client
+        from pdcluster.client import Client, ClientError
+        from pdcluster.worker.tls import TLSConfig
 
-        with Client(args.router, api_key=args.api_key or os.environ.get("PDCLUSTER_API_KEY")) as client:
-            for delta in client.generate_stream(args.prompt, params, chat=args.chat):
-                sys.stdout.write(delta.text)
-                sys.stdout.flush()
+        tls = TLSConfig(ca=args.tls_ca) if args.tls_ca else None
+        try:
+            with Client(args.router, api_key=args.api_key or os.environ.get("PDCLUSTER_API_KEY"), tls=tls) as client:
+                for delta in client.generate_stream(args.prompt, params, chat=args.chat):
+                    sys.stdout.write(delta.text)
+                    sys.stdout.flush()
+        except ClientError as e:
+            print(f"pdcluster generate: error: {e}", file=sys.stderr)
+            return 1
         sys.stdout.write("\n")
         return 0
     from pdcluster.config import EngineArgs
