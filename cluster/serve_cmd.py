@@ -286,7 +286,7 @@ def _connector_env(args: argparse.Namespace, pools: list[tuple[str, int]],
         # Producers sign the side-channel endpoint they put in kv_transfer_params with this secret.
         return {"PDCLUSTER_KV_CONNECTOR_OPTIONS": json.dumps({"params_secret": secrets.token_hex(32)})}, None, {}
     if args.connector == "store":
-        from pdcluster.connectors.store.local_procs import LocalStores
+        from pdcluster.cluster.store_procs import LocalStores
 
         stores = LocalStores(f"{workdir}/kvstore")  # master + one node on 127.0.0.1, logs here
         try:

@@ -108,7 +108,7 @@ def _workload(args: argparse.Namespace, vocab: int) -> list[tuple[int, list[int]
 
 
 def run_prefix_reuse(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
-    from pdcluster.connectors.store.local_procs import LocalStores
+    from pdcluster.cluster.store_procs import LocalStores
 
     if args.prefix_model == "bench":
         model_path = ensure_bench_model()

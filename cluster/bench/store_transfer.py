@@ -186,8 +186,8 @@ def _warm(backends: dict[str, Any], src: np.ndarray, generations: int) -> None:
 def run_throughput(args: argparse.Namespace, workdir: str) -> list[dict[str, Any]]:
     import numpy as np
 
+    from pdcluster.cluster.store_procs import LocalStores
     from pdcluster.connectors.store.backend_factory import make_backend
-    from pdcluster.connectors.store.local_procs import LocalStores
     from pdcluster.connectors.store.mooncake_backend import mooncake_available
 
     total = args.total_mib << 20

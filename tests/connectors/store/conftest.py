@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # store_engines
 
-from pdcluster.connectors.store.local_procs import LocalStores, mooncake_master_binary
+from pdcluster.cluster.store_procs import LocalStores, mooncake_master_binary
 from pdcluster.connectors.store.mooncake_backend import mooncake_available
 
 

@@ -7,7 +7,7 @@
 The Mooncake storage process is this module run as a script: a MooncakeDistributedStore that
 contributes a segment to the pool and does nothing else, like a kvstore storage node:
 
-    python -m pdcluster.connectors.store.local_procs mooncake-node --master HOST:PORT --size BYTES
+    python -m pdcluster.cluster.store_procs mooncake-node --master HOST:PORT --size BYTES
 """
 
 from __future__ import annotations
@@ -108,8 +108,8 @@ class LocalStores:
                 if time.monotonic() > deadline or self.started[-1].poll() is not None:
                     raise RuntimeError(f"mooncake_master did not start; see {self.workdir}") from None
                 time.sleep(0.05)
-        self._spawn("mooncake-node", [sys.executable, "-m", "pdcluster.connectors.store.local_procs", "mooncake-node", "--master", addr,
-                                      "--size", str(segment_bytes)], ready_json=True)
+        self._spawn("mooncake-node", [sys.executable, "-m", "pdcluster.cluster.store_procs", "mooncake-node",
+                                      "--master", addr, "--size", str(segment_bytes)], ready_json=True)
         return addr
 
     def stop(self) -> None:
@@ -135,17 +135,17 @@ class LocalStores:
 def _mooncake_node(argv: list[str]) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="mooncake-node")
-    p.add_argument("--master", required=True)
-    p.add_argument("--size", type=int, required=True)
-    p.add_argument("--host", default="127.0.0.1")
-    args = p.parse_args(argv)
+    parser = argparse.ArgumentParser(prog="mooncake-node")
+    parser.add_argument("--master", required=True)
+    parser.add_argument("--size", type=int, required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    args = parser.parse_args(argv)
     from mooncake.store import MooncakeDistributedStore
 
     store = MooncakeDistributedStore()
-    rc = store.setup(args.host, "P2PHANDSHAKE", args.size, 16 << 20, "tcp", "", args.master)
-    if rc != 0:
-        print(json.dumps({"event": "error", "code": rc}), flush=True)
+    code = store.setup(args.host, "P2PHANDSHAKE", args.size, 16 << 20, "tcp", "", args.master)
+    if code != 0:
+        print(json.dumps({"event": "error", "code": code}), flush=True)
         return 1
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -160,4 +160,4 @@ def _mooncake_node(argv: list[str]) -> int:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["mooncake-node"]:
         sys.exit(_mooncake_node(sys.argv[2:]))
-    sys.exit("usage: python -m pdcluster.connectors.store.local_procs mooncake-node --master HOST:PORT --size BYTES")
+    sys.exit("usage: python -m pdcluster.cluster.store_procs mooncake-node --master HOST:PORT --size BYTES")
