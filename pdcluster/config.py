@@ -12,52 +12,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+from pdcluster.dtypes import ITEMSIZE, SUPPORTED_DTYPES
+from pdcluster.models.hf_config import ModelConfig, load_model_config
+
 BACKENDS = ("auto", "torch", "triton")
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB
 KV_ROLES = ("producer", "consumer", "both")
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Architecture facts read from a HF `config.json` (see pdcluster/models/hf_config.py)."""
-
-    model_path: str
-    architecture: str  # e.g. "LlamaForCausalLM"
-    model_type: str  # e.g. "llama"
-    dtype: str  # resolved: one of SUPPORTED_DTYPES
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    max_model_len: int
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
-    qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
-    rope_scaling: tuple[tuple[str, Any], ...] | None = None  # frozen items of the HF dict
-    partial_rotary_factor: float = 1.0
-    rope_is_neox_style: bool = True
-    hidden_act: str = "silu"
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-    sliding_window: int | None = None
-    # What the checkpoint (or the user's `dtype`) asked for, when the engine computes in another
-    # dtype (see EngineArgs.compute_dtype); None when `dtype` is what was asked.
-    requested_dtype: str | None = None
-
-    @property
-    def rope_scaling_dict(self) -> dict[str, Any] | None:
-        return dict(self.rope_scaling) if self.rope_scaling is not None else None
-
-    @property
-    def rotary_dim(self) -> int:
-        return int(self.head_dim * self.partial_rotary_factor)
 
 
 @dataclass(frozen=True)
@@ -146,7 +106,6 @@ class EngineArgs:
         return cls(**kwargs)
 
     def create_engine_config(self) -> EngineConfig:
-        from pdcluster.models.hf_config import load_model_config  # lazy: pulls json/safetensors only
         from pdcluster.models.registry import resolve_model_path
 
         model_path = resolve_model_path(self.model)
@@ -230,7 +189,9 @@ def _check_tp_shapes(model: ModelConfig, tp: int) -> None:
 def kv_bytes_per_block(model: ModelConfig, block_size: int, kv_dtype: str, tp: int = 1) -> int:
     """Bytes of one KV block on one TP rank (K and V, every layer). KV heads are split across
     ranks, or replicated when there are fewer KV heads than ranks."""
-    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[kv_dtype]
+    if kv_dtype not in SUPPORTED_DTYPES:  # an engine KV cache is never fp8 (KV_LAYOUT_DTYPES)
+        raise KeyError(kv_dtype)
+    itemsize = ITEMSIZE[kv_dtype]
     local_kv_heads = max(1, model.num_key_value_heads // tp)
     return 2 * model.num_hidden_layers * block_size * local_kv_heads * model.head_dim * itemsize
 
@@ -308,6 +269,5 @@ def engine_args_from_dict(d: dict[str, Any]) -> EngineArgs:
 
 
 __all__ = [
-    "CacheConfig", "EngineArgs", "EngineConfig", "ModelConfig", "ParallelConfig", "SchedulerConfig",
-    "kv_bytes_per_block",
+    "CacheConfig", "EngineArgs", "EngineConfig", "ParallelConfig", "SchedulerConfig", "kv_bytes_per_block",
 ]

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from pdcluster.dtypes import torch_dtype
 from pdcluster.engine.kv_connector import KVCacheLayout
 from pdcluster.transfer import SharedRegionCache, TransferError, local_host_id
 
@@ -220,14 +221,14 @@ class Loader:
 
     def _cache_tensor(self) -> torch.Tensor:
         lay = self.layout
-        t = torch.frombuffer(self.cache, dtype=_torch_dtype(lay.dtype))
+        t = torch.frombuffer(self.cache, dtype=torch_dtype(lay.dtype))
         return t.view(lay.num_layers, *lay.layer_shape)
 
     def _copy_heads(self, job: LoadJob, hs: Handshake, src_ids: list[int], tokens: list[bytes], src_heads: int,
                     pieces: list[Any]) -> None:
         """Heterogeneous TP: copy head slices of the producer rank's blocks into ours."""
         lay, body = self.layout, hs.body
-        dtype = _torch_dtype(lay.dtype)
+        dtype = torch_dtype(lay.dtype)
         src_geo = CacheGeometry(self.geo.num_layers, body["num_blocks"], body["block_nbytes"])
         dst = self._cache_tensor()
         dst_idx = torch.tensor(job.local_block_ids, dtype=torch.long)
@@ -343,8 +344,3 @@ class Loader:
     def _add(self, name: str, n: int) -> None:
         with self._lock:
             self.counters[name] += n
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-            "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}[name]

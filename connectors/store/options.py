@@ -35,11 +35,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdcluster.config import EngineConfig
+from pdcluster.dtypes import ITEMSIZE
 
 from .backend_factory import BACKENDS
 from .layout import LAYOUTS, StoreLayout, default_store_tp_size
 
-ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 BACKEND_KEYS = {"master", "replica_num", "num_streams", "use_shm", "rpc_timeout_s", "tls_ca", "tls_cert", "tls_key",
                 "mooncake_master", "mooncake_metadata_server", "mooncake_protocol", "mooncake_rdma_devices",
                 "mooncake_local_hostname", "mooncake_segment_bytes", "mooncake_buffer_bytes"}

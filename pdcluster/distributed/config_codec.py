@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from pdcluster.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pdcluster.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from pdcluster.models.hf_config import ModelConfig
 
 
 def engine_config_to_dict(config: EngineConfig) -> dict[str, Any]:

@@ -37,12 +37,12 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pdcluster.dtypes import ITEMSIZE
+
 if TYPE_CHECKING:
     from pdcluster.engine.block_pool import KVEvent
     from pdcluster.engine.outputs import SchedulerOutput
     from pdcluster.engine.request import Request
-
-_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 
 class KVConnectorRole(enum.Enum):
@@ -99,8 +99,8 @@ class KVCacheLayout:
                 raise ValueError(f"KVCacheLayout.{name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank {self.tp_rank} outside [0, tp_size={self.tp_size})")
-        if self.dtype not in _ITEMSIZE:
-            raise ValueError(f"KVCacheLayout.dtype must be one of {sorted(_ITEMSIZE)}, got {self.dtype!r}")
+        if self.dtype not in ITEMSIZE:
+            raise ValueError(f"KVCacheLayout.dtype must be one of {sorted(ITEMSIZE)}, got {self.dtype!r}")
         if self.layout != "NHD":
             raise ValueError(f"KVCacheLayout.layout must be 'NHD', got {self.layout!r}")
         if self.total_num_kv_heads is None:
@@ -116,7 +116,7 @@ class KVCacheLayout:
 
     @property
     def itemsize(self) -> int:
-        return _ITEMSIZE[self.dtype]
+        return ITEMSIZE[self.dtype]
 
     @property
     def layer_shape(self) -> tuple[int, int, int, int, int]:

@@ -23,10 +23,10 @@ from typing import Any
 import torch
 
 from pdcluster.config import EngineConfig
+from pdcluster.dtypes import torch_dtype
 from pdcluster.engine.connector_hooks import ConnectorHooks
 from pdcluster.engine.kv_connector import KVCacheLayout, KVConnectorBase
 from pdcluster.engine.outputs import ModelRunnerOutput, SchedulerOutput
-from pdcluster.models.decoder import DTYPES
 from pdcluster.models.layers.attention_backend import AttentionBackend, AttentionMetadata
 from pdcluster.models.loader import load_model
 from pdcluster.sampling_params import SamplingParams
@@ -104,7 +104,7 @@ class ModelRunner:
         tp = self.config.parallel.tensor_parallel_size
         num_kv_heads = max(1, m.num_key_value_heads // tp)  # replicated when fewer heads than ranks
         shape = (m.num_hidden_layers, 2, c.num_blocks, c.block_size, num_kv_heads, m.head_dim)
-        dtype = DTYPES[c.kv_cache_dtype]
+        dtype = torch_dtype(c.kv_cache_dtype)
         if connector is not None and self.device.type == "cpu" and connector.wants_shared_kv_cache():
             from pdcluster.transfer import alloc_region  # lazy: only connectors need the data plane
 

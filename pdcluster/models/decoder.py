@@ -21,8 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from pdcluster.config import ModelConfig
+from pdcluster.dtypes import torch_dtype
 from pdcluster.kernels.ops import Ops, get_ops
+from pdcluster.models.hf_config import ModelConfig
 from pdcluster.models.layers.activation import SiluAndMul
 from pdcluster.models.layers.attention import Attention
 from pdcluster.models.layers.attention_backend import AttentionBackend, AttentionMetadata
@@ -30,8 +31,6 @@ from pdcluster.models.layers.embedding import ParallelLMHead, VocabParallelEmbed
 from pdcluster.models.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from pdcluster.models.layers.norm import RMSNorm
 from pdcluster.models.layers.rotary import RotaryEmbedding
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # (fused parameter name part, checkpoint name part, shard id): q/k/v and gate/up are fused at load.
 STACKED_PARAMS: tuple[tuple[str, str, str | int], ...] = (
@@ -113,7 +112,7 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         ops = get_ops(ops_backend)
-        dtype = DTYPES[config.dtype]
+        dtype = torch_dtype(config.dtype)
         tp = {"tp_rank": tp_rank, "tp_size": tp_size}
         o_bias = config.attention_bias and self.O_PROJ_FOLLOWS_ATTENTION_BIAS
         self.model = DecoderModel(config, attn_backend, ops, dtype, o_bias, tp)

@@ -1,4 +1,4 @@
-"""Read a local HF checkpoint's config.json into a frozen `ModelConfig`.
+"""`ModelConfig` and its loader: a local HF checkpoint's config.json read into a frozen dataclass.
 
 Pure Python (json only, no torch): `EngineArgs.create_engine_config()` calls it in processes that
 must start fast. Both rope spellings are accepted:
@@ -12,9 +12,10 @@ from __future__ import annotations
 import json
 import logging
 import pathlib
+from dataclasses import dataclass
 from typing import Any
 
-from pdcluster.config import SUPPORTED_DTYPES, ModelConfig
+from pdcluster.dtypes import SUPPORTED_DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +28,48 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture facts read from a HF `config.json` (load_model_config below)."""
+
+    model_path: str
+    architecture: str  # e.g. "LlamaForCausalLM"
+    model_type: str  # e.g. "llama"
+    dtype: str  # resolved: one of SUPPORTED_DTYPES
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    max_model_len: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None  # frozen items of the HF dict
+    partial_rotary_factor: float = 1.0
+    rope_is_neox_style: bool = True
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    sliding_window: int | None = None
+    # What the checkpoint (or the user's `dtype`) asked for, when the engine computes in another
+    # dtype (see EngineArgs.compute_dtype); None when `dtype` is what was asked.
+    requested_dtype: str | None = None
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any] | None:
+        return dict(self.rope_scaling) if self.rope_scaling is not None else None
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
 
 def load_model_config(path: str, dtype: str = "auto", max_model_len: int | None = None) -> ModelConfig:

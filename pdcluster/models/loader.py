@@ -19,9 +19,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from pdcluster.config import ModelConfig
 from pdcluster.models.decoder import STACKED_PARAMS
-from pdcluster.models.hf_config import check_weights_exist
+from pdcluster.models.hf_config import ModelConfig, check_weights_exist
 from pdcluster.models.layers.attention_backend import AttentionBackend
 from pdcluster.models.registry import get_model_class
 
