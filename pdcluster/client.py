@@ -23,8 +23,8 @@ from typing import Any
 import grpc
 
 from pdcluster._proto import common_pb2, router_pb2, router_pb2_grpc
+from pdcluster.proto_convert import FINISH_REASON_FROM_PROTO, ROLE_TO_PROTO, sampling_params_to_proto
 from pdcluster.sampling_params import SamplingParams
-from pdcluster.worker.convert import FINISH_REASON_FROM_PROTO, ROLE_TO_PROTO, sampling_params_to_proto
 from pdcluster.worker.options import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from pdcluster.worker.tls import TLSConfig, channel_credentials, channel_tls_options
 

@@ -3,37 +3,20 @@ dataclass, and a worker's response -> the client's response."""
 
 from __future__ import annotations
 
-import dataclasses
-
+from pdcluster import proto_convert
 from pdcluster._proto import common_pb2, router_pb2, worker_pb2
 from pdcluster.sampling_params import SamplingParams
 
 from .errors import RouterError, invalid
 
-_SP_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name != "extra")
-_REPEATED = frozenset({"stop", "stop_token_ids"})
-
 
 def sampling_params_from_proto(pb: common_pb2.SamplingParams) -> SamplingParams:
-    """Validate: unset optional fields take the dataclass defaults; a bad value raises
-    INVALID_ARGUMENT naming the field (SamplingParams' messages start with the field name)."""
-    kwargs = {}
-    for name in _SP_FIELDS:
-        if name in _REPEATED:
-            values = list(getattr(pb, name))
-            if values:
-                kwargs[name] = values
-        elif pb.HasField(name):
-            kwargs[name] = getattr(pb, name)
+    """Validate (pdcluster.proto_convert, shared with the worker): unset optional fields take the
+    dataclass defaults; a bad value raises INVALID_ARGUMENT naming the field."""
     try:
-        return SamplingParams(**kwargs)
-    except ValueError as e:
-        raise invalid(_field_of(str(e)), str(e)) from None
-
-
-def _field_of(message: str) -> str:
-    first = message.split(" ", 1)[0].rstrip(":")
-    return first if first in _SP_FIELDS else "sampling_params"
+        return proto_convert.sampling_params_from_proto(pb)
+    except proto_convert.InvalidField as e:
+        raise invalid(e.field, e.detail) from None
 
 
 def response_from_worker(w: worker_pb2.WorkerGenerateResponse, request_id: str) -> router_pb2.GenerateResponse:

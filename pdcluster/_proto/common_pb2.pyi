@@ -72,7 +72,7 @@ class SamplingParams(_message.Message):
     def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., detokenize: _Optional[bool] = ...) -> None: ...
 
 class KvTransferParams(_message.Message):
-    __slots__ = ("do_remote_decode", "do_remote_prefill", "connector", "transfer_id", "producer_id", "producer_rank", "producer_tp_size", "engine_epoch", "block_ids", "store_keys", "block_hashes", "num_tokens", "block_size", "remote_host", "remote_port", "handshake_endpoint", "producer_public_key", "lease_id", "lease_expiry_time", "transfer_token", "extra")
+    __slots__ = ("do_remote_decode", "do_remote_prefill", "connector", "transfer_id", "producer_id", "producer_rank", "producer_tp_size", "engine_epoch", "block_ids", "store_keys", "block_hashes", "num_tokens", "block_size", "remote_host", "remote_port", "handshake_endpoint", "producer_public_key", "lease_id", "lease_expiry_time", "transfer_token", "request_id", "extra")
     class ExtraEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,7 @@ class KvTransferParams(_message.Message):
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRY_TIME_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     EXTRA_FIELD_NUMBER: _ClassVar[int]
     do_remote_decode: bool
     do_remote_prefill: bool
@@ -121,8 +122,9 @@ class KvTransferParams(_message.Message):
     lease_id: str
     lease_expiry_time: float
     transfer_token: bytes
+    request_id: str
     extra: _containers.ScalarMap[str, str]
-    def __init__(self, do_remote_decode: _Optional[bool] = ..., do_remote_prefill: _Optional[bool] = ..., connector: _Optional[str] = ..., transfer_id: _Optional[str] = ..., producer_id: _Optional[str] = ..., producer_rank: _Optional[int] = ..., producer_tp_size: _Optional[int] = ..., engine_epoch: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., store_keys: _Optional[_Iterable[str]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., remote_host: _Optional[str] = ..., remote_port: _Optional[int] = ..., handshake_endpoint: _Optional[str] = ..., producer_public_key: _Optional[bytes] = ..., lease_id: _Optional[str] = ..., lease_expiry_time: _Optional[float] = ..., transfer_token: _Optional[bytes] = ..., extra: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    def __init__(self, do_remote_decode: _Optional[bool] = ..., do_remote_prefill: _Optional[bool] = ..., connector: _Optional[str] = ..., transfer_id: _Optional[str] = ..., producer_id: _Optional[str] = ..., producer_rank: _Optional[int] = ..., producer_tp_size: _Optional[int] = ..., engine_epoch: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., store_keys: _Optional[_Iterable[str]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., remote_host: _Optional[str] = ..., remote_port: _Optional[int] = ..., handshake_endpoint: _Optional[str] = ..., producer_public_key: _Optional[bytes] = ..., lease_id: _Optional[str] = ..., lease_expiry_time: _Optional[float] = ..., transfer_token: _Optional[bytes] = ..., request_id: _Optional[str] = ..., extra: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")

@@ -12,7 +12,7 @@ One class, two halves; each engine builds one instance per role:
             ... blocks allocated ...
             update_state_after_alloc(req, block_ids, n)
         end of schedule():   build_connector_meta(scheduler_output) -> SchedulerOutput.kv_connector_metadata
-        request finishes:    request_finished(req, block_ids) -> (delay_free, kv_transfer_params)
+        request finishes:    request_finished(req, block_ids) -> (delay_free, KVTransferParams | None)
         any time:            take_events()
 
     WORKER role (every TP rank, inside the model runner; moves bytes asynchronously)
@@ -24,6 +24,9 @@ One class, two halves; each engine builds one instance per role:
                              wait_for_save()                  after the forward pass
                              get_finished(), get_failed_blocks() -> ModelRunnerOutput
         end:                 shutdown()
+
+The hand-off itself is a KVTransferParams (kv_transfer_params.py, re-exported here): a frozen,
+validated value with the fields every connector has plus a bounded `extra` map for the rest.
 
 Completion across TP ranks is counted, not assumed: the runner (or the connector) reports a
 request in finished_sending / finished_recving only once every rank has finished it.
@@ -38,6 +41,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pdcluster.dtypes import ITEMSIZE
+from pdcluster.engine.kv_transfer_params import ExtraValue, KVTransferParams
 
 if TYPE_CHECKING:
     from pdcluster.engine.block_pool import KVEvent
@@ -181,12 +185,13 @@ class KVConnectorBase(ABC):
         """Called once at the end of every schedule(), even an empty one: everything the worker
         side must do this step (loads to start, blocks to save). Resets per-step state."""
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, KVTransferParams | None]:
         """Called once when a request finishes (any reason, including abort and error), before its
         blocks are freed. Returns (delay_free, kv_transfer_params): delay_free True keeps the
         blocks until the worker side reports the request in finished_sending (a consumer's "done"
-        or lease expiry: the connector must report it eventually); kv_transfer_params is returned
-        to the client with the final output. A request finished while WAITING_FOR_REMOTE_KV keeps
+        or lease expiry: the connector must report it eventually); kv_transfer_params (built from
+        request.kv_transfer_params and the connector's own state) is returned to the client with
+        the final output. A request finished while WAITING_FOR_REMOTE_KV keeps
         its blocks until finished_recving reports it: cancel the load and report it."""
         return False, None
 
@@ -276,4 +281,5 @@ class KVConnectorBase(ABC):
         return None
 
 
-__all__ = ["KVCacheLayout", "KVConnectorBase", "KVConnectorMetadata", "KVConnectorRole", "KVTransferFailure"]
+__all__ = ["ExtraValue", "KVCacheLayout", "KVConnectorBase", "KVConnectorMetadata", "KVConnectorRole",
+           "KVTransferFailure", "KVTransferParams"]
