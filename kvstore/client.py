@@ -42,12 +42,12 @@ class KVStoreClient:
                  tls_key: str | None = None, arena_bytes: int = 8 << 20, arena_max_object: int = 256 << 10) -> None:
         self._master = MasterRPC(master_addr, timeout_s=rpc_timeout_s, tls_ca=tls_ca, tls_cert=tls_cert,
                                  tls_key=tls_key)
-        self._io = ReplicaIO(num_streams=num_streams, use_shm=use_shm, max_parallel=max_parallel)
-        self._arenas = WriteArenas(self._master, self._io, arena_bytes=arena_bytes, max_object=arena_max_object)
+        self._replica_io = ReplicaIO(num_streams=num_streams, use_shm=use_shm, max_parallel=max_parallel)
+        self._arenas = WriteArenas(self._master, self._replica_io, arena_bytes=arena_bytes, max_object=arena_max_object)
 
     def close(self) -> None:
         self._arenas.close()
-        self._io.close()
+        self._replica_io.close()
         self._master.close()
 
     def __enter__(self) -> KVStoreClient:
@@ -93,7 +93,7 @@ class KVStoreClient:
             except (TransferError, OSError, ValueError):
                 return False
 
-        written = self._io.map_each(write, todo, [put.replicas for _, put in todo])
+        written = self._replica_io.map_each(write, todo, [put.replicas for _, put in todo])
         good = [put for (_, put), ok in zip(todo, written, strict=True) if ok]
         bad = [put for (_, put), ok in zip(todo, written, strict=True) if not ok]
         if bad:
@@ -125,7 +125,7 @@ class KVStoreClient:
         if view.nbytes != put.size:
             raise ValueError(f"{put.key}: source has {view.nbytes} bytes, put was started for {put.size}")
         for replica in put.replicas:
-            self._io.write(replica, view, put.token_expiry_ms)
+            self._replica_io.write(replica, view, put.token_expiry_ms)
 
     def end_puts(self, puts: Sequence[PendingPut]) -> list[Status]:
         request = pb.KVPutEndRequest(puts=[pb.KVPutRef(key=put.key, put_id=put.put_id) for put in puts])
@@ -143,7 +143,7 @@ class KVStoreClient:
     def _get_replicas(self, keys: Sequence[str], tokens_for_all: bool = False) -> Sequence[pb.KVGetReplicasResult]:
         """Replicas on our host that we copy through shared memory come without tokens (the
         master skips minting them) unless tokens_for_all, or once mapping a segment failed."""
-        shm_host = "" if tokens_for_all or not self._io.tokenless_gets else self._io.host_id
+        shm_host = "" if tokens_for_all or not self._replica_io.tokenless_gets else self._replica_io.host_id
         request = pb.KVGetReplicasRequest(keys=list(keys), shm_host_id=shm_host)
         return self._master.call("GetReplicas", request).results
 
@@ -168,7 +168,7 @@ class KVStoreClient:
                 if view.nbytes < size:
                     raise ValueError(f"{result.key}: destination has {view.nbytes} bytes, object has {size}")
                 hits.append((i, result, size))
-        rest = self._io.read_mapped(hits, views, out)
+        rest = self._replica_io.read_mapped(hits, views, out)
 
         def read(hit: Hit) -> str | None:
             try:
@@ -177,7 +177,7 @@ class KVStoreClient:
             except KVStoreError as e:
                 return str(e)
 
-        errors = self._io.map_each(read, rest, [result.replicas for _, result, _ in rest]) if rest else []
+        errors = self._replica_io.map_each(read, rest, [result.replicas for _, result, _ in rest]) if rest else []
         failed = []
         for (i, result, size), error in zip(rest, errors, strict=True):
             if error is None:
@@ -189,7 +189,7 @@ class KVStoreClient:
         return out
 
     def _read(self, result: pb.KVGetReplicasResult, view: memoryview, ask_tokens: bool = True) -> None:
-        error = self._io.read(result, view)
+        error = self._replica_io.read(result, view)
         if error is None:
             return None
         if ask_tokens and any(not replica.token for replica in result.replicas):

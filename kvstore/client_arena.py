@@ -68,7 +68,7 @@ class WriteArenas:
     def __init__(self, master: MasterRPC, replica_io: ReplicaIO, *, arena_bytes: int = 8 << 20,
                  max_object: int = 256 << 10) -> None:
         self._master = master
-        self._io = replica_io
+        self._replica_io = replica_io
         self._arena_bytes = arena_bytes
         self.max_object = min(max_object, arena_bytes)
         self._lock = threading.Lock()
@@ -78,7 +78,7 @@ class WriteArenas:
 
     @property
     def enabled(self) -> bool:
-        return self._io.use_shm and self._arena_bytes > 0
+        return self._replica_io.use_shm and self._arena_bytes > 0
 
     def close(self) -> None:
         with self._lock:
@@ -167,10 +167,10 @@ class WriteArenas:
         targets = []
         try:
             for replica in response.replicas:
-                if not self._io.local(replica):
+                if not self._replica_io.local(replica):
                     raise ValueError("remote replica")
                 # The arena holds the mapping: a replaced cache entry stays mapped while we use it.
-                targets.append((self._io.map_writable(replica), replica.offset))
+                targets.append((self._replica_io.map_writable(replica), replica.offset))
         except (OSError, ValueError):  # remote (or not really shared) replicas: two-phase is their path
             self._master.call("ReleaseArena", pb.KVReleaseArenaRequest(arena_id=response.arena_id))
             self._off_until[replica_num] = now_ms() + ARENA_RETRY_MS

@@ -57,7 +57,7 @@ class MetadataStore:
         if self._log is not None:
             self._log(rec)
 
-    def _ms(self, seconds: float) -> int:
+    def _to_ms(self, seconds: float) -> int:
         return int(seconds * 1000)
 
     # -- capacity ----------------------------------------------------------------------------
@@ -75,14 +75,14 @@ class MetadataStore:
         cfg = self.cfg
         if not self._valid_key(key) or not 0 < size <= cfg.max_object_size:
             return Status.INVALID, None
-        if (st := self._key_taken(key)) is not None:
-            return st, None
+        if (status := self._key_taken(key)) is not None:
+            return status, None
         placements = self._place_evicting(size, replica_num, now)
         if not placements:
             self.counters["put_no_space"] += 1
             return Status.NO_SPACE, None
         put_id = secrets.token_hex(16)
-        wexp = now + self._ms(cfg.put_timeout_s)
+        wexp = now + self._to_ms(cfg.put_timeout_s)
         self._do_start(key, size, put_id, pinned, wexp, placements)
         self._emit({"op": "start", "key": key, "size": size, "put_id": put_id, "pinned": pinned,
                     "wexp": wexp, "pl": [encode_placement(p) for p in placements]})
@@ -141,7 +141,7 @@ class MetadataStore:
             self.counters["arena_no_space"] += 1
             return Status.NO_SPACE, None
         arena_id = secrets.token_hex(16)
-        wexp = now + self._ms(self.cfg.put_timeout_s)  # fixed: see arena.py
+        wexp = now + self._to_ms(self.cfg.put_timeout_s)  # fixed: see arena.py
         self._do_arena_reserve(arena_id, wexp, placements)
         self._emit({"op": "arena", "id": arena_id, "wexp": wexp,
                     "pl": [encode_placement(p) + [p.alloc_size] for p in placements]})
@@ -159,8 +159,8 @@ class MetadataStore:
         for key, off, size in items:
             if not self._valid_key(key) or not 0 < size or not arena.fits(off, self._round(size), self.cfg.align):
                 statuses.append(Status.INVALID)
-            elif (st := self._key_taken(key)) is not None:
-                statuses.append(st)
+            elif (status := self._key_taken(key)) is not None:
+                statuses.append(status)
             else:  # applied one by one so a later item overlapping this one is INVALID
                 self._do_arena_commit(arena_id, [(key, off, size)], pinned)
                 done.append([key, off, size])
@@ -185,7 +185,7 @@ class MetadataStore:
     def _release_logged(self, arena: Arena, now: int, counter: str) -> None:
         # Not sooner than expiry + grace, even when released early: the client's WRITE tokens
         # cover the whole arena until its expiry.
-        free_at = arena.write_expiry_ms + self._ms(self.cfg.grace_s)
+        free_at = arena.write_expiry_ms + self._to_ms(self.cfg.grace_s)
         self._do_arena_release(arena.arena_id, free_at, now)
         self._emit({"op": "arel", "id": arena.arena_id, "free_at": free_at})
         self.counters[counter] += 1
@@ -197,7 +197,7 @@ class MetadataStore:
         if obj is None or obj.state != PUBLISHED:
             self.counters["misses"] += 1
             return None
-        obj.lease_until_ms = max(obj.lease_until_ms, now + self._ms(self.cfg.lease_ttl_s))
+        obj.lease_until_ms = max(obj.lease_until_ms, now + self._to_ms(self.cfg.lease_ttl_s))
         self.lru.move_to_end(key)
         self.counters["hits"] += 1
         return obj
@@ -257,7 +257,7 @@ class MetadataStore:
             self._delete_logged(obj, now, "puts_timed_out")
         for arena in [a for a in self.arenas.values() if now > a.write_expiry_ms]:
             self._release_logged(arena, now, "arenas_expired")
-        dead_after = self._ms(self.cfg.node_timeout_s)
+        dead_after = self._to_ms(self.cfg.node_timeout_s)
         for node_id in [n.node_id for n in self.nodes.values() if now - n.last_seen_ms > dead_after]:
             self.counters["nodes_lost"] += 1
             self.unmount(node_id, None, now)
@@ -293,7 +293,7 @@ class MetadataStore:
         self._retire(arena.owned_extents(), free_at, now)
 
     def _delete_logged(self, obj: Obj, now: int, counter: str) -> None:
-        free_at = max(obj.lease_until_ms, obj.write_expiry_ms) + self._ms(self.cfg.grace_s)
+        free_at = max(obj.lease_until_ms, obj.write_expiry_ms) + self._to_ms(self.cfg.grace_s)
         self._do_delete(obj.key, free_at, now)
         self._emit({"op": "del", "key": obj.key, "free_at": free_at})
         self.counters[counter] += 1
@@ -329,7 +329,7 @@ class MetadataStore:
         lost = self.table.remove(node_id, sids)
         self.quarantine.forget(lost)
         gone = {id(seg) for seg in lost}
-        grace = self._ms(self.cfg.grace_s)
+        grace = self._to_ms(self.cfg.grace_s)
         for obj in list(self.objects.values()):
             if not any(id(p.seg) in gone for p in obj.placements):
                 continue

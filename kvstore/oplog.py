@@ -73,7 +73,7 @@ class OpLog:
         self._f: IO[bytes] | None = None
         self._dirty = False
         self._last_sync = time.monotonic()
-        self._io = threading.Lock()  # serialises file writes against rotate/sync
+        self._file_lock = threading.Lock()  # serialises file writes against rotate/sync
 
     # -- recovery ----------------------------------------------------------------------------
     def recover(self) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
@@ -154,7 +154,7 @@ class OpLog:
         payload = encode(rec)
         if len(payload) > MAX_RECORD:
             raise ValueError("op-log record too large")
-        with self._io:
+        with self._file_lock:
             assert self._f is not None, "recover() first"
             self._f.write(RECORD.pack(len(payload), zlib.crc32(payload)) + payload)
             self._f.flush()  # in the OS now: a process crash cannot lose it
@@ -166,7 +166,7 @@ class OpLog:
 
     def maybe_sync(self) -> None:
         """Called periodically: fsync under the "interval" policy."""
-        with self._io:
+        with self._file_lock:
             due = time.monotonic() - self._last_sync >= self.fsync_interval_s
             if self._f is not None and self._dirty and self.fsync_policy == "interval" and due:
                 os.fsync(self._f.fileno())
@@ -175,7 +175,7 @@ class OpLog:
 
     def rotate(self) -> int:
         """Start a new log generation; the caller serialises state for it under the same lock."""
-        with self._io:
+        with self._file_lock:
             if self._f is not None:
                 self._f.flush()
                 if self.fsync_policy != "never":
@@ -206,7 +206,7 @@ class OpLog:
                 os.unlink(self._path(g))
 
     def close(self) -> None:
-        with self._io:
+        with self._file_lock:
             if self._f is not None:
                 self._f.flush()
                 if self.fsync_policy != "never":

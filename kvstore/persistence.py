@@ -42,36 +42,36 @@ def _placements(store: MetadataStore, raw: Any, size: int | None, alloc_sizes: l
 
 def apply_record(store: MetadataStore, rec: dict[str, Any], now: int) -> None:
     try:
-        op = rec["op"]
-        if op == "mount":
+        operation = rec["op"]
+        if operation == "mount":
             segs = [(int(s[0]), int(s[1]), str(s[2]), int(s[3])) for s in rec["segs"]]
             store._do_mount(str(rec["node"]), str(rec["host"]), int(rec["port"]), str(rec["host_id"]), segs, now)
-        elif op == "unmount":
+        elif operation == "unmount":
             if rec["node"] in store.nodes:
                 sids = rec["sids"]
                 store._do_unmount(str(rec["node"]), None if sids is None else [int(s) for s in sids], now)
-        elif op == "start":
+        elif operation == "start":
             size = int(rec["size"])
-            pl = _placements(store, rec["pl"], size)
-            store._do_start(str(rec["key"]), size, str(rec["put_id"]), bool(rec["pinned"]), int(rec["wexp"]), pl)
-        elif op == "put":
+            placements = _placements(store, rec["pl"], size)
+            store._do_start(str(rec["key"]), size, str(rec["put_id"]), bool(rec["pinned"]), int(rec["wexp"]), placements)
+        elif operation == "put":
             store._do_publish(str(rec["key"]))
-        elif op == "arena":
-            pl = _placements(store, rec["pl"], None, [int(e[4]) for e in rec["pl"]])
-            store._do_arena_reserve(str(rec["id"]), int(rec["wexp"]), pl)
-        elif op == "acommit":
+        elif operation == "arena":
+            placements = _placements(store, rec["pl"], None, [int(e[4]) for e in rec["pl"]])
+            store._do_arena_reserve(str(rec["id"]), int(rec["wexp"]), placements)
+        elif operation == "acommit":
             if rec["id"] not in store.arenas:
                 raise OpLogCorrupt(f"commit into unknown arena {rec['id']!r}")
             items = [(str(k), int(off), int(size)) for k, off, size in rec["items"]]
             store._do_arena_commit(str(rec["id"]), items, bool(rec["pinned"]))
-        elif op == "arel":
+        elif operation == "arel":
             if rec["id"] in store.arenas:  # may already be gone with its segment
                 store._do_arena_release(str(rec["id"]), int(rec["free_at"]), now)
-        elif op == "del":
+        elif operation == "del":
             if rec["key"] in store.objects:  # may already be gone with its segment
                 store._do_delete(str(rec["key"]), int(rec["free_at"]), now)
         else:
-            raise OpLogCorrupt(f"unknown op {op!r}")
+            raise OpLogCorrupt(f"unknown op {operation!r}")
     except OpLogCorrupt:
         raise
     except (KeyError, TypeError, ValueError, IndexError) as e:
@@ -104,19 +104,19 @@ def load_snapshot(store: MetadataStore, snap: dict[str, Any], now: int) -> None:
         for node_id, host, port, host_id, segs in snap["nodes"]:
             specs = [(int(s[0]), int(s[1]), str(s[2]), int(s[3])) for s in segs]
             store._do_mount(str(node_id), str(host), int(port), str(host_id), specs, now)
-        for key, size, state, put_id, pinned, wexp, pl in snap["objects"]:
+        for key, size, state, put_id, pinned, wexp, placements in snap["objects"]:
             store._do_start(str(key), int(size), str(put_id), bool(pinned), int(wexp),
-                            _placements(store, pl, int(size)))
+                            _placements(store, placements, int(size)))
             if state == PUBLISHED:
                 store._do_publish(str(key))
         for free_at, ext in snap["quarantine"]:
-            pl = _placements(store, ext, None, [int(e[4]) for e in ext])
-            store._retire(pl, int(free_at), now)
-        for arena_id, wexp, pl, taken in snap.get("arenas", []):
+            placements = _placements(store, ext, None, [int(e[4]) for e in ext])
+            store._retire(placements, int(free_at), now)
+        for arena_id, wexp, placements, taken in snap.get("arenas", []):
             # The arena owns only what no object took (those ranges were reserved by their objects
             # or their quarantine above): reserve exactly that.
             store._do_arena_reserve(str(arena_id), int(wexp),
-                                    _placements(store, pl, None, [int(e[4]) for e in pl], reserve=False))
+                                    _placements(store, placements, None, [int(e[4]) for e in placements], reserve=False))
             arena = store.arenas[str(arena_id)]
             for start, end in taken:
                 arena.take(int(start), int(end) - int(start))
@@ -129,10 +129,10 @@ def load_snapshot(store: MetadataStore, snap: dict[str, Any], now: int) -> None:
 
 
 def finish_recovery(store: MetadataStore, now: int) -> None:
-    grace = store._ms(store.cfg.grace_s)
+    grace = store._to_ms(store.cfg.grace_s)
     for obj in [o for o in store.objects.values() if o.state == PENDING]:
         store._do_delete(obj.key, obj.write_expiry_ms + grace, now)
-    lease = now + store._ms(store.cfg.lease_ttl_s)
+    lease = now + store._to_ms(store.cfg.lease_ttl_s)
     for obj in store.objects.values():
         obj.lease_until_ms = max(obj.lease_until_ms, lease)
     for node in store.nodes.values():

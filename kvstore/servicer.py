@@ -102,7 +102,7 @@ class MasterServicer(pb_grpc.KVStoreMasterServicer):
 
     def CommitArena(self, req: pb.KVCommitArenaRequest, ctx: grpc.ServicerContext) -> pb.KVCommitArenaResponse:
         self._check_batch(len(req.items), ctx)
-        items = [(it.key, it.offset, it.size) for it in req.items]
+        items = [(item.key, item.offset, item.size) for item in req.items]
         with self.core.lock:
             status, statuses = self.store.arena_commit(req.arena_id, items, req.pinned, self.core.clock())
         return pb.KVCommitArenaResponse(status=int(status), statuses=[int(s) for s in statuses])
@@ -159,14 +159,14 @@ class MasterServicer(pb_grpc.KVStoreMasterServicer):
     def UnmountSegment(self, req: pb.KVUnmountSegmentRequest,
                        ctx: grpc.ServicerContext) -> pb.KVUnmountSegmentResponse:
         with self.core.lock:
-            st = self.store.unmount(req.node_id, list(req.segment_ids) or None, self.core.clock())
-        return pb.KVUnmountSegmentResponse(status=int(st))
+            status = self.store.unmount(req.node_id, list(req.segment_ids) or None, self.core.clock())
+        return pb.KVUnmountSegmentResponse(status=int(status))
 
     def Heartbeat(self, req: pb.KVHeartbeatRequest, ctx: grpc.ServicerContext) -> pb.KVHeartbeatResponse:
         segs = [(s.segment_id, s.incarnation) for s in req.segments]
         with self.core.lock:
-            st = self.store.heartbeat(req.node_id, segs, self.core.clock())
-        return pb.KVHeartbeatResponse(status=int(st))
+            status = self.store.heartbeat(req.node_id, segs, self.core.clock())
+        return pb.KVHeartbeatResponse(status=int(status))
 
     def Stats(self, req: pb.KVStatsRequest, ctx: grpc.ServicerContext) -> pb.KVStatsResponse:
         s = self.stats()
