@@ -1,6 +1,6 @@
 """`python tests/held_cli.py ARGS` is `pdcluster ARGS` with engine_hold's prefix hold installed:
-a request whose id starts with engine_hold.HOLD_PREFIX stops after its first output until it is
-ended from outside (cancel, deadline, abort, shutdown), however fast the machine is."""
+a request whose id starts with engine_hold.HOLD_PREFIX stops after its first HOLD_AFTER outputs
+until it is ended from outside (cancel, deadline, abort, shutdown), however fast the machine is."""
 
 from __future__ import annotations
 

@@ -35,6 +35,9 @@ WORKER_MAX_MODEL_LEN = 256
 # 128 blocks of 16 tokens: eight full-length sequences per worker, and a small, fast-starting
 # process (the default sizes the cache from memory: ~1 GB and seconds more per start).
 WORKER_NUM_KV_BLOCKS = 128
+# Workers run through held_cli: a request whose id starts with "held-" stops after its first few
+# outputs until it is ended from outside (engine_hold.py), however fast the machine.
+HELD_CLI = pathlib.Path(__file__).resolve().parent / "held_cli.py"
 
 
 def wait_until(cond: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02) -> bool:
@@ -104,7 +107,7 @@ class WorkerProc:
         self._ready_event = threading.Event()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._stderr_path = self.log_dir / f"{self.name}-{time.monotonic_ns()}.stderr"
-        argv = [sys.executable, "-m", "pdcluster.cluster.cli", "serve-worker", *self.args, "--worker-id", self.name,
+        argv = [sys.executable, str(HELD_CLI), "serve-worker", *self.args, "--worker-id", self.name,
                 "--port", str(self.port)]
         with open(self._stderr_path, "wb") as err:
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err,

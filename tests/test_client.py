@@ -63,7 +63,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
     model = str(ensure_demo_model(tmp_path_factory.mktemp("demo") / "model"))
     logs = tmp_path_factory.mktemp("client-logs")
     worker = start_worker(["--model", model, "--max-model-len", "256", "--worker-id", "cw0"], logs,
-                          hold=True)  # ids "held-...": held after their first output (engine_hold.py)
+                          hold=True)  # ids "held-...": held after their first outputs (engine_hold.py)
     router = None
     try:
         router = start_cli(["router", "--workers", worker.address, "--grpc-port", "0", "--http-port", "-1",
@@ -134,9 +134,11 @@ def test_errors_are_client_errors(client: Client) -> None:
 
 
 def test_leaving_a_stream_early_frees_the_worker(cluster, client: Client) -> None:
-    for _ in client.generate_stream(list(range(20, 60)), SamplingParams(max_tokens=200, ignore_eos=True),
-                                    request_id="held-leaver"):
-        break  # held: still running on the worker when the client leaves
+    # "held-": held on the worker after its first deltas, so still running when the client leaves.
+    for i, _ in enumerate(client.generate_stream(list(range(20, 60)), SamplingParams(max_tokens=200, ignore_eos=True),
+                                                 request_id="held-leaver")):
+        if i == 2:
+            break
     s = _wait_worker_idle(cluster[0])
     assert s.num_running == 0 and s.num_kv_blocks_used == 0
 

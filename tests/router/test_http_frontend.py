@@ -13,8 +13,11 @@ import openai
 import pytest
 from real_router_cluster import WORKER_MAX_MODEL_LEN, wait_until, worker_stats
 
-LONG = 210  # tokens: over 2 s of generation on the demo model
-ABORT_WINDOW_S = 1.0  # a cancelled request is gone from the worker long before it could finish
+# A long request under a "held-" id (X-Request-Id): the worker holds it after its first tokens
+# (real_router_cluster.HELD_CLI), so it runs until it is ended from outside, however fast the
+# machine; a cancelled one cannot finish by itself, so the window only has to suit a slow machine.
+LONG = 210
+ABORT_WINDOW_S = 30.0
 RETRIES = ("pdcluster_router_retries_total", {"role": "decode"})
 
 
@@ -137,7 +140,8 @@ def test_worker_failure_before_and_after_output(cluster):
     worker = c.workers[0]
     conn = _conn(c)
     conn.request("POST", "/v1/completions", body=json.dumps({"prompt": [1], "max_tokens": LONG, "stream": True,
-                                                            "ignore_eos": True}))
+                                                            "ignore_eos": True}),
+                 headers={"X-Request-Id": "held-fail-stream"})
     resp = conn.getresponse()
     assert resp.status == 200
     line = b""
@@ -147,7 +151,7 @@ def test_worker_failure_before_and_after_output(cluster):
     assert json.loads(line[len(b"data: "):])["choices"][0]["finish_reason"] is None
     result: dict = {}
     t = threading.Thread(target=lambda: result.update(r=post(c, "/v1/completions", {
-        "prompt": [2], "max_tokens": LONG, "ignore_eos": True})))
+        "prompt": [2], "max_tokens": LONG, "ignore_eos": True}, {"X-Request-Id": "held-fail-unary"})))
     t.start()
     assert wait_until(lambda: worker_stats(worker.address).num_running == 2)
     worker.kill()
@@ -233,7 +237,7 @@ def test_admission_control_is_429(cluster):
     c = cluster(1, max_inflight=1)
     oa = client(c)
     stream = oa.completions.create(model=c.router.preprocessor.model_name, prompt=[1], max_tokens=LONG, stream=True,
-                                   extra_body={"ignore_eos": True})
+                                   extra_body={"ignore_eos": True}, extra_headers={"X-Request-Id": "held-429"})
     next(iter(stream))
     code, err = post(c, "/v1/completions", {"prompt": [1], "max_tokens": 1})
     assert code == 429 and err["error"]["type"] == "RateLimitError"
@@ -252,7 +256,7 @@ def test_client_disconnect_mid_stream_aborts(cluster):
     c = cluster(1)
     host, port = c.http_url.removeprefix("http://").rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=5) as s:
-        _raw_post(s, {"prompt": list(range(40)), "max_tokens": LONG, "stream": True, "ignore_eos": True}, "gone-1")
+        _raw_post(s, {"prompt": list(range(40)), "max_tokens": LONG, "stream": True, "ignore_eos": True}, "held-gone-1")
         seen = b""
         while b"data: " not in seen:  # headers and the first event may come in separate segments
             chunk = s.recv(4096)
@@ -262,7 +266,7 @@ def test_client_disconnect_mid_stream_aborts(cluster):
     assert c.wait_idle(0, ABORT_WINDOW_S), c.stats(0)
     # Non-streaming too: the handler is cancelled, the worker leg aborted.
     with socket.create_connection((host, int(port)), timeout=5) as s:
-        _raw_post(s, {"prompt": [1], "max_tokens": LONG, "ignore_eos": True}, "gone-2")
+        _raw_post(s, {"prompt": [1], "max_tokens": LONG, "ignore_eos": True}, "held-gone-2")
         assert wait_until(lambda: c.stats(0).num_running == 1)
     assert c.wait_idle(0, ABORT_WINDOW_S), c.stats(0)
     cancelled = c.metric("pdcluster_router_requests_total", {"frontend": "http", "status": "CANCELLED"})
@@ -334,7 +338,7 @@ def test_admission_before_tokenization(cluster):
     pre.prepare = counting
     oa = client(c)
     stream = oa.completions.create(model=pre.model_name, prompt=[1], max_tokens=LONG, stream=True,
-                                   extra_body={"ignore_eos": True})
+                                   extra_body={"ignore_eos": True}, extra_headers={"X-Request-Id": "held-first"})
     next(iter(stream))
     assert len(calls) == 1
     code, err = post(c, "/v1/completions", {"prompt": "a long prompt " * 1000, "max_tokens": 1})

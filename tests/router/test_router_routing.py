@@ -37,7 +37,9 @@ def test_prefix_aware_follows_the_cache(cluster, key_dir):
         assert last.route.decode_worker_id == first
         assert last.usage.cached_tokens >= 160  # the worker really reused the blocks
     # A prompt nobody cached goes by load: with the holder busy, to the other worker.
-    busy = c.stub.Generate(request(shared + [12], max_tokens=90), timeout=30)
+    busy_request = request(shared + [12], max_tokens=90)
+    busy_request.request_id = "held-busy"  # held on the worker (real_router_cluster.HELD_CLI) until cancelled
+    busy = c.stub.Generate(busy_request, timeout=30)
     next(busy)
     assert worker_stats(holder.address).num_running == 1
     fresh = [rng.randrange(10, 600) for _ in range(40)]

@@ -79,10 +79,11 @@ def test_non_streaming_is_one_response(stub) -> None:
 
 
 def test_cancel_mid_stream_frees_blocks(stub) -> None:
-    # "held-": the worker holds it after its first delta (engine_hold.py), so it is still running.
+    # "held-": the worker holds it after its first deltas (engine_hold.py), so it is still running.
     call = stub.Generate(gen_request(list(range(3, 40)), "held-cancel-me", max_tokens=200), timeout=60)
-    for _ in call:
-        break
+    for i, _ in enumerate(call):
+        if i == 2:
+            break
     during = stub.Stats(worker_pb2.StatsRequest(), timeout=5)
     call.cancel()
     assert during.num_kv_blocks_used > 0

@@ -53,7 +53,7 @@ class WorkerProcess:
 
 def start_worker(args: Sequence[str], log_dir: pathlib.Path, *, env: dict[str, str] | None = None,
                  timeout: float = 180.0, hold: bool = False) -> WorkerProcess:
-    """hold: requests with ids starting with engine_hold.HOLD_PREFIX are held after their first output."""
+    """hold: requests with ids starting with engine_hold.HOLD_PREFIX are held after their first outputs."""
     return start_cli(["serve-worker", *args], log_dir, env=env, timeout=timeout, hold=hold)
 
 
