@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -24,6 +24,10 @@ from pdcluster.worker.roles import AggregatedRole, RoleHandler
 from pdcluster.worker.tls import TLSConfig, server_credentials
 from pdcluster.worker.worker_servicer import WorkerServicer
 
+if TYPE_CHECKING:
+    from pdcluster.engine.async_engine import AsyncEngine
+    from pdcluster.worker.kv_events import KVEventsConfig, KVEventService
+
 log = logging.getLogger(__name__)
 
 DEFAULT_HOST = "127.0.0.1"  # loopback by default; binding elsewhere is explicit (DESIGN.md 9)
@@ -33,7 +37,7 @@ class WorkerServer:
     """A running worker endpoint. `stop()` tears down everything start_worker_server made."""
 
     def __init__(self, grpc_server: grpc.aio.Server, servicer: WorkerServicer, health: EngineHealth,
-                 kv_events: Any, address: str) -> None:
+                 kv_events: KVEventService | None, address: str) -> None:
         self.grpc_server = grpc_server
         self.servicer = servicer
         self.health = health
@@ -68,7 +72,8 @@ def _resolve_role(role: RoleHandler | str) -> RoleHandler:
     if role == "both":
         return AggregatedRole()
     if role in ("prefill", "decode"):
-        # The core does not import the role packages (imports point down, DESIGN.md 2).
+        # The core does not import the role packages (imports point down, DESIGN.md 2); the
+        # worker assembly resolves role names through pdcluster.worker.role_registry.
         pkg = "pdcluster.prefill_worker.PrefillRole" if role == "prefill" else "pdcluster.decode_worker.DecodeRole"
         raise ValueError(f"role {role!r}: pass a role object, e.g. {pkg}()")
     raise ValueError(f"role must be 'prefill', 'decode', 'both' or a RoleHandler, got {role!r}")
@@ -79,14 +84,14 @@ def _format_address(host: str, port: int) -> str:
 
 
 async def start_worker_server(
-    engine: Any,
+    engine: AsyncEngine,
     role: RoleHandler | str,
     host: str = DEFAULT_HOST,
     port: int = 0,
     tls: TLSConfig | None = None,
     *,
     worker_id: str | None = None,
-    kv_events: Any = None,
+    kv_events: KVEventsConfig | None = None,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     epoch: int | None = None,
 ) -> tuple[WorkerServer, int]:

@@ -1,0 +1,152 @@
+"""One worker process, assembled: role + engine (with its connector half) + server, until a signal.
+
+    WorkerConfig (plain values; `pdcluster serve-worker` and `python -m pdcluster.<role>_worker`
+    fill it from their flags)
+        -> resolve_role(config.role)             WorkerRole: handler, connector half, metrics
+        -> tls_config / kv_events_config /       checked before the (slow) engine load, so a
+           connector_options                     config mistake fails in milliseconds
+        -> build_engine()                        AsyncEngine with kv_role = the role's half
+        -> start_worker_server()                 WorkerServicer + RequestTable + health + KV events
+        -> on_ready(server, port)                the caller announces it (the READY line)
+        SIGTERM / SIGINT -> server.stop(): NOT_SERVING, abort every request, close the sockets
+
+Nothing here parses flags, and nothing is imported until it is needed (the CLI imports this
+module to build its parser quickly).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pdcluster.worker.role_registry import WorkerRole, resolve_role
+
+if TYPE_CHECKING:
+    from pdcluster.engine.async_engine import AsyncEngine
+    from pdcluster.worker.kv_events import KVEventsConfig
+    from pdcluster.worker.server import WorkerServer
+    from pdcluster.worker.tls import TLSConfig
+
+log = logging.getLogger("pdcluster.worker")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    role: str = "both"
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise_host: str | None = None
+    worker_id: str | None = None
+    max_message_bytes: int | None = None
+    key_dir: str | None = None
+    key_name: str = "worker"
+    kv_events_allow: Sequence[str] = ("router",)
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    kv_connector: str | None = None
+    kv_connector_options: Mapping[str, Any] = field(default_factory=dict)
+    engine: Mapping[str, Any] = field(default_factory=dict)  # EngineArgs keywords (not the connector's)
+
+
+def advertise_host(config: WorkerConfig) -> str:
+    """The host peers use to reach this worker: a wildcard bind address is not reachable."""
+    if config.advertise_host:
+        return config.advertise_host
+    return socket.gethostname() if config.host in ("0.0.0.0", "::", "") else config.host
+
+
+def tls_config(config: WorkerConfig) -> TLSConfig | None:
+    if not (config.tls_cert or config.tls_key or config.tls_ca):
+        return None
+    from pdcluster.worker.tls import TLSConfig
+
+    if config.tls_ca and not config.tls_cert:
+        raise ValueError("--tls-ca needs --tls-cert and --tls-key")
+    return TLSConfig(cert=config.tls_cert, key=config.tls_key, ca=config.tls_ca)
+
+
+def kv_events_config(config: WorkerConfig) -> KVEventsConfig | None:
+    from pdcluster.worker.kv_events import KVEventsConfig
+
+    common = {"bind_host": config.host, "advertise_host": advertise_host(config)}
+    if config.key_dir:
+        return KVEventsConfig.from_key_dir(config.key_dir, key_name=config.key_name,
+                                           allow_names=list(config.kv_events_allow), **common)
+    events = KVEventsConfig.from_env(**common)
+    if events is None:
+        log.warning("no CURVE keys (--key-dir or PDCLUSTER_WORKER_KEY): KV-event publishing is disabled")
+    return events
+
+
+def connector_options(config: WorkerConfig, role: WorkerRole) -> dict[str, Any]:
+    """The connector's options; by default a connector takes this worker's CURVE keys from the
+    key directory and its id from the worker id."""
+    options = dict(config.kv_connector_options)
+    if config.kv_connector is None:
+        if options:
+            raise ValueError("--kv-connector-options given without --kv-connector")
+        if role.needs_connector:
+            log.warning("--role %s without --kv-connector: this worker serves only local requests "
+                        "(remote %s legs are refused)", role.name, role.name)
+        return {}
+    from pdcluster.connectors.registry import resolve_connector_class
+
+    takes = resolve_connector_class(config.kv_connector).deployment_options
+    if config.key_dir and {"keys_dir", "key_name"} <= takes and not ({"keypair", "keys_dir"} & set(options)):
+        options.update(keys_dir=config.key_dir, key_name=config.key_name)
+    if config.worker_id and "engine_id" in takes and "engine_id" not in options:
+        options["engine_id"] = config.worker_id
+    return options
+
+
+def build_engine(config: WorkerConfig, role: WorkerRole, options: Mapping[str, Any]) -> AsyncEngine:
+    """The engine, with the half of the connector this role wires (none without a connector)."""
+    from pdcluster.config import EngineArgs
+    from pdcluster.engine.async_engine import AsyncEngine
+
+    factory = None
+    if config.kv_connector is not None:
+        from pdcluster.connectors import engine_connector_factory as factory
+    args = EngineArgs(**config.engine, kv_connector=config.kv_connector, kv_connector_options=dict(options),
+                      kv_role=role.kv_role)
+    return AsyncEngine.from_engine_args(args, connector=factory)
+
+
+def run_worker(config: WorkerConfig, on_ready: Callable[[WorkerServer, int], None]) -> None:
+    """Assemble the worker and serve until SIGTERM / SIGINT; the engine is shut down on the way out."""
+    role = resolve_role(config.role)
+    tls = tls_config(config)
+    kv_events = kv_events_config(config)
+    options = connector_options(config, role)
+    handler = role.make_handler(config.kv_connector)
+    engine = build_engine(config, role, options)
+    try:
+        asyncio.run(_serve(config, role, engine, handler, tls, kv_events, on_ready))
+    finally:
+        engine.shutdown()
+
+
+async def _serve(config: WorkerConfig, role: WorkerRole, engine: AsyncEngine, handler: Any,
+                 tls: TLSConfig | None, kv_events: KVEventsConfig | None,
+                 on_ready: Callable[[WorkerServer, int], None]) -> None:
+    from pdcluster.worker.options import DEFAULT_MAX_MESSAGE_BYTES
+    from pdcluster.worker.server import start_worker_server
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    server, port = await start_worker_server(
+        engine, handler, config.host, config.port, tls, worker_id=config.worker_id, kv_events=kv_events,
+        max_message_bytes=config.max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES)
+    on_ready(server, port)
+    log.info("worker %s (%s) serving on %s", server.worker_id, role.name, server.address)
+    await stop.wait()
+    log.info("shutting down; %s stats: %s", role.name, role.role_metrics(engine.get_stats()))
+    await server.stop(grace=2.0)
