@@ -73,6 +73,29 @@ def as_scale(
     return scale.float().contiguous(), 1
 
 
+def kv_scales(
+    k_cache_dtype: torch.dtype,
+    k_scale: torch.Tensor | float | None,
+    v_scale: torch.Tensor | float | None,
+    num_kv_heads: int,
+    device: torch.device,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, int, bool]:
+    """The fp8 KV-scale arguments every attention launcher takes, checked the same way:
+    -> (k scale, v scale, stride between heads, has_scale).
+
+    Only a float8 cache is scaled (a scale given for any other cache is an error); a missing scale
+    of a float8 cache is 1.0; k and v scales must both be per tensor or both per head.
+    """
+    if k_cache_dtype != FP8_DTYPE:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"k_scale/v_scale are only used with a float8 cache, got k_cache.dtype {k_cache_dtype}")
+        return None, None, 0, False
+    ks, scale_stride = as_scale("k_scale", 1.0 if k_scale is None else k_scale, num_kv_heads, device)
+    vs, v_stride = as_scale("v_scale", 1.0 if v_scale is None else v_scale, num_kv_heads, device)
+    check_same("k_scale, v_scale granularity (per tensor / per head)", scale_stride, v_stride)
+    return ks, vs, scale_stride, True
+
+
 def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 

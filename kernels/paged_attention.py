@@ -34,7 +34,7 @@ from ._attn_tile import (
     online_softmax_step,
     paged_slots,
 )
-from ._checks import FLOAT_DTYPES, KV_DTYPES, as_scale, cdiv, check_same, check_tensor, next_power_of_2
+from ._checks import FLOAT_DTYPES, KV_DTYPES, cdiv, check_tensor, kv_scales, next_power_of_2
 from ._jit import lazy_jit
 
 if TYPE_CHECKING:
@@ -196,14 +196,7 @@ def paged_decode_attention_triton(
                  last_dim_contiguous=False)
     if num_q_heads % num_kv_heads:
         raise ValueError(f"q: num_heads {num_q_heads} must be a multiple of k_cache's num_kv_heads {num_kv_heads}")
-    has_scale = k_cache.dtype == torch.float8_e4m3fn
-    if not has_scale and (k_scale is not None or v_scale is not None):
-        raise ValueError(f"k_scale/v_scale are only used with a float8 cache, got k_cache.dtype {k_cache.dtype}")
-    ks, scale_stride = as_scale("k_scale", 1.0 if k_scale is None else k_scale, num_kv_heads, dev) \
-        if has_scale else (None, 0)
-    vs, v_stride = as_scale("v_scale", 1.0 if v_scale is None else v_scale, num_kv_heads, dev) \
-        if has_scale else (None, 0)
-    check_same("k_scale, v_scale granularity (per tensor / per head)", scale_stride, v_stride)
+    ks, vs, scale_stride, has_scale = kv_scales(k_cache.dtype, k_scale, v_scale, num_kv_heads, dev)
     if out is None:
         out = torch.empty_like(q)
     check_tensor("out", out, shape=tuple(q.shape), dtypes=(q.dtype,), device=dev)
