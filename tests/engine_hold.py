@@ -64,10 +64,11 @@ class _Holds:
 class EngineHold:
     """Hold these requests of an in-process AsyncEngine while the block runs."""
 
-    def __init__(self, engine: Any, *request_ids: str) -> None:
+    def __init__(self, engine: Any, *request_ids: str, after: int = 1) -> None:
+        """engine: an AsyncEngine; request_ids: the requests to hold after their first `after` outputs."""
         ids = frozenset(request_ids)
         self._llm = engine.engine
-        self._holds = _Holds(ids.__contains__, once=True, after=1)
+        self._holds = _Holds(ids.__contains__, once=True, after=after)
 
     def __enter__(self) -> EngineHold:
         real_step = self._llm.step

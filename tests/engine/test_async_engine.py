@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from engine_hold import EngineHold
 
 from pdcluster import LLM, SamplingParams
 from pdcluster.config import EngineArgs
@@ -51,14 +52,15 @@ def test_cancel_mid_stream_frees_blocks(engine: AsyncEngine) -> None:
             seen += 1
             if seen == 3:
                 break  # closing the generator aborts the request
-        for _ in range(200):
+        for _ in range(1500):  # up to 30 s on a slow machine
             stats = engine.get_stats()
             if stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["kv_blocks_used"] == 0:
                 return stats
             await asyncio.sleep(0.02)
         return engine.get_stats()
 
-    stats = asyncio.run(main())
+    with EngineHold(engine, "cancel-me", after=3):  # still running when cancelled, however fast the machine
+        stats = asyncio.run(main())
     assert stats["num_running"] == 0 and stats["kv_blocks_used"] == 0, stats
 
 

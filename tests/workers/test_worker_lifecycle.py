@@ -28,13 +28,13 @@ def test_config_errors_fail_fast(tmp_path: pathlib.Path) -> None:
 
 def test_sigterm_aborts_streams_and_exits_zero(demo_model: str, key_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
     wp = start_worker(["--role", "decode", "--model", demo_model, "--max-model-len", "256", "--no-prefix-caching",
-                       "--key-dir", str(key_dir)], tmp_path)
+                       "--key-dir", str(key_dir)], tmp_path, hold=True)
     try:
         assert wp.ready["role"] == "decode" and wp.ready["kv_events_endpoint"]  # sockets to close at exit
         with grpc.insecure_channel(wp.address) as ch:
             stub = worker_pb2_grpc.WorkerStub(ch)
             call = stub.Generate(worker_pb2.WorkerGenerateRequest(
-                request_id="long", prompt_token_ids=[3, 4, 5], stream=True,
+                request_id="held-long", prompt_token_ids=[3, 4, 5], stream=True,  # held: running at SIGTERM
                 sampling_params=common_pb2.SamplingParams(max_tokens=240, ignore_eos=True)), timeout=60)
             next(call)
             wp.proc.send_signal(signal.SIGTERM)
