@@ -84,12 +84,12 @@ def run_transformers(model: str, prompts, outs, repeats: int, batch: int) -> lis
     for _ in range(repeats):
         t0 = time.perf_counter()
         for i in range(0, len(prompts), batch):
-            ps, os_ = prompts[i:i + batch], outs[i:i + batch]
-            width = max(map(len, ps))
-            ids = torch.tensor([[0] * (width - len(p)) + p for p in ps])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps])
+            batch_prompts, batch_outs = prompts[i:i + batch], outs[i:i + batch]
+            width = max(map(len, batch_prompts))
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in batch_prompts])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch_prompts])
             with torch.no_grad():
-                m.generate(ids, attention_mask=mask, max_new_tokens=max(os_), min_new_tokens=max(os_),
+                m.generate(ids, attention_mask=mask, max_new_tokens=max(batch_outs), min_new_tokens=max(batch_outs),
                            do_sample=False, eos_token_id=None, pad_token_id=0)
         times.append(time.perf_counter() - t0)
     return times
@@ -110,20 +110,20 @@ def run_vllm(python: str, model: str, prompts, outs, repeats: int) -> list[float
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-dir", default=os.path.expanduser("~/.cache/pdcluster/bench-llama-125m"))
-    ap.add_argument("--workload", choices=["fixed", "ragged"], default="fixed")
-    ap.add_argument("--num-requests", type=int, default=32)
-    ap.add_argument("--input-len", type=int, default=256, help="prompt tokens (fixed workload)")
-    ap.add_argument("--output-len", type=int, default=128, help="generated tokens (fixed workload)")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--also-bf16-compute", action="store_true",
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-dir", default=os.path.expanduser("~/.cache/pdcluster/bench-llama-125m"))
+    parser.add_argument("--workload", choices=["fixed", "ragged"], default="fixed")
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--input-len", type=int, default=256, help="prompt tokens (fixed workload)")
+    parser.add_argument("--output-len", type=int, default=128, help="generated tokens (fixed workload)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--also-bf16-compute", action="store_true",
                     help="also run pdcluster forced to bfloat16 arithmetic (compute_dtype=bfloat16)")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["pdcluster", "transformers", "vllm"])
-    ap.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", "/work/vllm-venv/bin/python"))
-    ap.add_argument("--json", default=None, help="write the results here")
-    args = ap.parse_args()
+    parser.add_argument("--skip", nargs="*", default=[], choices=["pdcluster", "transformers", "vllm"])
+    parser.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", "/work/vllm-venv/bin/python"))
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args()
     model = ensure_bench_model(args.model_dir)
     prompts, outs = make_workload(args.workload, args.num_requests, 32000, input_len=args.input_len,
                                   output_len=args.output_len)
@@ -145,9 +145,9 @@ def main() -> None:
           f"generated={gen} threads={os.cpu_count()}")
     print(f"{'engine':<14}{'median s':>10}{'gen tok/s':>12}{'total tok/s':>13}")
     summary = {}
-    for name, ts in results.items():
-        med = statistics.median(ts)
-        summary[name] = {"times": ts, "median_s": med, "gen_tok_s": gen / med, "total_tok_s": total / med}
+    for name, times in results.items():
+        med = statistics.median(times)
+        summary[name] = {"times": times, "median_s": med, "gen_tok_s": gen / med, "total_tok_s": total / med}
         print(f"{name:<14}{med:>10.2f}{gen / med:>12.1f}{total / med:>13.1f}")
     if "pdcluster" in summary and args.tp > 1 and comm:
         summary["pdcluster"]["tp"] = args.tp

@@ -146,10 +146,10 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         self._cmds.put(("abort", [request_id]))
 
-    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """Run fn(engine) on the engine thread (for connectors and introspection)."""
+    async def call(self, function: Callable[[LLMEngine], Any]) -> Any:
+        """Run function(engine) on the engine thread (for connectors and introspection)."""
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._cmds.put(("call", fn, fut))
+        self._cmds.put(("call", function, fut))
         return await fut
 
     def get_stats(self) -> dict[str, Any]:
@@ -203,9 +203,9 @@ class AsyncEngine:
             for request_id in cmd[1]:
                 self._live.pop(request_id, None)
         elif kind == "call":
-            _, fn, fut = cmd
+            _, function, fut = cmd
             try:
-                res, err = fn(self.engine), None
+                res, err = function(self.engine), None
             except Exception as e:
                 res, err = None, e
             loop = fut.get_loop()

@@ -147,14 +147,14 @@ _REQUESTS = schema_registry(SNAPSHOT_REQUEST_SCHEMA)
 _SNAPSHOTS = schema_registry(SNAPSHOT_SCHEMA)
 
 
-def _event_to_wire(ev: KVEvent) -> dict:
-    if isinstance(ev, BlockStored):
-        return {"kind": "stored", "block_hashes": list(ev.block_hashes), "parent_hash": ev.parent_hash}
-    if isinstance(ev, BlockRemoved):
-        return {"kind": "removed", "block_hashes": list(ev.block_hashes)}
-    if isinstance(ev, AllBlocksCleared):
+def _event_to_wire(event: KVEvent) -> dict:
+    if isinstance(event, BlockStored):
+        return {"kind": "stored", "block_hashes": list(event.block_hashes), "parent_hash": event.parent_hash}
+    if isinstance(event, BlockRemoved):
+        return {"kind": "removed", "block_hashes": list(event.block_hashes)}
+    if isinstance(event, AllBlocksCleared):
         return {"kind": "cleared"}
-    raise TypeError(f"not a KV event: {ev!r}")
+    raise TypeError(f"not a KV event: {event!r}")
 
 
 def _event_from_wire(d: Mapping) -> KVEvent:
@@ -212,27 +212,27 @@ def split_events(events: Sequence[KVEvent]) -> list[tuple[KVEvent, ...]]:
     cutting oversized events into consecutive pieces (a stored piece chains on the previous
     piece's last hash, so parent_hash stays right)."""
     pieces: list[KVEvent] = []
-    for ev in events:
-        hashes = getattr(ev, "block_hashes", ())
+    for event in events:
+        hashes = getattr(event, "block_hashes", ())
         if len(hashes) <= MAX_HASHES_PER_BATCH:
-            pieces.append(ev)
+            pieces.append(event)
             continue
         for start in range(0, len(hashes), MAX_HASHES_PER_BATCH):
             part = tuple(hashes[start : start + MAX_HASHES_PER_BATCH])
-            if isinstance(ev, BlockStored):
-                parent = ev.parent_hash if start == 0 else hashes[start - 1]
+            if isinstance(event, BlockStored):
+                parent = event.parent_hash if start == 0 else hashes[start - 1]
                 pieces.append(BlockStored(part, parent))
             else:
                 pieces.append(BlockRemoved(part))
     batches: list[tuple[KVEvent, ...]] = []
     current: list[KVEvent] = []
     num_hashes = 0
-    for ev in pieces:
-        n = len(getattr(ev, "block_hashes", ()))
+    for event in pieces:
+        n = len(getattr(event, "block_hashes", ()))
         if current and (len(current) >= MAX_EVENTS_PER_BATCH or num_hashes + n > MAX_HASHES_PER_BATCH):
             batches.append(tuple(current))
             current, num_hashes = [], 0
-        current.append(ev)
+        current.append(event)
         num_hashes += n
     if current:
         batches.append(tuple(current))
