@@ -76,7 +76,11 @@ class EngineHold:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        del self._llm.step
+        self.release()
+
+    def release(self) -> None:
+        """Step normally again (idempotent)."""
+        self._llm.__dict__.pop("step", None)
 
 
 def install_prefix_hold(prefix: str = HOLD_PREFIX, after: int = HOLD_AFTER) -> None:

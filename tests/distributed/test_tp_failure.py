@@ -12,6 +12,7 @@ import time
 
 import pytest
 from distributed.tp_procs import alive, children_of, wait_dead
+from engine_hold import EngineHold
 
 from pdcluster.config import EngineArgs
 from pdcluster.engine.async_engine import AsyncEngine, EngineDeadError
@@ -28,11 +29,15 @@ def test_killed_rank_fails_requests_and_engine(tiny_ckpt, started_pids) -> None:
         sp = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
         outs = []
         killed_at = 0.0
-        async for out in engine.generate([5, 6, 7], sp):
-            outs.append(out)
-            if len(outs) == 3:  # streaming: kill rank 1 mid-request
-                os.kill(pids[0], signal.SIGKILL)
-                killed_at = time.monotonic()
+        # Held after 3 outputs, so the kill lands mid-request however fast the machine; then
+        # stepping again runs into the dead rank.
+        with EngineHold(engine, "tp-kill", after=3) as hold:
+            async for out in engine.generate([5, 6, 7], sp, request_id="tp-kill"):
+                outs.append(out)
+                if len(outs) == 3:  # streaming: kill rank 1 mid-request
+                    os.kill(pids[0], signal.SIGKILL)
+                    killed_at = time.monotonic()
+                    hold.release()
         return outs, time.monotonic() - killed_at
 
     try:
