@@ -5,6 +5,17 @@ A plugin implements `KVConnector` (the ABC in pdcluster/engine/kv_connector.py; 
 section 5), takes `(role, engine_config, options)` in its constructor, registers itself under the
 `pdcluster.kv_connectors` entry-point group, and runs `pdcluster.connectors.testing`
 (ConnectorConformance) on itself with pytest. See examples/connector_plugin.
+
+The hand-off between the legs is a `KVTransferParams` (frozen, validated when built): a request's
+leg is `request.kv_transfer_params` (do_remote_decode on the prefill leg, do_remote_prefill on the
+decode leg, None for a local request), and a producer's `request_finished` returns the params the
+decode leg will get. Use the common fields (connector, producer_id, engine_epoch, request_id,
+transfer_id, lease_id, lease_expiry_time, num_tokens, block_ids or store_keys, ...) for what they
+say; put what is your connector's own in `extra`, a map of at most 32 entries (keys like
+`myconn_path`, values str, bytes, int, float, bool or a list of those, 4 KiB each, 16 KiB in
+all). A router carries the params as the proto KvTransferParams (pdcluster.proto_convert), and
+extra's values come back with their types. Build a copy with `params.replace(...)`; unknown
+fields are refused by name (`KVTransferParams.from_wire`).
 """
 
 from __future__ import annotations
@@ -16,6 +27,7 @@ from pdcluster.engine.kv_connector import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVTransferFailure,
+    KVTransferParams,
 )
 from pdcluster.engine.outputs import SchedulerOutput
 from pdcluster.engine.request import Request, RequestStatus
@@ -34,7 +46,7 @@ KVConnector = KVConnectorBase  # the name plugin authors see
 
 __all__ = [
     "BUILTIN_CONNECTORS", "CONNECTORS", "ENTRY_POINT_GROUP", "KVCacheLayout", "KVConnector", "KVConnectorBase",
-    "KVConnectorMetadata", "KVConnectorRole", "KVEvent", "KVTransferFailure", "Request", "RequestStatus",
+    "KVConnectorMetadata", "KVConnectorRole", "KVEvent", "KVTransferFailure", "KVTransferParams", "Request", "RequestStatus",
     "SchedulerOutput", "available_connectors", "create_connector", "engine_connector_factory",
     "resolve_connector_class",
 ]

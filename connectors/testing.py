@@ -17,7 +17,8 @@ options + lease_options), two consumer engines (kv_role "consumer", failure_poli
 drive them (same request id on both legs, prefill with max_tokens=1 and do_remote_decode, decode
 with the returned params, do_remote_prefill and the prefill's token):
 
-  - hand-off: params come back on the prefill's final output and the producer holds the blocks
+  - hand-off: params (a KVTransferParams, unchanged by the trip through the proto a router
+    carries them in) come back on the prefill's final output and the producer holds the blocks
     (delay_free) until the consumer is done; greedy and seeded-random outputs equal the
     reference's token for token;
   - leases: a hand-off nobody consumes is freed after the lease expires;
@@ -26,7 +27,9 @@ with the returned params, do_remote_prefill and the prefill's token):
   - an abort while loading frees everything;
   - no leaks: after every check, neither engine holds a block or a request.
 
-Your connector must accept options["failure_policy"] ("fail" | "recompute").
+Your connector must accept options["failure_policy"] ("fail" | "recompute"), read the leg from
+request.kv_transfer_params (do_remote_decode / do_remote_prefill) and return a KVTransferParams
+from request_finished; what is your connector's own goes in its bounded `extra` map.
 """
 
 from __future__ import annotations
@@ -39,14 +42,17 @@ from typing import Any, ClassVar
 import pytest
 
 from pdcluster.config import EngineArgs
+from pdcluster.engine.kv_connector import KVTransferParams
 from pdcluster.engine.llm_engine import LLMEngine
 from pdcluster.engine.outputs import RequestOutput
+from pdcluster.proto_convert import kv_params_from_proto, kv_params_to_proto
 from pdcluster.sampling_params import SamplingParams
 
 from .registry import engine_connector_factory, resolve_connector_class
 
 PROMPT_LENGTHS = (3, 16, 17, 40)
 MAX_TOKENS = 6
+PREFILL_LEG = KVTransferParams(do_remote_decode=True)  # what a router sends the prefill leg
 
 
 class ConformanceEnv:
@@ -93,13 +99,23 @@ def drive(engines: list[LLMEngine], until: Callable[[], bool], timeout_s: float,
             time.sleep(0.005)
 
 
-def run_requests(engine: LLMEngine, reqs: list[tuple[str, list[int], SamplingParams, dict | None, list[int] | None]],
-                 others: list[LLMEngine], timeout_s: float = 120.0) -> dict[str, RequestOutput]:
+Leg = tuple[str, list[int], SamplingParams, KVTransferParams | None, list[int] | None]
+
+
+def decode_leg(out: RequestOutput) -> KVTransferParams:
+    """The params a router sends the decode leg: the prefill's, with do_remote_prefill set."""
+    assert isinstance(out.kv_transfer_params, KVTransferParams), \
+        f"{out.request_id}: request_finished must return a KVTransferParams, got {type(out.kv_transfer_params)}"
+    return out.kv_transfer_params.for_decode_leg()
+
+
+def run_requests(engine: LLMEngine, reqs: list[Leg], others: list[LLMEngine],
+                 timeout_s: float = 120.0) -> dict[str, RequestOutput]:
     """Add (request_id, prompt, params, kv_transfer_params, prefill tokens) and run them to the end."""
     done: dict[str, RequestOutput] = {}
-    for rid, prompt, sp, kv, prior in reqs:
-        req, text = engine.prepare_request(prompt, sp, rid, kv, prior)
-        engine.add_prepared(req, text)
+    for request_id, prompt, sp, kv, prior in reqs:
+        request, text = engine.prepare_request(prompt, sp, request_id, kv, prior)
+        engine.add_prepared(request, text)
     pending = {r[0] for r in reqs}
     deadline = time.monotonic() + timeout_s
     while pending:
@@ -156,23 +172,27 @@ class ConnectorConformance:
 
     def prefill(self, env: ConformanceEnv, tag: str, prompts: list[list[int]],
                 params: list[SamplingParams]) -> dict[str, RequestOutput]:
-        reqs = [(f"{tag}-{i}", p, _one_token(sp), {"do_remote_decode": True}, None)
-                for i, (p, sp) in enumerate(zip(prompts, params))]
+        reqs: list[Leg] = [(f"{tag}-{i}", p, _one_token(sp), PREFILL_LEG, None)
+                           for i, (p, sp) in enumerate(zip(prompts, params))]
         outs = run_requests(env.producer, reqs, [])
-        for rid, out in outs.items():
-            assert out.error is None, f"prefill {rid} failed: {out.error}"
-            assert out.kv_transfer_params, f"prefill {rid}: the producer returned no kv_transfer_params"
+        for request_id, out in outs.items():
+            assert out.error is None, f"prefill {request_id} failed: {out.error}"
+            kv = out.kv_transfer_params
+            assert kv is not None, f"prefill {request_id}: the producer returned no kv_transfer_params"
+            assert isinstance(kv, KVTransferParams), f"prefill {request_id}: params must be a KVTransferParams"
+            # A router carries them as the proto: what the decode leg gets must be what was returned.
+            assert kv_params_from_proto(kv_params_to_proto(kv)) == kv, \
+                f"prefill {request_id}: the params do not survive the proto unchanged: {kv}"
         held = env.producer.get_stats()["num_held_for_transfer"]
         assert held >= len(prompts), f"the producer freed blocks before any consumer read them (held={held})"
         return outs
 
     def decode(self, env: ConformanceEnv, consumer: LLMEngine, tag: str, prompts: list[list[int]],
                params: list[SamplingParams], pre: dict[str, RequestOutput]) -> dict[str, RequestOutput]:
-        reqs = []
+        reqs: list[Leg] = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
             out = pre[f"{tag}-{i}"]
-            kv = dict(out.kv_transfer_params or {}, do_remote_prefill=True, do_remote_decode=False)
-            reqs.append((f"{tag}-{i}", p, sp, kv, list(out.outputs[0].token_ids)))
+            reqs.append((f"{tag}-{i}", p, sp, decode_leg(out), list(out.outputs[0].token_ids)))
         return run_requests(consumer, reqs, [env.producer])
 
     def check_equal(self, env: ConformanceEnv, tag: str, prompts: list[list[int]], params: list[SamplingParams],
@@ -222,7 +242,7 @@ class ConnectorConformance:
         drive([env.producer], lambda: env.producer.get_stats()["num_held_for_transfer"] == 0,
               self.lease_expiry_wait_s, "the producer's leases to expire")
         assert_idle(env.producer, [], "producer")
-        expiry = max(float((o.kv_transfer_params or {}).get("lease_expiry_time") or 0) for o in pre.values())
+        expiry = max(o.kv_transfer_params.lease_expiry_time if o.kv_transfer_params else 0.0 for o in pre.values())
         drive([env.producer], lambda: time.time() > expiry + 0.2, self.lease_expiry_wait_s,
               "the lease expiry time in the params")  # a connector that freed blocks early (a copy)
         # A decode leg whose KV is gone: a clear error under "fail"...
@@ -239,7 +259,7 @@ class ConnectorConformance:
         a, b = self.prompts(env, seed=4)[2:4]
         pre = self.prefill(env, "mismatch", [a], [_greedy()])
         out = pre["mismatch-0"]
-        kv = dict(out.kv_transfer_params or {}, do_remote_prefill=True, do_remote_decode=False)
+        kv = decode_leg(out)
         ref = run_requests(env.reference, [("ref-mismatch", b, _greedy(), None, None)], [])["ref-mismatch"]
         # Prompt b with a's params (and b's own first token): refused, or computed correctly.
         t0 = ref.outputs[0].token_ids[:1]
@@ -252,10 +272,10 @@ class ConnectorConformance:
         prompts = self.prompts(env, seed=5)[3:]
         pre = self.prefill(env, "abort", prompts, [_greedy()])
         out = pre["abort-0"]
-        kv = dict(out.kv_transfer_params or {}, do_remote_prefill=True, do_remote_decode=False)
+        kv = decode_leg(out)
         consumer = env.consumers["fail"]
-        req, text = consumer.prepare_request(prompts[0], _greedy(), "abort-0", kv, list(out.outputs[0].token_ids))
-        consumer.add_prepared(req, text)
+        request, text = consumer.prepare_request(prompts[0], _greedy(), "abort-0", kv, list(out.outputs[0].token_ids))
+        consumer.add_prepared(request, text)
         consumer.step()  # admitted: allocated, load started (or finished already)
         consumer.abort(["abort-0"])
         self.check_no_leaks(env)
@@ -269,4 +289,5 @@ def _one_token(sp: SamplingParams) -> SamplingParams:
     return sp.replace(max_tokens=1, min_tokens=0)
 
 
-__all__ = ["ConformanceEnv", "ConnectorConformance", "assert_idle", "drive", "run_requests"]
+__all__ = ["PREFILL_LEG", "ConformanceEnv", "ConnectorConformance", "Leg", "assert_idle", "decode_leg", "drive",
+           "run_requests"]

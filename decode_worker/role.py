@@ -8,13 +8,12 @@ connector resolves producer_id against its own registry/handshake before opening
 
 from __future__ import annotations
 
-from typing import Any
-
+from pdcluster.engine.kv_connector import KVTransferParams
 from pdcluster.worker.roles import RoleHandler, check_consumer_params
 
 
 class DecodeRole(RoleHandler):
     name = "decode"
 
-    def accept_consumer_leg(self, kv: dict[str, Any]) -> dict[str, Any]:
+    def accept_consumer_leg(self, kv: KVTransferParams) -> KVTransferParams:
         return check_consumer_params(kv)

@@ -9,8 +9,7 @@ the router's request through. The wiring around it (connector half, metrics) is 
 
 from __future__ import annotations
 
-from typing import Any
-
+from pdcluster.engine.kv_connector import KVTransferParams
 from pdcluster.prefill_worker.leg_checks import check_producer_leg
 from pdcluster.worker.roles import RoleHandler
 
@@ -18,8 +17,8 @@ from pdcluster.worker.roles import RoleHandler
 class PrefillRole(RoleHandler):
     name = "prefill"
 
-    def accept_producer_leg(self, kv: dict[str, Any]) -> dict[str, Any]:
+    def accept_producer_leg(self, kv: KVTransferParams) -> KVTransferParams:
         # The router asks for exactly one token on this leg (DESIGN.md section 3); more would
         # only be thrown away, but it is not wrong, so it is not refused here.
         check_producer_leg(kv)
-        return dict(kv)
+        return kv

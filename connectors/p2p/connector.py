@@ -16,7 +16,13 @@ from __future__ import annotations
 from typing import Any
 
 from pdcluster.config import EngineConfig
-from pdcluster.engine.kv_connector import KVCacheLayout, KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+from pdcluster.engine.kv_connector import (
+    KVCacheLayout,
+    KVConnectorBase,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVTransferParams,
+)
 from pdcluster.engine.outputs import SchedulerOutput
 from pdcluster.engine.request import Request
 
@@ -56,7 +62,7 @@ class P2PConnector(KVConnectorBase):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self._s().build_meta()
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, KVTransferParams | None]:
         return self._s().request_finished(request, block_ids)
 
     def abort_held(self, request_id: str) -> None:

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from pdcluster.dtypes import torch_dtype
-from pdcluster.engine.kv_connector import KVCacheLayout
+from pdcluster.engine.kv_connector import KVCacheLayout, KVTransferParams
 from pdcluster.transfer import SharedRegionCache, TransferError, local_host_id
 
 from .blocks import CacheGeometry, block_ranges, chunk_block_ids, copy_blocks
@@ -56,7 +56,7 @@ class LoadJob:
     request_id: str
     local_block_ids: list[int]
     first_block: int
-    params: dict[str, Any]
+    params: KVTransferParams
     cancelled: threading.Event
     notified: set[int] = field(default_factory=set)  # producer ranks told "done" already
     targets: dict[int, Producer] = field(default_factory=dict)  # producer ranks owed a "done"
@@ -82,7 +82,7 @@ class Loader:
         self.last_errors: dict[str, str] = {}  # request id -> why its load failed (bounded)
 
     # -- engine thread ---------------------------------------------------------------------------
-    def submit(self, request_id: str, local_block_ids: list[int], first_block: int, params: dict[str, Any]) -> None:
+    def submit(self, request_id: str, local_block_ids: list[int], first_block: int, params: KVTransferParams) -> None:
         job = LoadJob(request_id, local_block_ids, first_block, params, threading.Event())
         with self._lock:
             self._jobs[request_id] = job
@@ -94,7 +94,7 @@ class Loader:
         if job is not None:
             job.cancelled.set()
 
-    def release(self, request_id: str, params: dict[str, Any]) -> None:
+    def release(self, request_id: str, params: KVTransferParams) -> None:
         """Tell the producer we will not read (e.g. everything was a local prefix hit)."""
         self._executor.submit(self._release, request_id, params)
 
@@ -204,7 +204,7 @@ class Loader:
         if len(src_ids) != len(job.local_block_ids):
             raise LoadError(f"producer leased {len(src_ids)} blocks from block {job.first_block}, "
                             f"this request needs {len(job.local_block_ids)}")
-        self.heartbeats.add(producer, p["lease_id"], p["transfer_id"], reply.get("ttl_ms") or 0)
+        self.heartbeats.add(producer, p.lease_id, p.transfer_id, reply.get("ttl_ms") or 0)
         try:
             if self.opts.debug_pause_before_read_s and job.cancelled.wait(self.opts.debug_pause_before_read_s):
                 raise LoadError("cancelled")
@@ -217,7 +217,7 @@ class Loader:
             else:
                 self._copy_heads(job, hs, src_ids, reply["tokens"], src_heads, pieces)
         finally:
-            self.heartbeats.remove(p["lease_id"])
+            self.heartbeats.remove(p.lease_id)
 
     def _cache_tensor(self) -> torch.Tensor:
         lay = self.layout
@@ -270,8 +270,8 @@ class Loader:
         p = job.params
         deadline = time.monotonic() + self.opts.open_retry_s
         while True:
-            reply = call(self.pool, hs.producer, OPEN, {"request_id": job.request_id, "transfer_id": p["transfer_id"],
-                                                        "lease_id": p["lease_id"], "first_block": job.first_block})
+            reply = call(self.pool, hs.producer, OPEN, {"request_id": job.request_id, "transfer_id": p.transfer_id,
+                                                        "lease_id": p.lease_id, "first_block": job.first_block})
             if reply["epoch"] != hs.epoch:
                 raise LoadError(f"producer {hs.producer.producer_id!r} restarted during the transfer")
             if reply["ok"]:
@@ -325,8 +325,8 @@ class Loader:
         p = job.params
         job.notified.add(rank)
         try:
-            reply = call(self.pool, producer, DONE, {"request_id": job.request_id, "transfer_id": p["transfer_id"],
-                                                     "lease_id": p["lease_id"], "ok": ok,
+            reply = call(self.pool, producer, DONE, {"request_id": job.request_id, "transfer_id": p.transfer_id,
+                                                     "lease_id": p.lease_id, "ok": ok,
                                                      "consumer_rank": self.layout.tp_rank,
                                                      "consumer_tp": self.layout.tp_size})
         except LoadError as e:
@@ -334,7 +334,7 @@ class Loader:
             return "unreachable"
         return reply.get("status") or ("released" if reply["ok"] else "refused")
 
-    def _release(self, request_id: str, params: dict[str, Any]) -> None:
+    def _release(self, request_id: str, params: KVTransferParams) -> None:
         job = LoadJob(request_id, [], 0, params, threading.Event())
         try:
             self._notify_all(resolve_producer(params, self.opts), job, ok=False)

@@ -11,20 +11,20 @@ request (lazy-pirate). Handshakes are cached per producer and redone when its ep
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 import zmq
 
+from pdcluster.engine.kv_connector import KVTransferParams
 from pdcluster.security.envelope import MalformedMessage, MessageSchema, decode, encode
 from pdcluster.security.keys import KeyMaterialError, normalize_public_key
 
 from .options import P2POptions, check_endpoint
+from .params import P2PExtra, params_signature
 from .wire import (
     FINGERPRINTS,
     HS_BODIES,
@@ -58,29 +58,23 @@ class Handshake:
         return self.body["epoch"]
 
 
-def params_signature(secret: bytes, params: dict[str, Any]) -> str:
-    """HMAC over the fields that tell a consumer where to go and whom to trust."""
-    signed = msgpack.packb(["pdcluster-p2p-params-v1", params.get("producer_id"), params.get("handshake_endpoint"),
-                            bytes(params.get("producer_public_key") or b""), params.get("engine_epoch")]
-                           + ([ranks] if (ranks := (params.get("extra") or {}).get("p2p_ranks")) else []),
-                           use_bin_type=True)
-    return hmac.new(secret, signed, hashlib.sha256).hexdigest()
-
-
-def resolve_producer(params: dict[str, Any], opts: P2POptions) -> Producer:
-    pid = params.get("producer_id")
-    entry = opts.peers.get(pid) if isinstance(pid, str) else None
+def resolve_producer(params: KVTransferParams, opts: P2POptions) -> Producer:
+    pid = params.producer_id
+    entry = opts.peers.get(pid)
     if entry is not None:
         return Producer(pid, entry.endpoint, entry.public_key)
     if opts.params_secret is None:
         raise LoadError(f"producer {pid!r} is not in the p2p peer registry (options['peers']) and no "
                         "params_secret is configured to verify signed params")
-    sig = (params.get("extra") or {}).get("p2p_sig")
-    if not isinstance(sig, str) or not hmac.compare_digest(sig, params_signature(opts.params_secret, params)):
+    try:
+        sig = P2PExtra.of(params).signature
+    except ValueError as e:
+        raise LoadError(str(e)) from e
+    if not sig or not hmac.compare_digest(sig, params_signature(opts.params_secret, params)):
         raise LoadError(f"kv_transfer_params of producer {pid!r} are not signed with this cluster's params_secret")
     try:
-        key = normalize_public_key(params.get("producer_public_key") or b"")
-        endpoint = check_endpoint(params.get("handshake_endpoint") or "")
+        key = normalize_public_key(params.producer_public_key)
+        endpoint = check_endpoint(params.handshake_endpoint)
     except (KeyMaterialError, ValueError) as e:
         raise LoadError(f"producer {pid!r}: {e}") from e
     if key not in opts.allowed_keys.values():

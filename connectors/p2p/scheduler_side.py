@@ -19,7 +19,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdcluster.engine.kv_connector import KVConnectorMetadata
+from pdcluster.engine.kv_connector import KVConnectorMetadata, KVTransferParams
 from pdcluster.engine.request import Request, RequestStatus
 
 from .options import P2POptions
@@ -33,9 +33,10 @@ class P2PMetadata(KVConnectorMetadata):
     """One step's work for the worker side (plain data: broadcast to TP ranks)."""
 
     leases: list[dict[str, Any]] = field(default_factory=list)  # request_id, transfer_id, lease_id, block_ids
-    loads: list[dict[str, Any]] = field(default_factory=list)  # request_id, local_block_ids, first_block, params
+    # request_id, local_block_ids, first_block, params (KVTransferParams.to_wire(): plain data)
+    loads: list[dict[str, Any]] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)
-    releases: list[dict[str, Any]] = field(default_factory=list)  # request_id, params
+    releases: list[dict[str, Any]] = field(default_factory=list)  # request_id, params (to_wire())
     drops: list[str] = field(default_factory=list)  # producer: end these requests' leases now (aborted)
 
     @classmethod
@@ -49,9 +50,9 @@ class P2PMetadata(KVConnectorMetadata):
         return out
 
 
-def _remote_prefill(req: Request) -> dict[str, Any] | None:
+def _remote_prefill(req: Request) -> KVTransferParams | None:
     kv = req.kv_transfer_params
-    return kv if kv and kv.get("do_remote_prefill") else None
+    return kv if kv is not None and kv.do_remote_prefill else None
 
 
 class P2PScheduler:
@@ -80,60 +81,61 @@ class P2PScheduler:
                              "(do_remote_prefill)")
         check_consumer_params(kv, req, self.block_size)
         self._num_local[req.request_id] = num_computed_tokens
-        return max(0, kv["num_tokens"] - num_computed_tokens), True
+        return max(0, kv.num_tokens - num_computed_tokens), True
 
     def update_state_after_alloc(self, req: Request, block_ids: list[int], num_external_tokens: int) -> None:
         kv = _remote_prefill(req)
-        rid = req.request_id
-        if kv is None or rid in self._handled:
+        request_id = req.request_id
+        if kv is None or request_id in self._handled:
             return
-        self._handled.add(rid)
-        num_local = self._num_local.pop(rid, 0)
+        self._handled.add(request_id)
+        num_local = self._num_local.pop(request_id, 0)
         if num_external_tokens <= 0:  # everything hit locally: the producer may free now
-            self._meta.releases.append({"request_id": rid, "params": kv})
+            self._meta.releases.append({"request_id": request_id, "params": kv.to_wire()})
             return
         bs = self.block_size
         first, end = num_local // bs, -(-(num_local + num_external_tokens) // bs)
-        self._meta.loads.append({"request_id": rid, "local_block_ids": list(block_ids[first:end]),
-                                 "first_block": first, "params": kv})
-        self._loading.add(rid)
+        self._meta.loads.append({"request_id": request_id, "local_block_ids": list(block_ids[first:end]),
+                                 "first_block": first, "params": kv.to_wire()})
+        self._loading.add(request_id)
         self.counters["loads_issued"] += 1
 
-    def abort_held(self, rid: str) -> None:
+    def abort_held(self, request_id: str) -> None:
         """Producer: the finished prefill leg was aborted (no decode leg will read it): every rank
         ends its lease now instead of at expiry; a late reader is refused ("aborted")."""
-        self._meta.drops.append(rid)
+        self._meta.drops.append(request_id)
 
     # -- both ------------------------------------------------------------------------------------
     def build_meta(self) -> P2PMetadata:
         meta, self._meta = self._meta, P2PMetadata()
         return meta
 
-    def request_finished(self, req: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        rid = req.request_id
-        self._num_local.pop(rid, None)
-        if _remote_prefill(req) is not None:
-            if rid in self._loading:
-                self._meta.cancels.append(rid)  # stops a load in flight; a no-op once it finished
-            elif rid not in self._handled:
-                self._meta.releases.append({"request_id": rid, "params": req.kv_transfer_params})
-            self._handled.discard(rid)
-            self._loading.discard(rid)
+    def request_finished(self, req: Request, block_ids: list[int]) -> tuple[bool, KVTransferParams | None]:
+        request_id = req.request_id
+        self._num_local.pop(request_id, None)
+        remote = _remote_prefill(req)
+        if remote is not None:
+            if request_id in self._loading:
+                self._meta.cancels.append(request_id)  # stops a load in flight; a no-op once it finished
+            elif request_id not in self._handled:
+                self._meta.releases.append({"request_id": request_id, "params": remote.to_wire()})
+            self._handled.discard(request_id)
+            self._loading.discard(request_id)
             return False, None
         kv = req.kv_transfer_params
-        if not (kv and kv.get("do_remote_decode")) or not block_ids:
+        if kv is None or not kv.do_remote_decode or not block_ids:
             return False, None
         if req.status != RequestStatus.FINISHED_LENGTH:
             # Stopped at its first token (eos): no decode leg will come. Aborted/failed: nothing to hand over.
             return False, None
         if not self.opts.is_producer or self.worker_meta is None:
-            log.warning("request %s asked for a remote decode but this engine has no p2p producer agent", rid)
+            log.warning("request %s asked for a remote decode but this engine has no p2p producer agent", request_id)
             return False, None
         num_blocks = -(-req.num_prompt_tokens // self.block_size)
         leased = list(block_ids[:num_blocks])
-        transfer_id = kv.get("transfer_id") if is_hex32(kv.get("transfer_id")) else new_id()
+        transfer_id = kv.transfer_id if is_hex32(kv.transfer_id) else new_id()
         lease_id = new_id()
-        self._meta.leases.append({"request_id": rid, "transfer_id": transfer_id, "lease_id": lease_id,
+        self._meta.leases.append({"request_id": request_id, "transfer_id": transfer_id, "lease_id": lease_id,
                                   "block_ids": leased})
         self.counters["leases_issued"] += 1
         return True, build_params(req, leased, self.block_size, self.worker_meta, transfer_id, lease_id,

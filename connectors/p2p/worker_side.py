@@ -15,7 +15,7 @@ import logging
 from typing import Any
 
 from pdcluster.config import EngineConfig
-from pdcluster.engine.kv_connector import KVCacheLayout
+from pdcluster.engine.kv_connector import KVCacheLayout, KVTransferParams
 from pdcluster.transfer import Region
 
 from .agent import ProducerAgent
@@ -75,9 +75,9 @@ class P2PWorker:
     def start(self, meta: Any) -> None:
         if not isinstance(meta, P2PMetadata):
             return
-        for rid in meta.cancels:  # before loads: a reused request id never cancels its new load
+        for request_id in meta.cancels:  # before loads: a reused request id never cancels its new load
             if self.loader is not None:
-                self.loader.cancel(rid)
+                self.loader.cancel(request_id)
         for lease in meta.leases:
             if self.agent is None:
                 log.error("lease for %s but this rank has no producer agent", lease["request_id"])
@@ -88,13 +88,14 @@ class P2PWorker:
                 self._orphans.add(load["request_id"])
                 self._orphan_blocks.update(load["local_block_ids"])
                 continue
-            self.loader.submit(load["request_id"], load["local_block_ids"], load["first_block"], load["params"])
-        for rid in meta.drops:
+            self.loader.submit(load["request_id"], load["local_block_ids"], load["first_block"],
+                               KVTransferParams.from_wire(load["params"]))
+        for request_id in meta.drops:
             if self.agent is not None:
-                self.agent.leases.drop_request(rid)
+                self.agent.leases.drop_request(request_id)
         for rel in meta.releases:
             if self.loader is not None:
-                self.loader.release(rel["request_id"], rel["params"])
+                self.loader.release(rel["request_id"], KVTransferParams.from_wire(rel["params"]))
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         sending = self.agent.leases.take_finished() if self.agent is not None else set()

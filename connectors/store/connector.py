@@ -22,7 +22,13 @@ from typing import Any
 
 from pdcluster.config import EngineConfig
 from pdcluster.engine.block_pool import KVEvent
-from pdcluster.engine.kv_connector import KVCacheLayout, KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+from pdcluster.engine.kv_connector import (
+    KVCacheLayout,
+    KVConnectorBase,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVTransferParams,
+)
 from pdcluster.engine.outputs import SchedulerOutput
 from pdcluster.engine.request import Request
 
@@ -68,7 +74,7 @@ class StoreConnector(KVConnectorBase):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self._s().build_meta(scheduler_output)
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, KVTransferParams | None]:
         return self._s().request_finished(request, block_ids)
 
     def take_events(self) -> list[KVEvent]:

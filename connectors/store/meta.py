@@ -1,4 +1,5 @@
-"""The store connector's per-step metadata: what every worker rank loads, saves and reports.
+"""The store connector's per-step metadata (what every worker rank loads, saves and reports) and
+its part of the hand-off params (StoreHandoff).
 
 Plain data only (str, int, bytes, lists) so it can be broadcast to TP ranks as msgpack
 (`to_dict` / `from_dict`); block hashes travel as their 32 raw bytes.
@@ -9,20 +10,45 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdcluster.engine.kv_connector import KVConnectorMetadata
+from pdcluster.engine.kv_connector import ExtraValue, KVConnectorMetadata, KVTransferParams
+
+PREFIX_KEY, LAST_HASH_KEY = "store_key_prefix", "store_last_hash"
+
+
+@dataclass(frozen=True)
+class StoreHandoff:
+    """The store connector's entries of KVTransferParams.extra (strings, on the wire as before).
+    The store finds blocks by hash, so a decode leg needs only: which key namespace the producer
+    wrote under (key_prefix: model, dtype, layout, block size, store_tp_size) and the hex chained
+    hash of the last block it promised (last_hash: the consumer checks it is its own prompt's).
+    How many tokens are promised is the core field num_tokens."""
+
+    key_prefix: str
+    last_hash: str
+
+    @classmethod
+    def of(cls, params: KVTransferParams) -> StoreHandoff | None:
+        """None when the params promise no block (no last_hash); a missing prefix reads as ""."""
+        prefix, last = params.extra.get(PREFIX_KEY, ""), params.extra.get(LAST_HASH_KEY)
+        if not isinstance(last, str):
+            return None
+        return cls(prefix if isinstance(prefix, str) else "", last)
+
+    def into(self, extra: dict[str, ExtraValue]) -> dict[str, ExtraValue]:
+        return {**extra, PREFIX_KEY: self.key_prefix, LAST_HASH_KEY: self.last_hash}
 
 
 @dataclass
 class BlockSpec:
     """Blocks of one request: block_ids[i] holds the block whose chained hash is block_hashes[i]."""
 
-    req_id: str
+    request_id: str
     block_ids: list[int]
     block_hashes: list[bytes]
 
     def __post_init__(self) -> None:
         if len(self.block_ids) != len(self.block_hashes):
-            raise ValueError(f"{self.req_id}: {len(self.block_ids)} block ids for {len(self.block_hashes)} hashes")
+            raise ValueError(f"{self.request_id}: {len(self.block_ids)} block ids for {len(self.block_hashes)} hashes")
 
 
 @dataclass
@@ -40,7 +66,7 @@ class StoreConnectorMetadata(KVConnectorMetadata):
 
     def to_dict(self) -> dict[str, Any]:
         def specs(xs: list[BlockSpec]) -> list[list[Any]]:
-            return [[s.req_id, list(s.block_ids), list(s.block_hashes)] for s in xs]
+            return [[s.request_id, list(s.block_ids), list(s.block_hashes)] for s in xs]
 
         return {"loads": specs(self.loads), "saves": specs(self.saves), "finished": list(self.finished),
                 "cancels": list(self.cancels)}
@@ -49,15 +75,15 @@ class StoreConnectorMetadata(KVConnectorMetadata):
     def from_dict(cls, d: dict[str, Any]) -> StoreConnectorMetadata:
         def specs(xs: Any) -> list[BlockSpec]:
             out = []
-            for rid, ids, hashes in xs:
-                if not isinstance(rid, str) or not all(isinstance(b, int) for b in ids) \
+            for request_id, ids, hashes in xs:
+                if not isinstance(request_id, str) or not all(isinstance(b, int) for b in ids) \
                         or not all(isinstance(h, bytes) for h in hashes):
                     raise ValueError("malformed store connector metadata")
-                out.append(BlockSpec(rid, list(ids), list(hashes)))
+                out.append(BlockSpec(request_id, list(ids), list(hashes)))
             return out
 
         return cls(specs(d.get("loads", [])), specs(d.get("saves", [])), [str(r) for r in d.get("finished", [])],
                    [str(r) for r in d.get("cancels", [])])
 
 
-__all__ = ["BlockSpec", "StoreConnectorMetadata"]
+__all__ = ["BlockSpec", "StoreConnectorMetadata", "StoreHandoff"]

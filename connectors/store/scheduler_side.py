@@ -28,13 +28,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdcluster.engine.block_pool import KVEvent
+from pdcluster.engine.kv_connector import KVTransferParams
 from pdcluster.engine.outputs import SchedulerOutput
 from pdcluster.engine.request import Request
 
 from .backend import StoreBackend, StoreBackendError
 from .backend_factory import make_backend
 from .events import StoredBlockTracker
-from .meta import BlockSpec, StoreConnectorMetadata
+from .meta import BlockSpec, StoreConnectorMetadata, StoreHandoff
 from .options import StoreOptions
 
 _PRODUCER_ID = f"{socket.gethostname()}-{os.getpid()}"
@@ -68,7 +69,7 @@ class StoreScheduler:
         self._reqs: dict[str, _ReqState] = {}
         self._lookups: dict[str, tuple[float, list[bool]]] = {}
         self._first_seen: dict[str, float] = {}
-        self._match: dict[str, tuple[int, list[bool]]] = {}  # rid -> (num local tokens, present)
+        self._match: dict[str, tuple[int, list[bool]]] = {}  # request_id -> (num local tokens, present)
         self._loads: list[BlockSpec] = []
         self._finished: list[str] = []
         self._cancels: list[str] = []
@@ -107,14 +108,14 @@ class StoreScheduler:
         return present
 
     def get_num_new_matched_tokens(self, req: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        rid, bs = req.request_id, self.block_size
+        request_id, bs = req.request_id, self.block_size
         now = time.monotonic()
-        first_seen = self._first_seen.setdefault(rid, now)
+        first_seen = self._first_seen.setdefault(request_id, now)
         promised = self._promised_blocks(req)
         waiting = promised > 0 and now - first_seen < self.opts.wait_for_producer_s
         present = self._lookup(req, WAIT_REQUERY_S if waiting else LOOKUP_TTL_S)
         if present is None:  # store unreachable: compute locally, still try to save
-            self._match[rid] = (num_computed_tokens, [])
+            self._match[request_id] = (num_computed_tokens, [])
             return 0, False
         num_local_blocks = num_computed_tokens // bs
         n = 0
@@ -123,29 +124,23 @@ class StoreScheduler:
         if waiting and n < promised:
             return None, False  # the producer's saves are still landing: ask again next step
         num_ext = max(0, min(n * bs, req.num_tokens - 1) - num_computed_tokens) if self.opts.load else 0
-        self._match[rid] = (num_computed_tokens, present)
+        self._match[request_id] = (num_computed_tokens, present)
         return num_ext, num_ext > 0
 
     def _promised_blocks(self, req: Request) -> int:
         """Blocks a decode leg's params say the producer saved, if they are this prompt's blocks."""
         p = req.kv_transfer_params
-        if not isinstance(p, dict) or not p.get("do_remote_prefill") or p.get("connector") != "store":
+        if p is None or not p.do_remote_prefill or p.connector != "store":
             return 0
-        # Through the router, params travel as the KvTransferParams proto: num_tokens is a field,
-        # the store_* keys come back as strings (its `extra` map).
-        num = p.get("num_tokens", p.get("store_num_tokens"))
-        if isinstance(num, str) and num.isdigit():
-            num = int(num)
-        last = p.get("store_last_hash")
-        if not isinstance(num, int) or isinstance(num, bool) or not isinstance(last, str):
+        handoff = StoreHandoff.of(p)
+        if handoff is None:
             return 0
-        prefix = p.get("store_key_prefix")
-        if prefix != self.layout.key_prefix:
-            self._foreign_prefix(req, prefix)
+        if handoff.key_prefix != self.layout.key_prefix:
+            self._foreign_prefix(req, handoff.key_prefix)
             return 0
-        blocks = min(num // self.block_size, len(req.block_hashes))
+        blocks = min(p.num_tokens // self.block_size, len(req.block_hashes))
         # Mismatched params (another prompt's) must not make this request wait for nothing.
-        return blocks if blocks and req.block_hashes[blocks - 1].hex() == last else 0
+        return blocks if blocks and req.block_hashes[blocks - 1].hex() == handoff.last_hash else 0
 
     def _foreign_prefix(self, req: Request, prefix: Any) -> None:
         """A decode leg whose producer names blocks differently can never load them: say so (once
@@ -163,22 +158,22 @@ class StoreScheduler:
                         req.request_id, prefix, self.layout.key_prefix)
 
     def update_state_after_alloc(self, req: Request, block_ids: list[int], num_external_tokens: int) -> None:
-        rid = req.request_id
-        match = self._match.pop(rid, None)
-        st = self._reqs.get(rid)
+        request_id = req.request_id
+        match = self._match.pop(request_id, None)
+        st = self._reqs.get(request_id)
         if match is None:  # admitted with blocks a finished load filled: the load is over
             if st is None:
-                st = self._reqs[rid] = _ReqState(req, [], [])
+                st = self._reqs[request_id] = _ReqState(req, [], [])
             st.block_ids, st.loading = list(block_ids), False
             return
         num_local, present = match
-        st = self._reqs[rid] = _ReqState(req, list(block_ids), present)
+        st = self._reqs[request_id] = _ReqState(req, list(block_ids), present)
         self.counters["query_tokens"] += req.num_tokens  # per admission, not per retried lookup
         self.counters["hit_tokens"] += num_external_tokens
         if num_external_tokens > 0:
             first = num_local // self.block_size
             last = -(-(num_local + num_external_tokens) // self.block_size)
-            self._loads.append(BlockSpec(rid, list(block_ids[first:last]), list(req.block_hashes[first:last])))
+            self._loads.append(BlockSpec(request_id, list(block_ids[first:last]), list(req.block_hashes[first:last])))
             st.loading = True
             self.counters["load_requests"] += 1
 
@@ -189,15 +184,15 @@ class StoreScheduler:
         if not self.opts.save:
             return meta
         for new in so.scheduled_new_reqs:
-            st = self._reqs.get(new.req_id)
+            st = self._reqs.get(new.request_id)
             if st is not None:
                 st.block_ids = list(new.block_ids)
-                self._add_saves(st, new.num_computed_tokens + so.num_scheduled_tokens.get(new.req_id, 0), meta)
+                self._add_saves(st, new.num_computed_tokens + so.num_scheduled_tokens.get(new.request_id, 0), meta)
         for c in so.scheduled_cached_reqs:
-            st = self._reqs.get(c.req_id)
+            st = self._reqs.get(c.request_id)
             if st is not None:
                 st.block_ids.extend(c.new_block_ids)
-                self._add_saves(st, c.num_computed_tokens + so.num_scheduled_tokens.get(c.req_id, 0), meta)
+                self._add_saves(st, c.num_computed_tokens + so.num_scheduled_tokens.get(c.request_id, 0), meta)
         return meta
 
     def _add_saves(self, st: _ReqState, num_tokens_after: int, meta: StoreConnectorMetadata) -> None:
@@ -232,31 +227,31 @@ class StoreScheduler:
                 self._recent.popitem(last=False)
 
     # -- finish ----------------------------------------------------------------------------------
-    def request_finished(self, req: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        rid = req.request_id
-        st = self._reqs.pop(rid, None)
+    def request_finished(self, req: Request, block_ids: list[int]) -> tuple[bool, KVTransferParams | None]:
+        request_id = req.request_id
+        st = self._reqs.pop(request_id, None)
         for d in (self._lookups, self._first_seen, self._match):
-            d.pop(rid, None)
-        self._foreign.discard(rid)
+            d.pop(request_id, None)
+        self._foreign.discard(request_id)
         if st is not None and st.loading:
-            self._cancels.append(rid)
+            self._cancels.append(request_id)
         params = self._producer_params(req)
         delay_free = bool(block_ids) and ((st is not None and st.saved_any) or params is not None)
         if delay_free:
-            self._finished.append(rid)
+            self._finished.append(request_id)
         return delay_free, params
 
-    def _producer_params(self, req: Request) -> dict[str, Any] | None:
+    def _producer_params(self, req: Request) -> KVTransferParams | None:
         p = req.kv_transfer_params
-        if not isinstance(p, dict) or not p.get("do_remote_decode"):
+        if p is None or not p.do_remote_decode:
             return None
         blocks = min(req.num_prompt_tokens // self.block_size, len(req.block_hashes))
-        # producer_id and num_tokens are what every consumer leg carries (service/roles.py); the
+        # producer_id and num_tokens are what every consumer leg carries (worker/roles.py); the
         # store finds blocks by hash, so the producer's identity is for diagnostics only. Without
         # one full block (num_tokens 0) the decode leg computes the prompt itself.
-        return {"connector": "store", "producer_id": _PRODUCER_ID, "num_tokens": blocks * self.block_size,
-                "store_key_prefix": self.layout.key_prefix, "store_num_tokens": blocks * self.block_size,
-                "store_last_hash": req.block_hashes[blocks - 1].hex() if blocks else ""}
+        handoff = StoreHandoff(self.layout.key_prefix, req.block_hashes[blocks - 1].hex() if blocks else "")
+        return KVTransferParams(connector="store", producer_id=_PRODUCER_ID, request_id=req.request_id,
+                                num_tokens=blocks * self.block_size, extra=handoff.into({}))
 
     def take_events(self) -> list[KVEvent]:
         return self.tracker.take()

@@ -54,7 +54,7 @@ class _SaveBatch:
     layers_done: int = 0
 
     @property
-    def req_ids(self) -> list[str]:  # each counts one outstanding save until the batch is written
+    def request_ids(self) -> list[str]:  # each counts one outstanding save until the batch is written
         return sorted(set(self.owners))
 
     def part(self, a: int, b: int) -> _SaveBatch:
@@ -111,7 +111,7 @@ class StoreWorker:
         if meta is None:
             return
         with self._lock:
-            self._loading.update(s.req_id for s in meta.loads)
+            self._loading.update(s.request_id for s in meta.loads)
             self._cancelled.update(r for r in meta.cancels if r in self._loading)
             self._finish_pending.update(meta.finished)
         for spec in meta.loads:
@@ -121,12 +121,12 @@ class StoreWorker:
 
     def _open_batch(self, specs: list[BlockSpec]) -> None:
         b = _SaveBatch([x for sp in specs for x in sp.block_ids], [h for sp in specs for h in sp.block_hashes],
-                       [sp.req_id for sp in specs for _ in sp.block_ids])
+                       [sp.request_id for sp in specs for _ in sp.block_ids])
         start = self._save_ring.alloc(len(b.block_ids) * len(self._write), timeout_s=0.0)  # never stall the forward
         if start is not None:
             b.start = start
             with self._lock:
-                self._outstanding.update(b.req_ids)
+                self._outstanding.update(b.request_ids)
         self._batch = b  # unstaged: packed after the forward (wait_for_save)
 
     def _objects(self, ring: StagingRing, start: int, n: int, j: int) -> torch.Tensor:
@@ -174,7 +174,7 @@ class StoreWorker:
                 return
             part.start = start
             with self._lock:
-                self._outstanding.update(part.req_ids)
+                self._outstanding.update(part.request_ids)
             self._pack(part)
             self._saves.put(part)
 
@@ -185,7 +185,7 @@ class StoreWorker:
         log.warning("store connector: dropping %d block save(s): %s", len(b.block_ids), why)
         if b.start >= 0:
             self._save_ring.free(b.start)
-            self._save_done(b.req_ids)
+            self._save_done(b.request_ids)
 
     # -- background ------------------------------------------------------------------------------
     def _save_loop(self) -> None:
@@ -197,7 +197,7 @@ class StoreWorker:
                 self.counters["save_failed_blocks"] += len(b.block_ids)
             finally:
                 self._save_ring.free(b.start)
-                self._save_done(b.req_ids)
+                self._save_done(b.request_ids)
 
     def _put(self, b: _SaveBatch) -> None:
         n = len(b.block_ids)
@@ -216,32 +216,32 @@ class StoreWorker:
             self.counters[f"put_{r.name.lower()}"] += 1
         self.counters["save_bytes"] += sum(self.layout.object_nbytes for r in results if r == PutResult.STORED)
 
-    def _save_done(self, req_ids: list[str]) -> None:
+    def _save_done(self, request_ids: list[str]) -> None:
         with self._lock:
-            for rid in req_ids:
-                self._outstanding[rid] -= 1
-                if self._outstanding[rid] <= 0:
-                    del self._outstanding[rid]
+            for request_id in request_ids:
+                self._outstanding[request_id] -= 1
+                if self._outstanding[request_id] <= 0:
+                    del self._outstanding[request_id]
 
     def _load_loop(self) -> None:
         while (spec := self._loads.get()) is not _STOP:
             try:
                 self._load(spec)
             except Exception:
-                log.exception("store connector: load of %s failed", spec.req_id)
+                log.exception("store connector: load of %s failed", spec.request_id)
                 with self._lock:
                     self._failed.update(spec.block_ids)
             with self._lock:
-                self._done_recving.add(spec.req_id)
-                self._cancelled.discard(spec.req_id)
-                self._loading.discard(spec.req_id)
+                self._done_recving.add(spec.request_id)
+                self._cancelled.discard(spec.request_id)
+                self._loading.discard(spec.request_id)
 
     def _load(self, spec: BlockSpec) -> None:
         k = len(self._read)
         chunk = max(1, self._load_ring.num_slots // k)
         for a in range(0, len(spec.block_ids), chunk):
             with self._lock:
-                cancelled = spec.req_id in self._cancelled
+                cancelled = spec.request_id in self._cancelled
             if cancelled:  # its blocks are freed unpublished once we report it: nothing to flag
                 self.counters["load_cancelled"] += 1
                 return

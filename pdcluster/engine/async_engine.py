@@ -22,6 +22,7 @@ from typing import Any
 
 from pdcluster.config import EngineArgs, EngineConfig
 from pdcluster.engine.block_pool import KVEvent
+from pdcluster.engine.kv_transfer_params import KVTransferParams
 from pdcluster.engine.llm_engine import LLMEngine
 from pdcluster.engine.outputs import CompletionOutput, RequestOutput
 from pdcluster.sampling_params import SamplingParams
@@ -106,7 +107,7 @@ class AsyncEngine:
         prompt: str | Sequence[int],
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
         prefill_output_token_ids: Sequence[int] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield RequestOutput deltas until one with finished=True. ValueError for bad input;

@@ -12,6 +12,7 @@ from pdcluster.config import EngineArgs, EngineConfig
 from pdcluster.engine.engine_core import ConnectorArg, EngineCore
 from pdcluster.engine.executor import ExecutorFactory, default_executor
 from pdcluster.engine.input_processor import process_prompt, validate_request_id
+from pdcluster.engine.kv_transfer_params import KVTransferParams
 from pdcluster.engine.outputs import EngineCoreOutput, RequestOutput
 from pdcluster.engine.request import Request
 from pdcluster.sampling_params import SamplingParams
@@ -56,7 +57,7 @@ class LLMEngine:
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
         prefill_output_token_ids: Sequence[int] | None = None,
     ) -> tuple[Request, str | None]:
         """Validate and tokenize (thread-safe, touches no engine state). Raises ValueError.
@@ -80,8 +81,8 @@ class LLMEngine:
         self.output_processor.add_request(request.request_id, prompt_text, request.prompt_token_ids,
                                           request.sampling_params,
                                           prior_output_token_ids=request.output_token_ids,
-                                          continues_elsewhere=bool((request.kv_transfer_params or {})
-                                                                   .get("do_remote_decode")))
+                                          continues_elsewhere=request.kv_transfer_params is not None
+                                          and request.kv_transfer_params.do_remote_decode)
         self.core.add_request(request)
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
@@ -92,8 +93,8 @@ class LLMEngine:
 
     def abort(self, request_ids: list[str]) -> None:
         self.core.abort_requests(request_ids)
-        for rid in request_ids:
-            self.output_processor.abort_request(rid)
+        for request_id in request_ids:
+            self.output_processor.abort_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdcluster.engine.detokenizer import IncrementalDetokenizer
+from pdcluster.engine.kv_transfer_params import KVTransferParams
 from pdcluster.engine.outputs import CompletionOutput, EngineCoreOutput, RequestOutput, SampleLogprobs
 from pdcluster.engine.tokenizer import Tokenizer
 from pdcluster.sampling_params import SamplingParams
@@ -49,7 +50,7 @@ class _RequestState:
     stop_reason: int | str | None = None
     error: str | None = None
     num_cached_tokens: int = 0
-    kv_transfer_params: dict | None = None
+    kv_transfer_params: KVTransferParams | None = None
     num_prior_tokens: int = 0  # output tokens generated before this request (not in token_ids)
     # A disaggregated prefill leg: the request goes on in a decode leg, so a finish by length is a
     # hand-off, not the end of the text (held text and undecoded bytes stay unemitted).

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdcluster.engine.kv_transfer_params import KVTransferParams
 from pdcluster.sampling_params import SamplingParams
 
 
@@ -20,7 +21,7 @@ class NewRequestData:
     """A request the model runner has no state for: first scheduled, or resumed after preemption
     (then output_token_ids is not empty and everything is recomputed from num_computed_tokens)."""
 
-    req_id: str
+    request_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     sampling_params: SamplingParams
@@ -33,7 +34,7 @@ class NewRequestData:
 class CachedRequestData:
     """A request the model runner already holds; only its new blocks and progress are sent."""
 
-    req_id: str
+    request_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
 
@@ -42,11 +43,11 @@ class CachedRequestData:
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: list[CachedRequestData]
-    # req_id -> number of tokens computed for it this step (prefill chunk or 1 for decode)
+    # request_id -> number of tokens computed for it this step (prefill chunk or 1 for decode)
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     # Requests whose runner-side state must be dropped (finished, aborted or preempted).
-    finished_req_ids: set[str] = field(default_factory=set)
+    finished_request_ids: set[str] = field(default_factory=set)
     # Opaque per-step metadata built by the KV connector's scheduler side.
     kv_connector_metadata: Any = None
 
@@ -72,8 +73,8 @@ class SampleLogprobs:
 
 @dataclass
 class ModelRunnerOutput:
-    req_ids: list[str]
-    # One list per request in req_ids order; empty for a request whose prompt chunk did not
+    request_ids: list[str]
+    # One list per request in request_ids order; empty for a request whose prompt chunk did not
     # reach the end of its known tokens this step (nothing sampled).
     sampled_token_ids: list[list[int]]
     logprobs: list[SampleLogprobs | None] = field(default_factory=list)
@@ -93,7 +94,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     error: str | None = None
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None
     num_cached_tokens: int = 0
 
     @property
@@ -126,6 +127,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)

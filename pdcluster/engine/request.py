@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Any
 
+from pdcluster.engine.kv_transfer_params import KVTransferParams
 from pdcluster.sampling_params import SamplingParams
 
 
@@ -75,7 +75,7 @@ class Request:
         sampling_params: SamplingParams,
         eos_token_ids: tuple[int, ...] = (),
         arrival_time: float | None = None,
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
         output_token_ids: list[int] | None = None,
     ) -> None:
         """output_token_ids: tokens already generated elsewhere (a decode leg starts with the

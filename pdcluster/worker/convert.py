@@ -1,114 +1,29 @@
-"""Conversions between the wire (protobuf) and the engine's Python types.
+"""The worker's responses: engine outputs -> WorkerGenerateResponse.
 
-Used by the worker servicer, the router and the client, so it imports neither torch nor the
-engine loop: only the plain dataclasses (SamplingParams, RequestOutput, SampleLogprobs).
-
-    proto SamplingParams  --sampling_params_from_proto-->  SamplingParams (validated; ValueError)
-    SamplingParams        --sampling_params_to_proto---->  proto SamplingParams (only non-defaults)
-    proto KvTransferParams <--kv_params_{to,from}_proto-->  dict (the engine's kv_transfer_params)
     RequestOutput delta   --output_to_response---------->  WorkerGenerateResponse
+    the deltas of one request --merge_responses---------->  one response (stream=false)
+
+Sampling and KV-transfer parameters, finish reasons and roles convert in pdcluster.proto_convert
+(shared with the router and the client); its names are re-exported here for the worker's callers.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pdcluster._proto import common_pb2, worker_pb2
 from pdcluster.engine.outputs import Logprob, RequestOutput, SampleLogprobs
-from pdcluster.sampling_params import SamplingParams
-
-# Engine finish_reason strings <-> proto enum.
-FINISH_REASON_TO_PROTO = {
-    None: common_pb2.FINISH_REASON_UNSPECIFIED,
-    "stop": common_pb2.FINISH_REASON_STOP,
-    "length": common_pb2.FINISH_REASON_LENGTH,
-    "abort": common_pb2.FINISH_REASON_ABORT,
-    "error": common_pb2.FINISH_REASON_ERROR,
-}
-FINISH_REASON_FROM_PROTO = {v: k for k, v in FINISH_REASON_TO_PROTO.items()}
-
-ROLE_TO_PROTO = {
-    "prefill": common_pb2.WORKER_ROLE_PREFILL,
-    "decode": common_pb2.WORKER_ROLE_DECODE,
-    "both": common_pb2.WORKER_ROLE_BOTH,
-}
-ROLE_FROM_PROTO = {v: k for k, v in ROLE_TO_PROTO.items()}
-
-_SP_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name != "extra")
-_SP_REPEATED = frozenset({"stop", "stop_token_ids"})
-_KV_FIELDS = {f.name: f for f in common_pb2.KvTransferParams.DESCRIPTOR.fields}
-_MAX_EXTRA_VALUE_LEN = 4096
-
-
-# -- sampling params ------------------------------------------------------------------------------
-def sampling_params_from_proto(msg: common_pb2.SamplingParams | None) -> SamplingParams:
-    """Unset optional fields keep SamplingParams' defaults; range checks are SamplingParams' own
-    (one place), re-raised as ValueError prefixed with `sampling_params.` so the field is named."""
-    if msg is None:
-        return SamplingParams()
-    kwargs: dict[str, Any] = {}
-    for name in _SP_FIELDS:
-        if name in _SP_REPEATED:
-            values = list(getattr(msg, name))
-            if values:
-                kwargs[name] = values
-        elif msg.HasField(name):
-            kwargs[name] = getattr(msg, name)
-    try:
-        return SamplingParams(**kwargs)
-    except ValueError as e:
-        raise ValueError(f"sampling_params.{e}") from None
-
-
-def sampling_params_to_proto(params: SamplingParams | None) -> common_pb2.SamplingParams:
-    """Only fields that differ from the defaults are set, so the receiver's defaults apply."""
-    msg = common_pb2.SamplingParams()
-    if params is None:
-        return msg
-    default = SamplingParams()
-    for name in _SP_FIELDS:
-        value = getattr(params, name)
-        if name in _SP_REPEATED:
-            getattr(msg, name).extend(value)
-        elif value is not None and value != getattr(default, name):
-            setattr(msg, name, value)
-    return msg
-
-
-# -- KV transfer params ---------------------------------------------------------------------------
-def kv_params_from_proto(msg: common_pb2.KvTransferParams) -> dict[str, Any]:
-    """The set fields as a dict with the proto's field names (`extra` as a dict of strings)."""
-    out: dict[str, Any] = {}
-    for fd, value in msg.ListFields():
-        if fd.name == "extra":
-            out["extra"] = dict(value)
-        elif fd.is_repeated:
-            out[fd.name] = list(value)
-        else:
-            out[fd.name] = value
-    return out
-
-
-def kv_params_to_proto(params: Mapping[str, Any]) -> common_pb2.KvTransferParams:
-    """Keys named like a proto field fill that field; anything else goes to `extra` as a string
-    (so a plugin connector's private keys survive the trip through the router)."""
-    msg = common_pb2.KvTransferParams()
-    for key, value in params.items():
-        if value is None:
-            continue
-        fd = _KV_FIELDS.get(key)
-        if key == "extra":
-            for k, v in dict(value).items():
-                msg.extra[str(k)] = str(v)[:_MAX_EXTRA_VALUE_LEN]
-        elif fd is None:
-            msg.extra[str(key)] = str(value)[:_MAX_EXTRA_VALUE_LEN]
-        elif fd.is_repeated:
-            getattr(msg, key).extend(value)
-        else:
-            setattr(msg, key, value)
-    return msg
+from pdcluster.proto_convert import (
+    FINISH_REASON_FROM_PROTO,
+    FINISH_REASON_TO_PROTO,
+    ROLE_FROM_PROTO,
+    ROLE_TO_PROTO,
+    kv_params_from_proto,
+    kv_params_to_proto,
+    sampling_params_from_proto,
+    sampling_params_to_proto,
+)
 
 
 # -- outputs --------------------------------------------------------------------------------------
@@ -163,7 +78,7 @@ def output_to_response(
         if out.error:
             resp.error_message = out.error
             resp.finish_reason = common_pb2.FINISH_REASON_ERROR
-        if out.kv_transfer_params:
+        if out.kv_transfer_params is not None:
             resp.kv_transfer_params.CopyFrom(kv_params_to_proto(out.kv_transfer_params))
     return resp
 
@@ -190,3 +105,10 @@ def merge_responses(responses: Sequence[worker_pb2.WorkerGenerateResponse]) -> w
         if last.HasField("kv_transfer_params"):
             merged.kv_transfer_params.CopyFrom(last.kv_transfer_params)
     return merged
+
+
+__all__ = [
+    "FINISH_REASON_FROM_PROTO", "FINISH_REASON_TO_PROTO", "ROLE_FROM_PROTO", "ROLE_TO_PROTO", "kv_params_from_proto",
+    "kv_params_to_proto", "logprobs_to_proto", "merge_responses", "output_to_response", "sampling_params_from_proto",
+    "sampling_params_to_proto", "set_stop_reason",
+]

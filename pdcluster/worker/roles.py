@@ -5,7 +5,8 @@
     prefill (producer)          do_remote_decode=true       prefill, both   (needs a KV connector)
     decode (consumer)           do_remote_prefill=true      decode, both    (needs a KV connector)
 
-`RoleHandler.accept` turns the request's params into the dict the engine takes, or refuses:
+`RoleHandler.accept` checks the request's KVTransferParams (already typed and validated by
+pdcluster.proto_convert) and passes them to the engine, or refuses:
 contradictory params are the caller's mistake (ValueError -> INVALID_ARGUMENT); params this
 worker cannot honour (wrong role, no connector, another connector) are FAILED_PRECONDITION, so
 the router can tell "fix the request" from "send it elsewhere".
@@ -18,9 +19,10 @@ and refuses every remote leg with a message that says so.
 
 from __future__ import annotations
 
-from typing import Any
+from pdcluster.engine.kv_connector import KVTransferParams
+from pdcluster.proto_convert import ROLE_TO_PROTO
 
-from pdcluster.worker.convert import ROLE_TO_PROTO
+_UNSET = KVTransferParams()  # an empty message on the wire: no hand-off asked for
 
 
 class KvTransferRejected(Exception):
@@ -41,11 +43,11 @@ class RoleHandler:
     def proto_role(self) -> int:
         return ROLE_TO_PROTO[self.name]
 
-    def accept(self, kv: dict[str, Any] | None) -> dict[str, Any] | None:
+    def accept(self, kv: KVTransferParams | None) -> KVTransferParams | None:
         """The engine's kv_transfer_params for this request (None: an ordinary local request)."""
-        if not kv:
+        if kv is None or kv == _UNSET:
             return None
-        remote_decode, remote_prefill = bool(kv.get("do_remote_decode")), bool(kv.get("do_remote_prefill"))
+        remote_decode, remote_prefill = kv.do_remote_decode, kv.do_remote_prefill
         if remote_decode and remote_prefill:
             raise ValueError("kv_transfer_params: do_remote_decode and do_remote_prefill are exclusive")
         if not (remote_decode or remote_prefill):
@@ -56,33 +58,30 @@ class RoleHandler:
             raise KvTransferRejected(
                 f"{self.name} worker has no KV connector configured, so it cannot serve a remote {leg}; "
                 "send the request without kv_transfer_params (aggregated) or to a worker with a connector")
-        wanted = kv.get("connector")
+        wanted = kv.connector
         if wanted and wanted != self.connector_name:
             raise KvTransferRejected(
                 f"kv_transfer_params.connector is {wanted!r} but this worker's connector is {self.connector_name!r}")
         return self.accept_producer_leg(kv) if remote_decode else self.accept_consumer_leg(kv)
 
-    def accept_producer_leg(self, kv: dict[str, Any]) -> dict[str, Any]:
+    def accept_producer_leg(self, kv: KVTransferParams) -> KVTransferParams:
         """Prefill leg: compute the prompt's KV and keep it for a remote decode."""
         raise KvTransferRejected(f"a {self.name} worker does not serve prefill legs (do_remote_decode); "
                                  "send it to a prefill or aggregated worker")
 
-    def accept_consumer_leg(self, kv: dict[str, Any]) -> dict[str, Any]:
+    def accept_consumer_leg(self, kv: KVTransferParams) -> KVTransferParams:
         """Decode leg: load the prompt's KV from the producer named in kv, then decode."""
         raise KvTransferRejected(f"a {self.name} worker does not serve decode legs (do_remote_prefill); "
                                  "send it to a decode or aggregated worker")
 
 
-def check_consumer_params(kv: dict[str, Any]) -> dict[str, Any]:
+def check_consumer_params(kv: KVTransferParams) -> KVTransferParams:
     """What every consumer leg needs, whatever the connector: who produced the KV, and how many
     prompt tokens it covers (unset means none: proto3 does not send a zero; a store producer
     with less than one full block covers none, and the decode leg computes the prompt)."""
-    if not kv.get("producer_id"):
+    if not kv.producer_id:
         raise ValueError("kv_transfer_params: a decode leg needs producer_id")
-    num = kv.get("num_tokens", 0)
-    if isinstance(num, bool) or not isinstance(num, int) or num < 0:
-        raise ValueError(f"kv_transfer_params.num_tokens must be a non-negative integer, got {num!r}")
-    return dict(kv)
+    return kv  # num_tokens is a non-negative integer by construction
 
 
 class AggregatedRole(RoleHandler):
@@ -90,8 +89,8 @@ class AggregatedRole(RoleHandler):
 
     name = "both"
 
-    def accept_producer_leg(self, kv: dict[str, Any]) -> dict[str, Any]:
-        return dict(kv)
+    def accept_producer_leg(self, kv: KVTransferParams) -> KVTransferParams:
+        return kv
 
-    def accept_consumer_leg(self, kv: dict[str, Any]) -> dict[str, Any]:
+    def accept_consumer_leg(self, kv: KVTransferParams) -> KVTransferParams:
         return check_consumer_params(kv)

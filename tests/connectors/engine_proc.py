@@ -9,6 +9,7 @@ the router: it sends requests and reads events.
                      {"op": "stats", "tag": t}                 -> {"event": "stats", "tag": t, "stats": {...}}
                      {"op": "stop"}
     child -> parent  {"event": "finished", "request_id", "token_ids", "error", "finish_reason", "kv"}
+    (kv both ways: KVTransferParams.to_wire() / from_wire())
 
 stdout carries frames only: everything else the process prints goes to stderr.
 """
@@ -47,6 +48,7 @@ def read_frame(inp: BinaryIO) -> Any:
 def _serve(out: BinaryIO, cmds: queue.Queue) -> None:
     from pdcluster.config import EngineArgs
     from pdcluster.connectors import engine_connector_factory
+    from pdcluster.engine.kv_connector import KVTransferParams
     from pdcluster.engine.llm_engine import LLMEngine
     from pdcluster.sampling_params import SamplingParams
 
@@ -68,8 +70,9 @@ def _serve(out: BinaryIO, cmds: queue.Queue) -> None:
             if op == "add":
                 for r in cmd["reqs"]:
                     try:
+                        kv = KVTransferParams.from_wire(r["kv"]) if r.get("kv") else None
                         req, text = engine.prepare_request(r["prompt"], SamplingParams(**r["params"]),
-                                                           r["request_id"], r.get("kv"), r.get("prior"))
+                                                           r["request_id"], kv, r.get("prior"))
                         engine.add_prepared(req, text)
                         live.add(r["request_id"])
                     except ValueError as e:
@@ -98,7 +101,8 @@ def _serve(out: BinaryIO, cmds: queue.Queue) -> None:
                     write_frame(out, {"event": "finished", "request_id": o.request_id,
                                       "token_ids": final.outputs[0].token_ids, "error": final.error,
                                       "finish_reason": final.outputs[0].finish_reason,
-                                      "kv": final.kv_transfer_params})
+                                      "kv": final.kv_transfer_params.to_wire()
+                                      if final.kv_transfer_params is not None else None})
     engine.shutdown()
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from pdcluster.config import EngineArgs
 from pdcluster.connectors import engine_connector_factory
-from pdcluster.connectors.testing import assert_idle, run_requests
+from pdcluster.connectors.testing import PREFILL_LEG, assert_idle, decode_leg, run_requests
 from pdcluster.engine.llm_engine import LLMEngine
 from pdcluster.sampling_params import SamplingParams
 
@@ -45,11 +45,11 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 def _handoff(producer: LLMEngine, consumer: LLMEngine, rid: str, prompt: list[int],
              before_decode: Any = None) -> tuple[list[int], Any]:
-    pre = run_requests(producer, [(rid, prompt, GREEDY.replace(max_tokens=1), {"do_remote_decode": True}, None)],
+    pre = run_requests(producer, [(rid, prompt, GREEDY.replace(max_tokens=1), PREFILL_LEG, None)],
                        [])[rid]
     if before_decode is not None:
         before_decode()
-    kv = dict(pre.kv_transfer_params or {}, do_remote_prefill=True, do_remote_decode=False)
+    kv = decode_leg(pre)
     out = run_requests(consumer, [(rid, prompt, GREEDY, kv, pre.outputs[0].token_ids)], [producer])[rid]
     out.outputs[0].text = pre.outputs[0].text + out.outputs[0].text  # what a router streams
     return pre.outputs[0].token_ids + out.outputs[0].token_ids, out
@@ -100,13 +100,13 @@ def test_restarted_producer_is_a_new_epoch(demo_model: str, cluster_keys: Any, e
     expected = _reference(engines, "ref-restart", prompt)
     got, _ = _handoff(first, consumer, "warm", prompt)  # the consumer caches first's handshake
     assert got == expected
-    stale = run_requests(first, [("restart", prompt, GREEDY.replace(max_tokens=1), {"do_remote_decode": True},
+    stale = run_requests(first, [("restart", prompt, GREEDY.replace(max_tokens=1), PREFILL_LEG,
                                   None)], [])["restart"]
     first.step()  # registers the lease
     first.shutdown()
     second = _engine(demo_model, "producer", opts)  # same id and endpoint, new incarnation
     try:
-        kv = dict(stale.kv_transfer_params or {}, do_remote_prefill=True, do_remote_decode=False)
+        kv = decode_leg(stale)
         out = run_requests(consumer, [("restart", prompt, GREEDY, kv, stale.outputs[0].token_ids)], [second])["restart"]
         assert out.outputs[0].finish_reason == "error" and "KV transfer failed" in (out.error or "")
         got, _ = _handoff(second, consumer, "again", prompt)  # fresh params: re-handshake, works
@@ -120,14 +120,14 @@ def test_restarted_producer_is_a_new_epoch(demo_model: str, cluster_keys: Any, e
 def test_roles_and_params_are_checked(engines: Any) -> None:
     producer, consumer = engines["producer"], engines["consumer"]
     prompt = _prompt(20, 5)
-    pre = run_requests(producer, [("roles", prompt, GREEDY.replace(max_tokens=1), {"do_remote_decode": True},
+    pre = run_requests(producer, [("roles", prompt, GREEDY.replace(max_tokens=1), PREFILL_LEG,
                                    None)], [])["roles"]
-    kv = dict(pre.kv_transfer_params or {}, do_remote_prefill=True, do_remote_decode=False)
+    kv = decode_leg(pre)
     # A producer-only engine does not load remote KV.
     out = run_requests(producer, [("roles-p", prompt, GREEDY, kv, pre.outputs[0].token_ids)], [])["roles-p"]
     assert out.error and "kv_role is 'producer'" in out.error
     # Unsigned params from a producer not in the registry are refused before anything is opened.
-    forged = dict(kv, extra={"p2p_sig": "00" * 32})
+    forged = kv.replace(extra={"p2p_sig": "00" * 32})
     out = run_requests(consumer, [("roles", prompt, GREEDY, forged, pre.outputs[0].token_ids)], [producer])["roles"]
     assert out.outputs[0].finish_reason == "error"
     assert consumer.get_stats()["kv_connector"]["p2p_bytes_tcp"] > 0  # (earlier tests moved bytes)
@@ -144,7 +144,7 @@ def test_aborting_a_held_prefill_frees_its_blocks_before_the_lease_ends(demo_mod
                                                                     lease_ttl_s=120.0))
     try:
         prompt = _prompt(40, 7)
-        pre = run_requests(producer, [("held", prompt, GREEDY.replace(max_tokens=1), {"do_remote_decode": True},
+        pre = run_requests(producer, [("held", prompt, GREEDY.replace(max_tokens=1), PREFILL_LEG,
                                        None)], [])["held"]
         assert producer.get_stats()["num_held_for_transfer"] == 1
         producer.abort(["held"])
@@ -153,7 +153,7 @@ def test_aborting_a_held_prefill_frees_its_blocks_before_the_lease_ends(demo_mod
             producer.step()
             time.sleep(0.01)
         assert_idle(producer, [], "producer")
-        kv = dict(pre.kv_transfer_params or {}, do_remote_prefill=True, do_remote_decode=False)
+        kv = decode_leg(pre)
         out = run_requests(engines["consumer"], [("held", prompt, GREEDY, kv, pre.outputs[0].token_ids)],
                            [producer])["held"]
         got = pre.outputs[0].token_ids + out.outputs[0].token_ids

@@ -19,6 +19,7 @@ from pdcluster.connectors.p2p.options import P2POptions, check_endpoint
 from pdcluster.connectors.p2p.params import check_consumer_params
 from pdcluster.engine.connector_hooks import TransferCompletion
 from pdcluster.engine.kv_cache_manager import KVCacheManager
+from pdcluster.engine.kv_connector import KVTransferParams
 from pdcluster.engine.request import Request
 from pdcluster.sampling_params import SamplingParams
 from pdcluster.security.keys import generate_keypair, keypair_to_string
@@ -128,13 +129,13 @@ def test_consumer_params_must_describe_this_prompt() -> None:
     req = _request(list(range(10)))
     good = {"producer_id": "p", "transfer_id": "a" * 32, "lease_id": "b" * 32, "engine_epoch": 5, "block_size": 4,
             "num_tokens": 10, "block_ids": [7, 8, 9], "block_hashes": list(req.block_hashes[:2])}
-    check_consumer_params(good, req, 4)
+    check_consumer_params(KVTransferParams(**good), req, 4)
     for change, field in [({"num_tokens": 11}, "num_tokens"), ({"block_size": 8}, "block_size"),
                           ({"block_ids": [1, 2]}, "block_ids"), ({"transfer_id": "../etc"}, "transfer_id"),
                           ({"block_hashes": list(_request(list(range(1, 11))).block_hashes[:2])}, "block_hashes"),
                           ({"engine_epoch": True}, "engine_epoch")]:
         with pytest.raises(ValueError, match=field):
-            check_consumer_params({**good, **change}, req, 4)
+            check_consumer_params(KVTransferParams(**{**good, **change}), req, 4)
 
 
 def test_registry_names_dotted_paths_and_errors() -> None:
@@ -154,7 +155,7 @@ def test_params_survive_the_router_proto_and_stay_signed() -> None:
     from pdcluster.connectors.p2p.options import P2POptions, PeerEntry
     from pdcluster.connectors.p2p.params import build_params
     from pdcluster.connectors.p2p.peer import resolve_producer
-    from pdcluster.worker.convert import kv_params_from_proto, kv_params_to_proto
+    from pdcluster.proto_convert import kv_params_from_proto, kv_params_to_proto
 
     kp = generate_keypair("producer")
     req = _request(list(range(10)))
@@ -162,13 +163,14 @@ def test_params_survive_the_router_proto_and_stay_signed() -> None:
             "handshake_endpoint": "tcp://127.0.0.1:6000", "public_key": kp.public}
     params = build_params(req, [7, 8, 9], 4, meta, "a" * 32, "b" * 32, 30.0, b"k" * 32)
     back = kv_params_from_proto(kv_params_to_proto(params))
-    for key, value in params.items():  # proto3 leaves zero values out: they read back as defaults
-        assert back.get(key, type(value)()) == pytest.approx(value) if key == "lease_expiry_time" \
-            else back.get(key, type(value)()) == value, key
+    for key in params.to_wire():  # every field the producer set (proto3 leaves zero values out)
+        value = getattr(params, key)
+        assert getattr(back, key) == pytest.approx(value) if key == "lease_expiry_time" \
+            else getattr(back, key) == value, key
     opts = P2POptions(engine_id="c", kv_role="consumer", keypair=kp, allowed_keys={"p": kp.public},
                       params_secret=b"k" * 32)
     assert resolve_producer(back, opts).endpoint == "tcp://127.0.0.1:6000"
-    tampered = dict(back, handshake_endpoint="tcp://10.9.9.9:6000")
+    tampered = back.replace(handshake_endpoint="tcp://10.9.9.9:6000")
     with pytest.raises(Exception, match="not signed"):
         resolve_producer(tampered, opts)
     registry = P2POptions(engine_id="c", kv_role="consumer", keypair=kp, allowed_keys={"p": kp.public},

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from pdcluster import proto_convert
 from pdcluster._proto import common_pb2, worker_pb2
 from pdcluster.decode_worker import DecodeRole
+from pdcluster.engine.kv_connector import KVTransferParams
 from pdcluster.engine.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
 from pdcluster.prefill_worker import PrefillRole
 from pdcluster.sampling_params import SamplingParams
@@ -39,13 +41,30 @@ def test_invalid_values_name_the_field(kwargs, field: str) -> None:
         convert.sampling_params_from_proto(common_pb2.SamplingParams(**kwargs))
 
 
+def test_one_conversion_module() -> None:
+    # The worker's names are the core module's (the router and the client use it too).
+    for name in ("sampling_params_from_proto", "sampling_params_to_proto", "kv_params_from_proto",
+                 "kv_params_to_proto", "FINISH_REASON_TO_PROTO", "ROLE_TO_PROTO"):
+        assert getattr(convert, name) is getattr(proto_convert, name), name
+
+
 def test_kv_params_roundtrip_and_extra() -> None:
     msg = common_pb2.KvTransferParams(do_remote_prefill=True, producer_id="p0", block_ids=[4, 5], num_tokens=20,
                                       producer_public_key=b"k" * 40, extra={"x": "1"})
     d = convert.kv_params_from_proto(msg)
-    assert d["block_ids"] == [4, 5] and d["extra"] == {"x": "1"} and "lease_id" not in d
+    assert d.block_ids == (4, 5) and d.extra == {"x": "1"} and d.lease_id == ""
     assert convert.kv_params_to_proto(d) == msg
-    assert convert.kv_params_to_proto({"plugin_key": 3}).extra["plugin_key"] == "3"
+    # A plugin connector's private values survive the trip through the router, with their types.
+    assert convert.kv_params_to_proto(KVTransferParams(extra={"plugin_key": "3"})).extra["plugin_key"] == "3"
+    typed = KVTransferParams(extra={"plugin_key": 3, "blob": b"\x00", "ids": [1, "a", b"z"], "ok": True, "f": 0.5})
+    assert convert.kv_params_from_proto(convert.kv_params_to_proto(typed)) == typed
+
+
+def test_kv_params_from_proto_refuses_malformed_extra_by_name() -> None:
+    with pytest.raises(ValueError, match=r"extra\['n'\]"):
+        convert.kv_params_from_proto(common_pb2.KvTransferParams(extra={"n:mp": "not base64!"}))
+    with pytest.raises(ValueError, match="keys must match"):
+        convert.kv_params_from_proto(common_pb2.KvTransferParams(extra={"a b": "1"}))
 
 
 def _out(tokens, text, finished=False, reason=None, stop=None, error=None, logprobs=None) -> RequestOutput:
@@ -75,21 +94,21 @@ def test_merge_responses() -> None:
     assert list(m.token_ids) == [1, 2] and m.text == "ab" and m.stop_str == "b" and m.usage.completion_tokens == 2
 
 
-PRODUCER = {"do_remote_decode": True}
-CONSUMER = {"do_remote_prefill": True, "producer_id": "p", "num_tokens": 16}
+PRODUCER = KVTransferParams(do_remote_decode=True)
+CONSUMER = KVTransferParams(do_remote_prefill=True, producer_id="p", num_tokens=16)
 
 
 @pytest.mark.parametrize("role_cls", [PrefillRole, DecodeRole, AggregatedRole])
 def test_roles_without_connector(role_cls) -> None:
     role = role_cls()
-    assert role.accept(None) is None and role.accept({}) is None
+    assert role.accept(None) is None and role.accept(KVTransferParams()) is None
     for kv in (PRODUCER, CONSUMER):
         with pytest.raises(KvTransferRejected, match="no KV connector"):
             role.accept(kv)
     with pytest.raises(ValueError, match="exclusive"):
-        role.accept({"do_remote_decode": True, "do_remote_prefill": True})
+        role.accept(KVTransferParams(do_remote_decode=True, do_remote_prefill=True))
     with pytest.raises(ValueError, match="do_remote"):
-        role.accept({"producer_id": "p"})
+        role.accept(KVTransferParams(producer_id="p"))
 
 
 def test_roles_with_connector() -> None:
@@ -102,11 +121,11 @@ def test_roles_with_connector() -> None:
     with pytest.raises(KvTransferRejected, match="does not serve prefill legs"):
         DecodeRole("p2p").accept(PRODUCER)
     with pytest.raises(KvTransferRejected, match="connector is 'store'"):
-        DecodeRole("p2p").accept({**CONSUMER, "connector": "store"})
+        DecodeRole("p2p").accept(CONSUMER.replace(connector="store"))
     with pytest.raises(ValueError, match="producer_id"):
-        DecodeRole("p2p").accept({"do_remote_prefill": True, "num_tokens": 3})
+        DecodeRole("p2p").accept(KVTransferParams(do_remote_prefill=True, num_tokens=3))
     with pytest.raises(ValueError, match="num_tokens"):
-        DecodeRole("p2p").accept({"do_remote_prefill": True, "producer_id": "p", "num_tokens": -1})
+        DecodeRole("p2p").accept(KVTransferParams(do_remote_prefill=True, producer_id="p", num_tokens=-1))
 
 
 def test_hit_rate_window() -> None:

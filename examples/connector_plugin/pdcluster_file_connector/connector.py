@@ -1,7 +1,7 @@
 """FileConnector: a KV connector that hands a prefill's blocks to a decode engine through files.
 
     producer                                         consumer
-    request_finished -> delay_free, params{transfer_id}
+    request_finished -> delay_free, KVTransferParams(transfer_id, extra["file_ttl_s"])
     next step: write DIR/<tid>.kv (tmp + rename)     get_num_new_matched_tokens -> (prompt, async)
                -> finished_sending: blocks freed     update_state_after_alloc -> load in a thread:
     unread after lease_ttl_s: delete the file,          wait for DIR/<tid>.kv (or <tid>.expired),
@@ -11,6 +11,11 @@
 The file holds the blocks as one (num_layers, 2, num_blocks, block_size, kv_heads, head_dim)
 array in the cache dtype. Paths are built from this engine's configured directory and a transfer
 id checked to be 32 hex characters: nothing in request data names a path.
+
+The params are the contract's KVTransferParams: the common fields say what they say
+(transfer_id, producer_id, num_tokens, block_size, lease_expiry_time); what is this connector's
+own (here, the producer's lease length, informational) goes in `extra`, which a router carries
+with its type.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from pdcluster.connectors import (
     KVConnector,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVTransferParams,
     Request,
     RequestStatus,
     SchedulerOutput,
@@ -77,40 +83,41 @@ class FileConnector(KVConnector):
 
     # == scheduler side ===========================================================================
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        kv = request.kv_transfer_params or {}
-        if not kv.get("do_remote_prefill") or request.request_id in self._loading:
+        kv = request.kv_transfer_params
+        if kv is None or not kv.do_remote_prefill or request.request_id in self._loading:
             return 0, False
-        if kv.get("num_tokens") != request.num_prompt_tokens or not _HEX32.match(str(kv.get("transfer_id"))):
+        if kv.num_tokens != request.num_prompt_tokens or not _HEX32.match(kv.transfer_id):
             raise ValueError("kv_transfer_params do not describe this prompt (num_tokens / transfer_id)")
-        return kv["num_tokens"] - num_computed_tokens, True
+        return kv.num_tokens - num_computed_tokens, True
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
-        kv = request.kv_transfer_params or {}
-        if not kv.get("do_remote_prefill") or num_external_tokens <= 0 or request.request_id in self._loading:
+        kv = request.kv_transfer_params
+        if kv is None or not kv.do_remote_prefill or num_external_tokens <= 0 or request.request_id in self._loading:
             return
         first = (request.num_prompt_tokens - num_external_tokens) // self.block_size
         end = -(-request.num_prompt_tokens // self.block_size)
         self._loading.add(request.request_id)
-        self._meta.loads.append({"request_id": request.request_id, "transfer_id": kv["transfer_id"],
+        self._meta.loads.append({"request_id": request.request_id, "transfer_id": kv.transfer_id,
                                  "local_block_ids": list(block_ids[first:end]), "first_block": first,
-                                 "expiry": float(kv.get("lease_expiry_time") or 0.0)})
+                                 "expiry": kv.lease_expiry_time})
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta, self._meta = self._meta, FileMetadata()
         return meta
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, KVTransferParams | None]:
         self._loading.discard(request.request_id)
-        kv = request.kv_transfer_params or {}
-        if not kv.get("do_remote_decode") or request.status != RequestStatus.FINISHED_LENGTH or not block_ids:
+        kv = request.kv_transfer_params
+        if kv is None or not kv.do_remote_decode or request.status != RequestStatus.FINISHED_LENGTH or not block_ids:
             return False, None
         tid = secrets.token_hex(16)
         num_blocks = -(-request.num_prompt_tokens // self.block_size)
         self._meta.saves.append({"request_id": request.request_id, "transfer_id": tid,
                                  "block_ids": list(block_ids[:num_blocks])})
-        return True, {"do_remote_prefill": True, "connector": self.name, "transfer_id": tid,
-                      "producer_id": f"file:{os.getpid()}", "num_tokens": request.num_prompt_tokens,
-                      "block_size": self.block_size, "lease_expiry_time": time.time() + self.ttl_s}
+        return True, KVTransferParams(do_remote_prefill=True, connector=self.name, request_id=request.request_id,
+                                      transfer_id=tid, producer_id=f"file:{os.getpid()}",
+                                      num_tokens=request.num_prompt_tokens, block_size=self.block_size,
+                                      lease_expiry_time=time.time() + self.ttl_s, extra={"file_ttl_s": self.ttl_s})
 
     # == worker side ==============================================================================
     def register_kv_caches(self, kv_caches: Any, layout: KVCacheLayout) -> None:

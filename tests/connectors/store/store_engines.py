@@ -7,6 +7,7 @@ from typing import Any
 
 from pdcluster.config import EngineArgs
 from pdcluster.connectors import engine_connector_factory
+from pdcluster.engine.kv_connector import KVTransferParams
 from pdcluster.engine.llm_engine import LLMEngine
 from pdcluster.engine.outputs import RequestOutput
 from pdcluster.sampling_params import SamplingParams
@@ -26,7 +27,7 @@ def greedy(max_tokens: int = 8) -> SamplingParams:
 
 
 def generate(engine: LLMEngine, prompts: dict[str, list[int]], sp: SamplingParams | None = None,
-             timeout_s: float = 120.0, kv: dict[str, dict[str, Any]] | None = None,
+             timeout_s: float = 120.0, kv: dict[str, KVTransferParams] | None = None,
              prior: dict[str, list[int]] | None = None) -> dict[str, RequestOutput]:
     """kv / prior: per request id, kv_transfer_params and prefill_output_token_ids (a decode leg)."""
     for rid, prompt in prompts.items():

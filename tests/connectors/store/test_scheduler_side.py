@@ -14,6 +14,7 @@ from pdcluster.connectors.store.options import StoreOptions
 from pdcluster.connectors.store.scheduler_side import StoreScheduler
 from pdcluster.connectors.store.staging import StagingRing
 from pdcluster.engine.block_hash import compute_block_hashes
+from pdcluster.engine.kv_connector import KVTransferParams
 from pdcluster.engine.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from pdcluster.engine.request import Request
 from pdcluster.sampling_params import SamplingParams
@@ -61,7 +62,7 @@ def sched() -> Any:
     s.shutdown()
 
 
-def request(rid: str, n: int, kv: dict | None = None, seed: int = 0, out: list[int] | None = None) -> Request:
+def request(rid: str, n: int, kv: KVTransferParams | None = None, seed: int = 0, out: list[int] | None = None) -> Request:
     req = Request(rid, [(seed * 7919 + i) % 1000 + 3 for i in range(n)], SamplingParams(max_tokens=4),
                   kv_transfer_params=kv, output_token_ids=out)
     req.block_hashes = compute_block_hashes(req.all_token_ids, BS)
@@ -132,14 +133,14 @@ def test_finish_while_loading_cancels(sched: Any) -> None:
 
 
 def test_producer_params_and_consumer_waits_for_them(sched: Any) -> None:
-    prod = request("p", 2 * BS + 4, kv={"do_remote_decode": True})
+    prod = request("p", 2 * BS + 4, kv=KVTransferParams(do_remote_decode=True))
     sched.get_num_new_matched_tokens(prod, 0)
     sched.update_state_after_alloc(prod, [1, 2, 3], 0)
     step(sched, new=[(prod, [1, 2, 3], 0, 2 * BS + 4)])
     delay, params = sched.request_finished(prod, [1, 2, 3])
-    assert delay and params["connector"] == "store" and params["store_num_tokens"] == 2 * BS
+    assert delay and params.connector == "store" and params.num_tokens == 2 * BS
     # The decode leg (prompt + the first token) arrives before the saves landed: ask again later.
-    cons = request("p", 2 * BS + 4, kv={**params, "do_remote_prefill": True}, out=[5])
+    cons = request("p", 2 * BS + 4, kv=params.for_decode_leg(), out=[5])
     assert sched.get_num_new_matched_tokens(cons, 0) == (None, False)
     sched.backend.store_blocks(prod.block_hashes[:2])
     import time
@@ -147,7 +148,7 @@ def test_producer_params_and_consumer_waits_for_them(sched: Any) -> None:
     time.sleep(0.02)
     assert sched.get_num_new_matched_tokens(cons, 0) == (2 * BS, True)
     # Another prompt with these params does not wait for blocks that are not its own.
-    other = request("x", 2 * BS + 4, kv={**params, "do_remote_prefill": True}, seed=5)
+    other = request("x", 2 * BS + 4, kv=params.for_decode_leg(), seed=5)
     assert sched.get_num_new_matched_tokens(other, 0) == (0, False)
 
 

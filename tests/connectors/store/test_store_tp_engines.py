@@ -32,7 +32,9 @@ from store_engines import generate, greedy, make_engine, settle
 from pdcluster.config import EngineArgs
 from pdcluster.connectors.store.backend import PutResult
 from pdcluster.connectors.store.backend_factory import make_backend
+from pdcluster.connectors.store.meta import StoreHandoff
 from pdcluster.connectors.store.options import StoreOptions
+from pdcluster.connectors.testing import PREFILL_LEG
 from pdcluster.engine.block_hash import compute_block_hashes
 from pdcluster.engine.llm_engine import LLMEngine
 
@@ -134,16 +136,16 @@ def test_disaggregated_between_tp_sizes_equals_aggregated(engines: dict[Any, Any
     prompts = _prompts(f"{engines['layout']}-P{p_tp}-D{d_tp}")
     want = _expected(reference, prompts)
     p, d = engines[p_tp], engines[d_tp]
-    pre = generate(p, prompts, greedy(1), kv={rid: {"do_remote_decode": True} for rid in prompts})
+    pre = generate(p, prompts, greedy(1), kv={rid: PREFILL_LEG for rid in prompts})
     for rid, prompt in prompts.items():
         params = pre[rid].kv_transfer_params
-        assert params is not None and params["connector"] == "store", params
-        assert params["store_num_tokens"] == len(prompt) // 16 * 16
-        assert params["store_key_prefix"] == _layout(d).key_prefix
+        assert params is not None and params.connector == "store", params
+        assert params.num_tokens == len(prompt) // 16 * 16
+        assert StoreHandoff.of(params).key_prefix == _layout(d).key_prefix
     before, worker_before = dict(d.get_stats()["kv_connector"]), _worker_stats(d)
     # The decode legs go out at once, as a router sends them: they wait (bounded) for the saves.
     dec = generate(d, prompts, greedy(MAX_TOKENS), prior={rid: pre[rid].outputs[0].token_ids for rid in prompts},
-                   kv={rid: {**pre[rid].kv_transfer_params, "do_remote_prefill": True} for rid in prompts})
+                   kv={rid: pre[rid].kv_transfer_params.for_decode_leg() for rid in prompts})
     for rid, prompt in prompts.items():
         assert dec[rid].error is None, dec[rid].error
         assert pre[rid].outputs[0].token_ids + dec[rid].outputs[0].token_ids == want[rid], rid
@@ -214,9 +216,9 @@ def test_decode_leg_with_other_shards_says_so_and_computes(engines: dict[Any, An
                                  "tp_sizes": [1], "wait_for_producer_s": 60.0})
     try:
         assert _layout(other).store_tp_size == 1
-        pre = generate(engines[2], prompts, greedy(1), kv={rid: {"do_remote_decode": True} for rid in prompts})
+        pre = generate(engines[2], prompts, greedy(1), kv={rid: PREFILL_LEG for rid in prompts})
         dec = generate(other, prompts, greedy(MAX_TOKENS), prior={rid: pre[rid].outputs[0].token_ids for rid in prompts},
-                       kv={rid: {**pre[rid].kv_transfer_params, "do_remote_prefill": True} for rid in prompts})
+                       kv={rid: pre[rid].kv_transfer_params.for_decode_leg() for rid in prompts})
         for rid in prompts:
             assert pre[rid].outputs[0].token_ids + dec[rid].outputs[0].token_ids == want[rid]
             assert dec[rid].num_cached_tokens == 0
@@ -250,9 +252,9 @@ def test_replicated_kv_head_between_tp_sizes(tmp_path_factory: pytest.TempPathFa
         for tag, p, d in (("kv1-P2-D1", two, one), ("kv1-P1-D2", one, two)):
             prompts = _prompts(tag)
             want = _expected(ref, prompts)
-            pre = generate(p, prompts, greedy(1), kv={rid: {"do_remote_decode": True} for rid in prompts})
+            pre = generate(p, prompts, greedy(1), kv={rid: PREFILL_LEG for rid in prompts})
             dec = generate(d, prompts, greedy(MAX_TOKENS), prior={r: pre[r].outputs[0].token_ids for r in prompts},
-                           kv={r: {**pre[r].kv_transfer_params, "do_remote_prefill": True} for r in prompts})
+                           kv={r: pre[r].kv_transfer_params.for_decode_leg() for r in prompts})
             for rid, prompt in prompts.items():
                 assert pre[rid].outputs[0].token_ids + dec[rid].outputs[0].token_ids == want[rid], rid
                 assert dec[rid].num_cached_tokens == len(prompt) // 16 * 16, rid
