@@ -159,16 +159,16 @@ class TPExecutor:
         return result["ok"]
 
     # -- runner interface -------------------------------------------------------------------------
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if self._failure.message is not None:
             raise TPRankFailedError(self._failure.message)
         if self._closed:
             raise TPRankFailedError("the TP instance is shut down")
         try:
             t0 = time.perf_counter()
-            self.group.broadcast_bytes(encode_step(so), MAX_CONTROL_MESSAGE_BYTES)
+            self.group.broadcast_bytes(encode_step(scheduler_output), MAX_CONTROL_MESSAGE_BYTES)
             self.broadcast_s += time.perf_counter() - t0
-            out = self.runner.execute(so)
+            out = self.runner.execute(scheduler_output)
             hooks = self.runner.connector_hooks
             if hooks is not None:
                 parts = self.group.gather_bytes(encode_report(*hooks.last_report), MAX_REPORT_BYTES)

@@ -70,12 +70,12 @@ def run(boot: dict, stop: threading.Event) -> None:
     if connector is not None:
         group.gather_bytes(msgpack.packb(runner.handshake_metadata(), use_bin_type=True), MAX_REPORT_BYTES)
     while True:
-        kind, so = decode_control(group.broadcast_bytes(None, MAX_CONTROL_MESSAGE_BYTES), decoder)
+        kind, step = decode_control(group.broadcast_bytes(None, MAX_CONTROL_MESSAGE_BYTES), decoder)
         if kind == KIND_SHUTDOWN:
             stop.set()  # rank 0 closes our stdin next: that EOF is expected now
             break
-        assert so is not None
-        runner.execute(so)
+        assert step is not None
+        runner.execute(step)
         hooks = runner.connector_hooks
         if hooks is not None:
             group.gather_bytes(encode_report(*hooks.last_report), MAX_REPORT_BYTES)

@@ -8,12 +8,12 @@ explicitly, sampling params travel as SamplingParams.to_dict(), and decoding goe
                     | {"v": 1, "kind": "shutdown"}
 
     scheduler output dict:
-        "new":      [[req_id, prompt_token_ids, output_token_ids, sampling_params dict,
+        "new":      [[request_id, prompt_token_ids, output_token_ids, sampling_params dict,
                       block_ids, num_computed_tokens, eos_token_ids], ...]
-        "cached":   [[req_id, new_block_ids, num_computed_tokens], ...]
-        "sched":    {req_id: num_scheduled_tokens}
+        "cached":   [[request_id, new_block_ids, num_computed_tokens], ...]
+        "sched":    {request_id: num_scheduled_tokens}
         "total":    total_num_scheduled_tokens
-        "finished": [req_id, ...]
+        "finished": [request_id, ...]
         "kv":       kv_connector_metadata.to_dict() | None   (rebuilt by the rank's connector)
 """
 
@@ -35,17 +35,19 @@ MAX_CONTROL_MESSAGE_BYTES = 1 << 30
 KIND_STEP, KIND_SHUTDOWN = "step", "shutdown"
 
 
-def scheduler_output_to_dict(so: SchedulerOutput) -> dict[str, Any]:
-    meta = so.kv_connector_metadata
+def scheduler_output_to_dict(step: SchedulerOutput) -> dict[str, Any]:
+    meta = step.kv_connector_metadata
     if meta is not None and not hasattr(meta, "to_dict"):
         raise ValueError(f"kv_connector_metadata {type(meta).__name__} has no to_dict(): it cannot be broadcast")
     return {
-        "new": [[r.req_id, list(r.prompt_token_ids), list(r.output_token_ids), r.sampling_params.to_dict(),
-                 list(r.block_ids), r.num_computed_tokens, list(r.eos_token_ids)] for r in so.scheduled_new_reqs],
-        "cached": [[r.req_id, list(r.new_block_ids), r.num_computed_tokens] for r in so.scheduled_cached_reqs],
-        "sched": dict(so.num_scheduled_tokens),
-        "total": so.total_num_scheduled_tokens,
-        "finished": sorted(so.finished_req_ids),
+        "new": [[r.request_id, list(r.prompt_token_ids), list(r.output_token_ids), r.sampling_params.to_dict(),
+                 list(r.block_ids), r.num_computed_tokens, list(r.eos_token_ids)]
+                for r in step.scheduled_new_reqs],
+        "cached": [[r.request_id, list(r.new_block_ids), r.num_computed_tokens]
+                   for r in step.scheduled_cached_reqs],
+        "sched": dict(step.num_scheduled_tokens),
+        "total": step.total_num_scheduled_tokens,
+        "finished": sorted(step.finished_request_ids),
         "kv": meta.to_dict() if meta is not None else None,
     }
 
@@ -55,26 +57,27 @@ def scheduler_output_from_dict(d: dict[str, Any], meta_decoder: Callable[[dict[s
     """meta_decoder rebuilds kv_connector_metadata from its dict (the rank's connector); without
     one a non-empty "kv" is refused."""
     try:
-        new = [NewRequestData(_str(rid), _ints(prompt), _ints(out), SamplingParams.from_dict(_map(sp)),
-                              _ints(blocks), _int(nc), tuple(_ints(eos)))
-               for rid, prompt, out, sp, blocks, nc, eos in d["new"]]
-        cached = [CachedRequestData(_str(rid), _ints(blocks), _int(nc)) for rid, blocks, nc in d["cached"]]
+        new = [NewRequestData(_str(request_id), _ints(prompt), _ints(out), SamplingParams.from_dict(_map(params)),
+                              _ints(blocks), _int(num_computed), tuple(_ints(eos)))
+               for request_id, prompt, out, params, blocks, num_computed, eos in d["new"]]
+        cached = [CachedRequestData(_str(request_id), _ints(blocks), _int(num_computed))
+                  for request_id, blocks, num_computed in d["cached"]]
         sched = {_str(k): _int(v) for k, v in _map(d["sched"]).items()}
-        so = SchedulerOutput(new, cached, sched, _int(d["total"]), {_str(r) for r in d["finished"]})
+        step = SchedulerOutput(new, cached, sched, _int(d["total"]), {_str(r) for r in d["finished"]})
         kv = d.get("kv")
         if kv is not None:
             if meta_decoder is None:
                 raise MalformedMessage("step carries kv_connector_metadata but this rank has no connector")
-            so.kv_connector_metadata = meta_decoder(_map(kv))
-        return so
+            step.kv_connector_metadata = meta_decoder(_map(kv))
+        return step
     except MalformedMessage:
         raise
     except (KeyError, TypeError, ValueError) as e:  # wrong shape, wrong types, bad sampling params
         raise MalformedMessage(f"malformed scheduler output: {e!r}") from e
 
 
-def encode_step(so: SchedulerOutput) -> bytes:
-    return msgpack.packb({"v": WIRE_VERSION, "kind": KIND_STEP, "step": scheduler_output_to_dict(so)},
+def encode_step(step: SchedulerOutput) -> bytes:
+    return msgpack.packb({"v": WIRE_VERSION, "kind": KIND_STEP, "step": scheduler_output_to_dict(step)},
                          use_bin_type=True)
 
 

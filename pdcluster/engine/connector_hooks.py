@@ -57,11 +57,11 @@ class TransferCompletion:
 
 
 def _count(counts: Counter[str], done: set[str], ids: set[str], world_size: int) -> None:
-    for rid in ids:
-        counts[rid] += 1
-        if counts[rid] >= world_size:
-            del counts[rid]
-            done.add(rid)
+    for request_id in ids:
+        counts[request_id] += 1
+        if counts[request_id] >= world_size:
+            del counts[request_id]
+            done.add(request_id)
 
 
 class ConnectorHooks:

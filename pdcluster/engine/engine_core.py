@@ -48,7 +48,8 @@ def build_connectors(config: EngineConfig, connector: ConnectorArg) -> tuple[KVC
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor: ExecutorFactory, connector: ConnectorArg = None) -> None:
+    def __init__(self, config: EngineConfig, executor: ExecutorFactory,
+                 connector: ConnectorArg = None) -> None:
         from pdcluster.engine.scheduler import Scheduler
 
         self.config = config

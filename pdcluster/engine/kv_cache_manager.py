@@ -3,12 +3,12 @@
 A request's block table, by token position (block_size = 4 here):
 
     tokens   | t0 t1 t2 t3 | t4 t5 t6 t7 | t8 t9 .. .. |
-    blocks   |    b7       |    b2       |    b9       |   (req_to_blocks[req_id])
+    blocks   |    b7       |    b2       |    b9       |   (req_to_blocks[request_id])
     hashes   |    h0       |    h1       |   (partial: no hash yet)
              ^ cached ^^^^^^^^^^^^^^^^^^^  num_cached_blocks = 2
 
 Invariants:
-  - blocks[:num_cached_blocks[req_id]] are published in the prefix cache (or are duplicates of a
+  - blocks[:num_cached_blocks[request_id]] are published in the prefix cache (or are duplicates of a
     published block); a block is published only once every one of its tokens' KV is computed
     (locally, or loaded by a connector whose load has finished)
   - allocate_slots either allocates everything asked for or changes nothing (returns None)
@@ -133,15 +133,15 @@ class KVCacheManager:
         needed), or None when the free blocks do not suffice; then nothing changed.
         """
         new_computed_blocks = new_computed_blocks or []
-        req_id = request.request_id
-        held = self.req_to_blocks.get(req_id)
+        request_id = request.request_id
+        held = self.req_to_blocks.get(request_id)
         if new_computed_blocks and held:
-            raise ValueError(f"{req_id}: prefix-cache hits can only be added to a request without blocks")
+            raise ValueError(f"{request_id}: prefix-cache hits can only be added to a request without blocks")
         if num_new_computed_tokens != len(new_computed_blocks) * self.block_size:
-            raise ValueError(f"{req_id}: num_new_computed_tokens does not match new_computed_blocks")
+            raise ValueError(f"{request_id}: num_new_computed_tokens does not match new_computed_blocks")
         num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_external_tokens + num_new_tokens
         if num_tokens > self.max_model_len:
-            raise ValueError(f"{req_id}: {num_tokens} tokens exceed max_model_len={self.max_model_len}")
+            raise ValueError(f"{request_id}: {num_tokens} tokens exceed max_model_len={self.max_model_len}")
         num_held = len(held) if held else 0
         num_to_allocate = max(0, _cdiv(num_tokens, self.block_size) - num_held - len(new_computed_blocks))
         # Hits sitting in the free list stop being allocatable once touched.
@@ -150,8 +150,8 @@ class KVCacheManager:
             return None
 
         if held is None:
-            held = self.req_to_blocks[req_id] = []
-            self.num_cached_blocks[req_id] = len(new_computed_blocks)
+            held = self.req_to_blocks[request_id] = []
+            self.num_cached_blocks[request_id] = len(new_computed_blocks)
             # One lookup per admission (a resumed request counts again: it looked up again).
             self._prefix_queries += request.num_tokens
             self._prefix_hits += num_new_computed_tokens
@@ -166,28 +166,29 @@ class KVCacheManager:
         """Publish the request's blocks that num_computed_tokens made full. Call after every step
         (and when a connector's load finishes) with the tokens whose KV is now in the cache."""
         self.update_block_hashes(request)
-        req_id = request.request_id
-        blocks = self.req_to_blocks.get(req_id)
+        request_id = request.request_id
+        blocks = self.req_to_blocks.get(request_id)
         if not self.enable_caching or not blocks:
             return
-        num_cached = self.num_cached_blocks[req_id]
+        num_cached = self.num_cached_blocks[request_id]
         num_full = min(num_computed_tokens // self.block_size, len(request.block_hashes), len(blocks))
         if num_full <= num_cached:
             return
-        bs = self.block_size
-        tokens = token_range(request, num_cached * bs, num_full * bs) if self.pool.enable_kv_events else None
-        self.pool.cache_full_blocks(blocks, request.block_hashes, num_cached, num_full, bs, tokens)
-        self.num_cached_blocks[req_id] = num_full
+        block_size = self.block_size
+        tokens = (token_range(request, num_cached * block_size, num_full * block_size)
+                  if self.pool.enable_kv_events else None)
+        self.pool.cache_full_blocks(blocks, request.block_hashes, num_cached, num_full, block_size, tokens)
+        self.num_cached_blocks[request_id] = num_full
 
     def invalidate_blocks(self, block_ids: Iterable[int]) -> None:
         """Unpublish blocks whose KV is bad (a failed transfer). Requests holding them keep them;
         their published prefix is cut back to before their first bad block."""
         bad = set(block_ids)
         self.pool.evict_blocks(bad)
-        for req_id, blocks in self.req_to_blocks.items():
-            for i, b in enumerate(blocks[:self.num_cached_blocks[req_id]]):
+        for request_id, blocks in self.req_to_blocks.items():
+            for i, b in enumerate(blocks[:self.num_cached_blocks[request_id]]):
                 if b.block_id in bad:
-                    self.num_cached_blocks[req_id] = i
+                    self.num_cached_blocks[request_id] = i
                     break
 
     def free(self, request: Request) -> None:

@@ -63,7 +63,7 @@ class LLM:
             for out in self.engine.step():
                 if out.finished:
                     pending.discard(out.request_id)
-        return [self.engine.get_final(rid) for rid in ids]
+        return [self.engine.get_final(request_id) for request_id in ids]
 
     def chat(self, messages: list[dict[str, str]], sampling_params: SamplingParams | None = None) -> RequestOutput:
         prompt = self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

@@ -34,7 +34,7 @@ from pdcluster.sampling_params import SamplingParams
 
 @dataclass
 class CachedRequestState:
-    req_id: str
+    request_id: str
     token_ids: list[int]  # prompt + every output token known to the runner
     num_prompt_tokens: int
     block_ids: list[int]
@@ -124,37 +124,37 @@ class ModelRunner:
         return self.sampler
 
     # -- state ------------------------------------------------------------------------------------
-    def update_states(self, so: SchedulerOutput) -> None:
-        for req_id in so.finished_req_ids:
-            self.requests.pop(req_id, None)
-        for new in so.scheduled_new_reqs:
-            self.requests[new.req_id] = CachedRequestState(
-                new.req_id, list(new.prompt_token_ids) + list(new.output_token_ids), len(new.prompt_token_ids),
+    def update_states(self, scheduler_output: SchedulerOutput) -> None:
+        for request_id in scheduler_output.finished_request_ids:
+            self.requests.pop(request_id, None)
+        for new in scheduler_output.scheduled_new_reqs:
+            self.requests[new.request_id] = CachedRequestState(
+                new.request_id, list(new.prompt_token_ids) + list(new.output_token_ids), len(new.prompt_token_ids),
                 list(new.block_ids), new.num_computed_tokens, new.sampling_params, tuple(new.eos_token_ids))
-        for cached in so.scheduled_cached_reqs:
-            state = self.requests[cached.req_id]
+        for cached in scheduler_output.scheduled_cached_reqs:
+            state = self.requests[cached.request_id]
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
     # -- step -------------------------------------------------------------------------------------
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        self.update_states(so)
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.update_states(scheduler_output)
         hooks = self.connector_hooks
         if hooks is not None:
-            hooks.start(so.kv_connector_metadata)  # also on empty steps: async loads start here
-        reqs = [self.requests[r] for r, n in so.num_scheduled_tokens.items() if n > 0]
+            hooks.start(scheduler_output.kv_connector_metadata)  # also on empty steps: async loads start here
+        reqs = [self.requests[r] for r, n in scheduler_output.num_scheduled_tokens.items() if n > 0]
         if not reqs:
             out = ModelRunnerOutput([], [])
         else:
             if hooks is not None:
                 hooks.before_forward()
-            out = self._forward(reqs, so)
+            out = self._forward(reqs, scheduler_output)
             if hooks is not None:
                 hooks.after_forward()
         return hooks.finish(out) if hooks is not None else out
 
-    def _forward(self, reqs: list[CachedRequestState], so: SchedulerOutput) -> ModelRunnerOutput:
-        query_lens = [so.num_scheduled_tokens[r.req_id] for r in reqs]
+    def _forward(self, reqs: list[CachedRequestState], scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        query_lens = [scheduler_output.num_scheduled_tokens[r.request_id] for r in reqs]
         input_ids, positions, meta = self.prepare_inputs(reqs, query_lens)
         # Sample where the chunk ends at the last known token; index of that token in the batch.
         do_sample = [r.num_computed_tokens + n == len(r.token_ids) for r, n in zip(reqs, query_lens)]
@@ -167,15 +167,15 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[torch.tensor(last_token, device=self.device)])
                 states = [self._sampling_state(r) for r, ok in zip(reqs, do_sample) if ok]
                 sampled, logprobs = self._get_sampler()(logits, states)
-        out = ModelRunnerOutput([r.req_id for r in reqs], [], [])
-        it = iter(zip(sampled, logprobs))
+        out = ModelRunnerOutput([r.request_id for r in reqs], [], [])
+        results = iter(zip(sampled, logprobs))
         for r, n, ok in zip(reqs, query_lens, do_sample):
             r.num_computed_tokens += n
             if ok:
-                token, lp = next(it)
+                token, logprob = next(results)
                 r.token_ids.append(token)  # our copy; the scheduler appends to its Request itself
                 out.sampled_token_ids.append([token])
-                out.logprobs.append(lp)
+                out.logprobs.append(logprob)
             else:
                 out.sampled_token_ids.append([])
                 out.logprobs.append(None)
@@ -195,16 +195,16 @@ class ModelRunner:
             token t of request i: position = context_lens[i] + (t - query_start_loc[i])
             slot_mapping[t] = block_tables[i, position // block_size] * block_size + position % block_size
         """
-        dev, bs = self.device, self.block_size
+        dev, block_size = self.device, self.block_size
         context_lens = [r.num_computed_tokens for r in reqs]
         seq_lens = [c + n for c, n in zip(context_lens, query_lens)]
         ids: list[int] = []
         for r, c, s in zip(reqs, context_lens, seq_lens):
-            if s > len(r.token_ids) or s > len(r.block_ids) * bs:
-                raise RuntimeError(f"request {r.req_id!r}: {s} tokens scheduled through but it has "
-                                   f"{len(r.token_ids)} tokens and {len(r.block_ids)} blocks of {bs}")
+            if s > len(r.token_ids) or s > len(r.block_ids) * block_size:
+                raise RuntimeError(f"request {r.request_id!r}: {s} tokens scheduled through but it has "
+                                   f"{len(r.token_ids)} tokens and {len(r.block_ids)} blocks of {block_size}")
             ids.extend(r.token_ids[c:s])
-        num_blocks = -(-max(seq_lens) // bs)  # block-table columns needed this step
+        num_blocks = -(-max(seq_lens) // block_size)  # block-table columns needed this step
         table = [r.block_ids[:num_blocks] + [0] * (num_blocks - len(r.block_ids[:num_blocks])) for r in reqs]
         block_tables = torch.tensor(table, dtype=torch.int32)  # (B, num_blocks)
         q_lens = torch.tensor(query_lens, dtype=torch.int64)
@@ -213,7 +213,8 @@ class ModelRunner:
         req_of_token = torch.repeat_interleave(torch.arange(len(reqs)), q_lens)  # (T,)
         positions = (torch.arange(len(ids)) - query_start_loc[req_of_token]
                      + torch.tensor(context_lens, dtype=torch.int64)[req_of_token])  # (T,)
-        slot_mapping = block_tables[req_of_token, positions // bs].long() * bs + positions % bs  # (T,)
+        slot_mapping = (block_tables[req_of_token, positions // block_size].long() * block_size
+                        + positions % block_size)  # (T,)
         meta = AttentionMetadata(
             num_reqs=len(reqs),
             num_tokens=len(ids),

@@ -137,7 +137,8 @@ class RemoteKV:
             self._release_if_done(request_id)
 
     def handle_invalid_blocks(self, bad: set[int], requests: Iterable[Request],
-                              fail: Callable[[Request, str], None], preempt: Callable[[Request], None]) -> None:
+                              fail: Callable[[Request, str], None],
+                              preempt: Callable[[Request], None]) -> None:
         """Apply the connector's failure policy to every request holding a block whose load failed."""
         policy = self.connector.failure_policy if self.connector is not None else KVTransferFailure.FAIL
         self.kv.invalidate_blocks(bad)  # nobody may hit them in the prefix cache any more

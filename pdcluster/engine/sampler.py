@@ -150,7 +150,7 @@ class Sampler:
             return
         sub = [states[i] for i in rows]
         idx = self._index(rows)
-        xs = x[idx]  # (R, V)
+        scores = x[idx]  # (R, V)
         out_counts = self._token_counts([s.output_token_ids for s in sub])
         rep = torch.tensor([s.params.repetition_penalty for s in sub], device=self.device)[:, None]
         if any(s.params.repetition_penalty != 1.0 for s in sub):
@@ -160,12 +160,12 @@ class Sampler:
             seen |= self._token_counts(
                 [s.prompt_token_ids if s.params.repetition_penalty != 1.0 else [] for s in sub]
             ) > 0
-            xs = torch.where(seen, torch.where(xs > 0, xs / rep, xs * rep), xs)
+            scores = torch.where(seen, torch.where(scores > 0, scores / rep, scores * rep), scores)
         # OpenAI semantics over generated tokens only: subtract freq * count + presence * [count > 0].
         freq = torch.tensor([s.params.frequency_penalty for s in sub], device=self.device)[:, None]
         pres = torch.tensor([s.params.presence_penalty for s in sub], device=self.device)[:, None]
-        xs = xs - freq * out_counts - pres * (out_counts > 0).float()
-        x[idx] = xs
+        scores = scores - freq * out_counts - pres * (out_counts > 0).float()
+        x[idx] = scores
 
     def _token_counts(self, seqs: list[list[int]]) -> torch.Tensor:
         """(len(seqs), V) float counts of each token id per sequence, built with one scatter."""
@@ -189,22 +189,22 @@ class Sampler:
     def _sample_random(self, x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
         """One token per row of x (R, V), all rows random; x itself is not modified."""
         temps = torch.tensor([s.params.temperature for s in states], device=self.device)
-        xs = x / temps[:, None]  # new tensor: x may be the caller's raw logits
+        scores = x / temps[:, None]  # new tensor: x may be the caller's raw logits
         min_p_rows = [j for j, s in enumerate(states) if s.params.min_p > 0.0]
         if min_p_rows:
             min_p = torch.tensor([states[r].params.min_p for r in min_p_rows], device=self.device)
-            xs = self._on_rows(xs, min_p_rows, _min_p_mask, min_p)
+            scores = self._on_rows(scores, min_p_rows, _min_p_mask, min_p)
         trunc_rows = [j for j, s in enumerate(states) if s.params.top_k > 0 or s.params.top_p < 1.0]
         if trunc_rows:
             v = self.vocab_size
             k = [min(states[r].params.top_k or v, v) for r in trunc_rows]
             top_k = torch.tensor(k, device=self.device)
             top_p = torch.tensor([states[r].params.top_p for r in trunc_rows], device=self.device)
-            xs = self._on_rows(xs, trunc_rows, _top_k_top_p_mask, top_k, top_p)
+            scores = self._on_rows(scores, trunc_rows, _top_k_top_p_mask, top_k, top_p)
         # Inverse CDF: the first token whose cumulative probability exceeds u * total. Masked tokens
         # have probability exactly 0 so the CDF does not rise at them and they are never picked.
         # float64: a float32 running sum over ~150k entries drifts by more than small probabilities.
-        cdf = xs.softmax(dim=-1).cumsum(dim=-1, dtype=torch.float64)  # (R, V)
+        cdf = scores.softmax(dim=-1).cumsum(dim=-1, dtype=torch.float64)  # (R, V)
         u = self._uniforms(states) * cdf[:, -1:]  # (R, 1), strictly below the total
         return torch.searchsorted(cdf, u, right=True)[:, 0].clamp_(max=self.vocab_size - 1)
 
@@ -231,22 +231,22 @@ class Sampler:
         if not rows:
             return out
         idx = self._index(rows)
-        lp = torch.log_softmax(raw[idx], dim=-1)  # (R, V)
+        log_probs = torch.log_softmax(raw[idx], dim=-1)  # (R, V)
         sampled = token_ids[idx]
-        sampled_lp = lp.gather(1, sampled[:, None])  # (R, 1)
-        ranks = (lp > sampled_lp).sum(dim=-1) + 1
+        sampled_log_prob = log_probs.gather(1, sampled[:, None])  # (R, 1)
+        ranks = (log_probs > sampled_log_prob).sum(dim=-1) + 1
         num_top = max(states[i].params.logprobs or 0 for i in rows)
         top_vals_l: list[list[float]] = [[] for _ in rows]
         top_ids_l: list[list[int]] = [[] for _ in rows]
         if num_top:
-            top_vals, top_ids = lp.topk(num_top, dim=-1)  # (R, num_top), most likely first
+            top_vals, top_ids = log_probs.topk(num_top, dim=-1)  # (R, num_top), most likely first
             top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
-        sampled_l, sampled_lp_l, ranks_l = sampled.tolist(), sampled_lp[:, 0].tolist(), ranks.tolist()
+        sampled_l, sampled_log_prob_l, ranks_l = sampled.tolist(), sampled_log_prob[:, 0].tolist(), ranks.tolist()
         for r, i in enumerate(rows):
             n = states[i].params.logprobs or 0
             pairs = zip(top_ids_l[r][:n], top_vals_l[r][:n], strict=True)
             top = [Logprob(t, lv, rank) for rank, (t, lv) in enumerate(pairs, start=1)]
-            out[i] = SampleLogprobs(sampled=Logprob(sampled_l[r], sampled_lp_l[r], ranks_l[r]), top=top)
+            out[i] = SampleLogprobs(sampled=Logprob(sampled_l[r], sampled_log_prob_l[r], ranks_l[r]), top=top)
         return out
 
 

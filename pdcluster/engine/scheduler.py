@@ -195,12 +195,12 @@ class Scheduler:
 
     def _admit(self, req: Request, step: StepPlan) -> AdmitOutcome:
         held = bool(self.kv.get_block_ids(req.request_id))  # loaded by a connector, not yet run
-        match = self.remote.match(req, held)
-        if match is None:
+        if (match := self.remote.match(req, held)) is None:  # the connector cannot tell yet
             return AdmitOutcome.SKIP
         hits, num_local, num_ext, is_async = match
         if is_async and num_ext > 0:
-            return AdmitOutcome.REMOTE if self.remote.admit(req, hits, num_local, num_ext) else AdmitOutcome.BLOCKED
+            admitted = self.remote.admit(req, hits, num_local, num_ext)
+            return AdmitOutcome.REMOTE if admitted else AdmitOutcome.BLOCKED
         num_computed = (req.num_computed_tokens if held else num_local) + num_ext
         num_new = self._chunk(req, num_computed, step.budget)
         if num_new <= 0:
@@ -233,7 +233,7 @@ class Scheduler:
         if runner_output.invalid_block_ids:
             self.remote.handle_invalid_blocks(runner_output.invalid_block_ids, self.requests.values(),
                                               self._fail, self._preempt)
-        index = {request_id: i for i, request_id in enumerate(runner_output.req_ids)}
+        index = {request_id: i for i, request_id in enumerate(runner_output.request_ids)}
         for request_id in scheduler_output.num_scheduled_tokens:
             req = self.requests.get(request_id)
             if req is None or req.status != RequestStatus.RUNNING:

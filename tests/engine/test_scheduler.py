@@ -71,7 +71,7 @@ def test_chunked_prefill_shares_the_budget_decodes_first() -> None:
     assert [o.request_id for o in outs] == ["a"]  # b's chunk stopped short of its last token
     so, _ = step(s)
     assert so.num_scheduled_tokens == {"a": 1, "b": 7}
-    assert [c.req_id for c in so.scheduled_cached_reqs] == ["a", "b"] and not so.scheduled_new_reqs
+    assert [c.request_id for c in so.scheduled_cached_reqs] == ["a", "b"] and not so.scheduled_new_reqs
     assert s.requests["b"].num_computed_tokens == 9
     so, _ = step(s)
     assert so.num_scheduled_tokens == {"a": 1, "b": 7}
@@ -84,7 +84,7 @@ def test_max_num_seqs_and_fcfs() -> None:
     for rid in "abc":
         s.add_request(req(rid, 3))
     so, _ = step(s)
-    assert [n.req_id for n in so.scheduled_new_reqs] == ["a", "b"]
+    assert [n.request_id for n in so.scheduled_new_reqs] == ["a", "b"]
     assert s.get_stats()["num_waiting"] == 1
 
 
@@ -137,14 +137,14 @@ def test_preemption_by_recompute_and_resume() -> None:
         if not s.has_unfinished_requests():
             break
         so, step_outs = step(s, sample=lambda r: 100 + r.num_output_tokens)
-        if "b" in so.finished_req_ids and preempted_in is None:
+        if "b" in so.finished_request_ids and preempted_in is None:
             preempted_in = so
         resumed = resumed or next((n for n in so.scheduled_new_reqs if n.output_token_ids), None)
         for o in step_outs:
             outs[o.request_id] += o.new_token_ids
     assert preempted_in is not None, "b (the most recently added) must be preempted"
     assert "b" not in preempted_in.num_scheduled_tokens
-    assert resumed is not None and resumed.req_id == "b"
+    assert resumed is not None and resumed.request_id == "b"
     assert resumed.output_token_ids == [100 + i for i in range(len(resumed.output_token_ids))]
     assert outs == {"a": list(range(100, 112)), "b": list(range(100, 112))}
     assert s.get_stats()["num_preemptions"] >= 1
@@ -160,7 +160,7 @@ def test_preempted_request_goes_to_the_front_of_the_queue() -> None:
         step(s)
     assert [r.request_id for r in s.waiting] == ["c"]
     so, _ = step(s)  # a needs a third block: b, the most recently added, is preempted
-    assert so.num_scheduled_tokens == {"a": 1} and so.finished_req_ids == {"b"}
+    assert so.num_scheduled_tokens == {"a": 1} and so.finished_request_ids == {"b"}
     assert [r.request_id for r in s.waiting] == ["b", "c"] and s.waiting[0].status == RequestStatus.PREEMPTED
     run_all(s)
     assert_no_leaks(s)
@@ -204,7 +204,7 @@ def test_abort_frees_blocks_and_unknown_ids_are_ignored() -> None:
     s.finish_requests(["a", "w", "nope"], RequestStatus.FINISHED_ABORTED)
     s.finish_requests("a", RequestStatus.FINISHED_ABORTED)
     so, outs = step(s)
-    assert so.finished_req_ids == {"a", "w"} and outs == []
+    assert so.finished_request_ids == {"a", "w"} and outs == []
     assert_no_leaks(s)
     with pytest.raises(ValueError):
         s.finish_requests(["a"], RequestStatus.RUNNING)
@@ -360,7 +360,7 @@ def test_invalid_blocks_after_sync_load_recompute_preempts() -> None:
     assert outs == [] and a.output_token_ids == []  # the token sampled from bad KV is dropped
     assert a.status == RequestStatus.PREEMPTED and a.num_computed_tokens == 0
     so, _ = step(s)
-    assert "a" in so.finished_req_ids and not so.scheduled_new_reqs  # drop state first, then resume
+    assert "a" in so.finished_request_ids and not so.scheduled_new_reqs  # drop state first, then resume
     so, _ = step(s)
     assert so.scheduled_new_reqs[0].num_computed_tokens == 4  # the good block, from the prefix cache
     run_all(s)
@@ -424,14 +424,14 @@ class FakeRunner:
         self.state: dict[str, dict] = {}  # req_id -> tokens, computed, blocks
 
     def execute(self, so: SchedulerOutput, **reports) -> ModelRunnerOutput:
-        for rid in so.finished_req_ids:
+        for rid in so.finished_request_ids:
             self.state.pop(rid, None)
         for new in so.scheduled_new_reqs:
-            assert new.req_id not in self.state, "resumed before its old state was dropped"
-            self.state[new.req_id] = dict(tokens=new.prompt_token_ids + new.output_token_ids,
+            assert new.request_id not in self.state, "resumed before its old state was dropped"
+            self.state[new.request_id] = dict(tokens=new.prompt_token_ids + new.output_token_ids,
                                           computed=new.num_computed_tokens, blocks=list(new.block_ids))
         for c in so.scheduled_cached_reqs:
-            st = self.state[c.req_id]
+            st = self.state[c.request_id]
             assert st["computed"] == c.num_computed_tokens
             st["blocks"] += c.new_block_ids
         req_ids, sampled = [], []

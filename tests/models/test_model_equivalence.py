@@ -77,8 +77,8 @@ def run_greedy(runner: ModelRunner, prompts: list[list[int]], max_tokens: int = 
                 cached.append(CachedRequestData(rid, got, r["computed"]))
         out = runner.execute(SchedulerOutput(new, cached, sched, sum(sched.values()), finished))
         finished = set()
-        assert out.req_ids == list(sched)
-        for rid, toks in zip(out.req_ids, out.sampled_token_ids):
+        assert out.request_ids == list(sched)
+        for rid, toks in zip(out.request_ids, out.sampled_token_ids):
             r = reqs[rid]
             r["computed"] += sched[rid]
             assert len(toks) == (1 if r["computed"] == len(r["tokens"]) else 0)
@@ -89,7 +89,7 @@ def run_greedy(runner: ModelRunner, prompts: list[list[int]], max_tokens: int = 
                 free += reqs.pop(rid)["blocks"]
                 finished.add(rid)
     # An empty step still drops the state of the requests that finished last.
-    assert runner.execute(SchedulerOutput([], [], {}, 0, finished)).req_ids == []
+    assert runner.execute(SchedulerOutput([], [], {}, 0, finished)).request_ids == []
     assert runner.requests == {}
     return [results[f"r{i}"] for i in range(len(prompts))]
 
