@@ -9,8 +9,7 @@ field (ValueError -> INVALID_ARGUMENT) rather than being computed and its answer
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from pdcluster.engine.kv_connector import KVTransferParams
 
 # Set by the producer's connector when the prefill leg finishes (the decode leg's input).
 PRODUCER_OUTPUT_FIELDS = (
@@ -20,14 +19,10 @@ PRODUCER_OUTPUT_FIELDS = (
 )
 
 
-def _field(kv: Any, name: str) -> Any:
-    return kv.get(name) if isinstance(kv, Mapping) else getattr(kv, name, None)
-
-
-def check_producer_leg(kv: Any) -> None:
+def check_producer_leg(kv: KVTransferParams) -> None:
     """Refuse a prefill leg that carries a field only the prefill leg's answer may hold."""
     for name in PRODUCER_OUTPUT_FIELDS:
-        if _field(kv, name):  # unset: absent, or the proto3 default (0, "", b"", empty list)
+        if getattr(kv, name):  # unset: the default (0, "", b"", ()), which proto3 leaves off the wire
             raise ValueError(
                 f"kv_transfer_params.{name}: not accepted on a prefill leg (do_remote_decode); it is "
                 "part of what the prefill leg returns for the decode leg (send that one with "

@@ -25,6 +25,7 @@ import grpc
 
 from pdcluster._proto import common_pb2, worker_pb2
 from pdcluster.engine.async_engine import AsyncEngine, EngineDeadError
+from pdcluster.engine.kv_connector import KVTransferParams
 from pdcluster.engine.outputs import RequestOutput
 from pdcluster.sampling_params import SamplingParams
 from pdcluster.worker import convert
@@ -62,7 +63,7 @@ class RequestTable:
 
     # -- admission -------------------------------------------------------------------------------
     def check(self, request: worker_pb2.WorkerGenerateRequest,
-              request_id: str) -> tuple[SamplingParams, dict | None]:
+              request_id: str) -> tuple[SamplingParams, KVTransferParams | None]:
         """The request's sampling params and accepted KV params, or Refusal."""
         try:
             params = convert.sampling_params_from_proto(request.sampling_params)
@@ -93,7 +94,7 @@ class RequestTable:
 
     # -- running -----------------------------------------------------------------------------------
     def start_pump(self, request_id: str, request: worker_pb2.WorkerGenerateRequest, params: SamplingParams,
-                   kv: dict | None, sink: Sink) -> asyncio.Task:
+                   kv: KVTransferParams | None, sink: Sink) -> asyncio.Task:
         """Run the request in the engine as a task that hands sink each (arrival time, output), or
         the exception that ended it, until the request ends or sink returns true. Cancelling the
         task closes AsyncEngine.generate, which aborts the request and frees its blocks.
@@ -110,7 +111,7 @@ class RequestTable:
         return task
 
     async def _pump(self, request_id: str, request: worker_pb2.WorkerGenerateRequest, params: SamplingParams,
-                    kv: dict | None, sink: Sink, previous: asyncio.Task | None) -> None:
+                    kv: KVTransferParams | None, sink: Sink, previous: asyncio.Task | None) -> None:
         if previous is not None:
             await asyncio.wait([previous])
         prior = list(request.prefill_output_token_ids)  # the decode leg's; the engine validates them
