@@ -29,6 +29,7 @@ from pdcluster.worker.role_registry import WorkerRole, resolve_role
 if TYPE_CHECKING:
     from pdcluster.engine.async_engine import AsyncEngine
     from pdcluster.worker.kv_events import KVEventsConfig
+    from pdcluster.worker.roles import RoleHandler
     from pdcluster.worker.server import WorkerServer
     from pdcluster.worker.tls import TLSConfig
 
@@ -132,7 +133,7 @@ def run_worker(config: WorkerConfig, on_ready: Callable[[WorkerServer, int], Non
         engine.shutdown()
 
 
-async def _serve(config: WorkerConfig, role: WorkerRole, engine: AsyncEngine, handler: Any,
+async def _serve(config: WorkerConfig, role: WorkerRole, engine: AsyncEngine, handler: RoleHandler,
                  tls: TLSConfig | None, kv_events: KVEventsConfig | None,
                  on_ready: Callable[[WorkerServer, int], None]) -> None:
     from pdcluster.worker.options import DEFAULT_MAX_MESSAGE_BYTES

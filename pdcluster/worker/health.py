@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 from grpc_health.v1 import health, health_pb2
+
+if TYPE_CHECKING:
+    from pdcluster.engine.async_engine import AsyncEngine
 
 log = logging.getLogger(__name__)
 
@@ -20,8 +23,9 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class EngineHealth:
-    def __init__(self, engine: Any, service_name: str = WORKER_SERVICE_NAME, interval_s: float = 0.25) -> None:
-        """engine: anything with an `is_healthy` property (AsyncEngine)."""
+    def __init__(self, engine: AsyncEngine, service_name: str = WORKER_SERVICE_NAME,
+                 interval_s: float = 0.25) -> None:
+        """Only engine.is_healthy is read."""
         self.engine = engine
         self.service_name = service_name
         self.interval_s = interval_s
