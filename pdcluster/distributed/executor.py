@@ -4,11 +4,11 @@ It has the runner's interface (execute, shutdown) plus is_healthy and collective
 runs rank 0 in this process:
 
     EngineCore.step()                     rank 0 (this process)          ranks 1..t-1 (rank_main)
-      so = scheduler.schedule()
-      executor.execute(so) ------------>  broadcast(msgpack(so)) ------> decode(so)
-                                          runner.execute(so)             runner.execute(so)
+      step = scheduler.schedule()
+      executor.execute(step) ---------->  broadcast(msgpack(step)) ----> decode(step)
+                                          runner.execute(step)           runner.execute(step)
                                             all-reduce / all-gather <-->   all-reduce / all-gather
-      scheduler.update(so, out) <-------  out (rank 0's sampled tokens)  (identical tokens, dropped)
+      scheduler.update(step, out) <-----  out (rank 0's sampled tokens)  (identical tokens, dropped)
                                           [with a KV connector]
                                           gather(report) <-------------- msgpack(finished/failed sets)
                                           completion counted over ranks

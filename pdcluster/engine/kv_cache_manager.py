@@ -99,10 +99,10 @@ class KVCacheManager:
 
     def update_block_hashes(self, request: Request) -> None:
         """Extend request.block_hashes to cover every full block of its tokens (incremental)."""
-        bs, hashes = self.block_size, request.block_hashes
-        for i in range(len(hashes), request.num_tokens // bs):
+        block_size, hashes = self.block_size, request.block_hashes
+        for i in range(len(hashes), request.num_tokens // block_size):
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, token_range(request, i * bs, (i + 1) * bs)))
+            hashes.append(hash_block_tokens(parent, token_range(request, i * block_size, (i + 1) * block_size)))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest run of cached full blocks from the start of the request's tokens.
