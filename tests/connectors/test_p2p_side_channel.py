@@ -156,7 +156,7 @@ def test_capabilities_are_bound_to_their_request(agent: Any, pool: ChannelPool) 
 
 def test_expired_lease_is_an_error_to_the_reader(pool: ChannelPool) -> None:
     cache = torch.zeros(GEO.nbytes // 4)
-    opts = _opts(PRODUCER, "producer", lease_ttl_s=0.3)
+    opts = _opts(PRODUCER, "producer", lease_ttl_s=2.0)  # time for the open below on a slow machine
     a = ProducerAgent(opts, FP, GEO, Region.from_buffer(cache), None)
     side = SideChannelServer(a, opts)
     producer = Producer("test-producer", side.endpoint, PRODUCER.public)
@@ -165,7 +165,7 @@ def test_expired_lease_is_an_error_to_the_reader(pool: ChannelPool) -> None:
         a.add_lease("req-x", "c" * 32, "3" * 32, [4])
         reply = _open(pool, producer, "req-x", "c" * 32, "3" * 32)
         assert reply["ok"]
-        time.sleep(0.6)
+        time.sleep(2.3)  # past the lease's end (expiry is checked against the clock when used)
         ranges = block_ranges(GEO, [4])
         dest = memoryview(bytearray(sum(n for _, n in ranges)))
         with pytest.raises(TransferError, match="expired"):  # the token died with the lease
