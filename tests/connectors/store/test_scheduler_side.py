@@ -56,7 +56,8 @@ class MemoryBackend(StoreBackend):
 @pytest.fixture
 def sched() -> Any:
     backend = MemoryBackend()
-    s = StoreScheduler(StoreOptions(layout=LAYOUT, wait_for_producer_s=0.3, event_poll_s=0.01), BS, backend)
+    # wait_for_producer_s: far longer than any test takes between asks, however slow the machine.
+    s = StoreScheduler(StoreOptions(layout=LAYOUT, wait_for_producer_s=60.0, event_poll_s=0.01), BS, backend)
     s.backend = backend
     yield s
     s.shutdown()
