@@ -22,7 +22,7 @@ from pdcluster.worker.kv_events_pub import decode_batch, decode_snapshot, encode
 from pdcluster.worker.server import start_worker_server
 
 
-async def _recv(sock: zmq.Socket, timeout_s: float = 5.0) -> bytes:
+async def _recv(sock: zmq.Socket, timeout_s: float = 30.0) -> bytes:  # generous: a slow machine
     for _ in range(int(timeout_s / 0.01)):
         try:
             return sock.recv(zmq.NOBLOCK)
