@@ -38,6 +38,7 @@ _PDEATHSIG_SHIM = (
 RAY_CLI = (sys.executable, "-m", "ray.scripts.scripts")
 # The head prints how to join it once it serves: "ray start --address='10.0.0.5:6379'".
 _ADDRESS_RE = re.compile(r"ray start --address='([^']+)'")
+_BLOCKING = "will now block forever"  # `ray start --block` once every process of the head runs
 
 
 def enable_token_auth() -> None:
@@ -76,13 +77,33 @@ class LocalHead:
     start_time: float  # the process's start (from /proc): guards a recycled pid in `down`
 
 
+def loopback_env() -> dict[str, str]:
+    """The environment that keeps a one-machine Ray on loopback. Ray replaces a loopback
+    --node-ip-address with the machine's routable IP unless its single-machine mode is on (the
+    macOS/Windows default, off on Linux); in that mode the node IP is 127.0.0.1 and every Ray
+    server -- GCS, raylet, dashboard and its agent, runtime-env agent, Ray Client server, the
+    workers' own gRPC servers -- binds it instead of the node IP or all interfaces."""
+    return {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def use_loopback_node() -> None:
+    """This process (the driver) joins the loopback head as 127.0.0.1 too: otherwise ray.init
+    looks for a raylet on the machine's routable IP and waits for one forever. Before `import
+    ray`, which reads the setting at import (as it does RAY_AUTH_MODE)."""
+    if "ray._private.ray_constants" in sys.modules:
+        raise RuntimeError("ray was imported before the loopback head was set up")
+    os.environ.update(loopback_env())
+
+
 def start_local_head(*, num_cpus: int | None, resources: Mapping[str, float], labels: Mapping[str, str],
                      log_path: pathlib.Path, detach: bool, dashboard: bool = True,
                      timeout_s: float = 120.0) -> LocalHead:
     """Start `ray start --head --block` bound to loopback and wait until it serves."""
     port, dash_port = free_port(), free_port()
     enable_token_auth()
-    argv = [*RAY_CLI, "start", "--head", "--block", f"--port={port}", "--disable-usage-stats"]
+    use_loopback_node()
+    argv = [*RAY_CLI, "start", "--head", "--block", f"--port={port}", "--disable-usage-stats",
+            "--node-ip-address=127.0.0.1"]
     argv += [f"--include-dashboard={dashboard}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash_port}"]
     if num_cpus is not None:
         argv.append(f"--num-cpus={num_cpus}")
@@ -94,14 +115,17 @@ def start_local_head(*, num_cpus: int | None, resources: Mapping[str, float], la
     with open(log_path, "wb") as log:  # a file, not a pipe: a detached head must outlive us
         proc = subprocess.Popen(argv if detach else with_pdeathsig(argv), stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})  # incl. RAY_AUTH_MODE
+                                env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **loopback_env()})  # + RAY_AUTH_MODE
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"the local Ray head exited with {proc.returncode}:\n{_tail(log_path)}")
-        m = _ADDRESS_RE.search(log_path.read_text(errors="replace"))
-        if m:  # Ray binds the GCS to the node's IP, whatever --node-ip-address says about loopback
+        text = log_path.read_text(errors="replace")
+        m = _ADDRESS_RE.search(text)  # a head on a routable IP prints how to join it
+        if m:
             return LocalHead(proc.pid, m.group(1), str(log_path), process_start_time(proc.pid))
+        if _BLOCKING in text:  # a loopback head prints no join line: its address is ours
+            return LocalHead(proc.pid, f"127.0.0.1:{port}", str(log_path), process_start_time(proc.pid))
         time.sleep(0.2)
     stop_local_head(proc.pid, grace_s=5.0)
     raise RuntimeError(f"the local Ray head did not start within {timeout_s:g}s:\n{_tail(log_path)}")

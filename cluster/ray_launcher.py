@@ -45,10 +45,12 @@ def actor_name(namespace: str, name: str) -> str:
 
 
 class RayLauncher:
-    def __init__(self, config: ClusterConfig, *, address: str = "local", detach: bool = False) -> None:
+    def __init__(self, config: ClusterConfig, *, address: str = "local", detach: bool = False,
+                 insecure: bool = False) -> None:
         self.config = config
         self.address = address
         self.detach = detach
+        self.insecure = insecure  # the router may bind a non-loopback host without TLS or a key
         self.ns = config.namespace
         self.head: ray_head.LocalHead | None = None
         self.workers: dict[str, Any] = {}   # instance name -> actor handle
@@ -212,7 +214,7 @@ class RayLauncher:
         from pdcluster.cluster.ray_actors import RouterActor
 
         r = self.config.router
-        spec = {**asdict(r), "model": self.config.model}
+        spec = {**asdict(r), "model": self.config.model, "insecure": self.insecure}
         # The router's ports are on this node: what `up` prints is reachable from here.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.router = ray.remote(RouterActor).options(

@@ -54,6 +54,9 @@ def add_up_commands(sub: argparse._SubParsersAction) -> None:
                    help="no Ray dashboard on the local head (saves ~1 GiB; `status` then shows no restarts)")
     _add_namespace(p)
     p.add_argument("--detach", action="store_true", help="return once ready; `pdcluster down` stops it")
+    p.add_argument("--insecure", action="store_true",
+                   help="join a Ray cluster without token authentication, or bind the router to a non-loopback "
+                        "--router-host (it has no TLS or API key under `up` yet)")
     p.add_argument("--demo-request", action="store_true",
                    help="once ready, stream one demo request through the router (the README's main job)")
     p.set_defaults(func=run_up)
@@ -133,7 +136,8 @@ def run_up(args: argparse.Namespace) -> int:
     from pdcluster.cluster.ray_launcher import LaunchError, RayLauncher
 
     address = args.address or os.environ.get("RAY_ADDRESS") or "local"
-    launcher = RayLauncher(config, address=address, detach=args.detach)
+    _check_access(config, address, args.insecure)
+    launcher = RayLauncher(config, address=address, detach=args.detach, insecure=args.insecure)
     stop = _StopFlag()
     try:
         try:
@@ -156,6 +160,20 @@ def run_up(args: argparse.Namespace) -> int:
     finally:
         if not args.detach:
             launcher.down()
+
+
+def _check_access(config: Any, address: str, insecure: bool) -> None:
+    """Before anything starts: the router's bind address, and Ray's authentication (said aloud)."""
+    from pdcluster.router.auth import check_exposure
+
+    check_exposure(config.router.host, tls=False, api_key=False, insecure=insecure, what="the router (--router-host)")
+    if address == "local":
+        print("pdcluster up: a local Ray head on loopback only (127.0.0.1), with token authentication",
+              file=sys.stderr)
+        return
+    from pdcluster.cluster.ray_auth import require_token_auth
+
+    print(f"pdcluster up: {require_token_auth(address, insecure=insecure)}", file=sys.stderr)
 
 
 def _progress_to_stderr() -> None:
@@ -232,6 +250,10 @@ def _connect(args: argparse.Namespace, *, required: bool) -> tuple[str, dict[str
     address = args.address or (state or {}).get("ray_address") or os.environ.get("RAY_ADDRESS") or "auto"
     if state and state.get("ray_auth_mode"):
         os.environ.setdefault("RAY_AUTH_MODE", state["ray_auth_mode"])  # before `import ray`: read at import
+    if state and state.get("head_pid") and str(state.get("ray_address", "")).startswith("127.0.0.1:"):
+        from pdcluster.cluster.ray_head import use_loopback_node
+
+        use_loopback_node()  # a loopback head: this driver joins it as 127.0.0.1 too
     import ray
 
     error = None if gcs_reachable(address) else "nothing listens there"
