@@ -105,7 +105,7 @@ def test_launcher_kills_a_child_that_ignores_sigterm():
     finally:
         t0 = time.monotonic()
         launcher.stop()
-    assert p.proc.returncode == -signal.SIGKILL and time.monotonic() - t0 < 5
+    assert p.proc.returncode == -signal.SIGKILL and time.monotonic() - t0 < 30  # grace 0.5 s, not the 600 s hang
     assert not alive(p.pid)
 
 
