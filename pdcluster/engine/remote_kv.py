@@ -30,8 +30,10 @@ class RemoteKV:
         self.kv = kv
         self.connector = connector
         self.block_size = block_size
-        self.loading: dict[str, int] = {}  # admission order: the order they rejoin the queue
-        self.held: dict[str, Request] = {}
+        # WAITING_FOR_REMOTE_KV id -> num_computed_tokens once loaded, in admission order (the
+        # order loaded requests rejoin the waiting queue).
+        self.loading: dict[str, int] = {}
+        self.held: dict[str, Request] = {}  # finished, blocks still used by a transfer
         self._await_sending: set[str] = set()
         self._await_recving: set[str] = set()
 
