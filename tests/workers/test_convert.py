@@ -48,6 +48,16 @@ def test_one_conversion_module() -> None:
         assert getattr(convert, name) is getattr(proto_convert, name), name
 
 
+def test_conversion_module_is_torch_free() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, pdcluster.proto_convert, router.convert; "
+            "assert not [m for m in sys.modules if m.split('.')[0] in ('torch', 'triton')], 'torch imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
 def test_kv_params_roundtrip_and_extra() -> None:
     msg = common_pb2.KvTransferParams(do_remote_prefill=True, producer_id="p0", block_ids=[4, 5], num_tokens=20,
                                       producer_public_key=b"k" * 40, extra={"x": "1"})
