@@ -154,7 +154,7 @@ def run_router(args: argparse.Namespace) -> int:
 DEMO_PROMPT = "The prefill pool reads the whole prompt"
 
 
-async def demo_request(grpc_address: str) -> None:
+async def demo_request(grpc_address: str, api_key: str | None = None) -> None:
     """Stream one request through the router with the real client, as a user would."""
     from pdcluster.client import AsyncClient, ClientError
     from pdcluster.sampling_params import SamplingParams
@@ -162,7 +162,7 @@ async def demo_request(grpc_address: str) -> None:
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=0, max_tokens=48, ignore_eos=True)
     print(f"\ndemo request via {grpc_address}:\n{DEMO_PROMPT}", end="", flush=True)
     try:
-        async with AsyncClient(grpc_address, timeout=120.0) as client:
+        async with AsyncClient(grpc_address, timeout=120.0, api_key=api_key) as client:
             async for delta in client.generate_stream(DEMO_PROMPT, params):
                 print(delta.text, end="", flush=True)
     except ClientError as e:
@@ -190,7 +190,7 @@ def _run_router_foreground(config: Any, *, wait_for_workers: int, launcher: Any 
                 await router.registry.wait_for_healthy(wait_for_workers, 30.0)
             _print_ready(router, launcher, ready_extra)
             if send_demo:
-                await demo_request(router.endpoints()["grpc"])
+                await demo_request(router.endpoints()["grpc"], config.api_key)
             while not stop.is_set():
                 try:
                     await asyncio.wait_for(stop.wait(), 1.0)

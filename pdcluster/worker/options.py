@@ -11,6 +11,11 @@ from __future__ import annotations
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20  # ~16M token ids; far above any max_model_len we serve
 KEEPALIVE_TIME_MS = 30_000  # detect dead peers on idle connections (NAT and LB timeouts)
 KEEPALIVE_TIMEOUT_MS = 10_000
+# Caps per peer connection and per server (issue 16): far above what a router sends (one
+# multiplexed stream, or one call per request up to its max_inflight), low enough that one peer
+# cannot open unbounded streams. More streams on a connection wait; more calls -> RESOURCE_EXHAUSTED.
+MAX_CONCURRENT_STREAMS = 4096
+MAX_CONCURRENT_RPCS = 16384
 
 
 def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
@@ -20,6 +25,7 @@ def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[t
         ("grpc.max_send_message_length", max_message_bytes),
         # A second server on the same port must fail to bind, not silently share the traffic.
         ("grpc.so_reuseport", 0),
+        ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS),
         ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
         ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
         # Clients (routers) ping idle long-lived channels; accept that instead of GOAWAY-ing them.

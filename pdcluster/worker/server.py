@@ -19,7 +19,7 @@ import grpc
 
 from pdcluster._proto import worker_pb2_grpc
 from pdcluster.worker.health import EngineHealth
-from pdcluster.worker.options import DEFAULT_MAX_MESSAGE_BYTES, server_options
+from pdcluster.worker.options import DEFAULT_MAX_MESSAGE_BYTES, MAX_CONCURRENT_RPCS, server_options
 from pdcluster.worker.roles import AggregatedRole, RoleHandler
 from pdcluster.worker.tls import TLSConfig, server_credentials
 from pdcluster.worker.worker_servicer import WorkerServicer
@@ -101,7 +101,7 @@ async def start_worker_server(
     (WorkerInfo.engine_epoch and the KV-event epoch); default: start time in ns."""
     handler = _resolve_role(role)
     epoch = time.time_ns() if epoch is None else epoch
-    server = grpc.aio.server(options=server_options(max_message_bytes))
+    server = grpc.aio.server(options=server_options(max_message_bytes), maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
     address = _format_address(host, port)
     try:
         bound = server.add_secure_port(address, server_credentials(tls)) if tls is not None \
