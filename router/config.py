@@ -25,6 +25,9 @@ class RouterConfig:
     http_port: int | None = 8000             # None = no HTTP frontend
     max_inflight: int = 1024                 # admission control: more -> RESOURCE_EXHAUSTED
     max_retries: int = 2                     # extra attempts on other workers, before the first token
+    # After the first token: resume a request whose worker failed on another worker, from the
+    # prompt plus the tokens already streamed (router/migration.py); 0 = end it with an error.
+    max_migrations: int = 2
     health_interval_s: float = 1.0           # health check + Stats poll period per worker
     health_timeout_s: float = 2.0
     eject_after_failures: int = 3            # consecutive failed checks before ejection
@@ -71,8 +74,9 @@ class RouterConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
-        if self.max_retries < 0:
-            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+        for name in ("max_retries", "max_migrations"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("health_interval_s", "health_timeout_s", "request_timeout_s", "kv_poll_interval_s",
                      "worker_wait_timeout_s"):
             if not getattr(self, name) > 0:

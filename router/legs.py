@@ -6,16 +6,18 @@ the client has seen nothing.
       -> yield deltas until finished
     a worker-side failure -> tell the registry (UNAVAILABLE ejects at once) -> next worker,
     unless state.sent_to_client, the retry budget is spent or the deadline has passed
+    (after output the orchestrator may migrate the request instead: migration.py; for that a
+    worker's final ERROR delta is raised as a RouterError once output was sent)
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 
 import grpc
 
-from pdcluster._proto import worker_pb2
+from pdcluster._proto import common_pb2, worker_pb2
 
 from .config import RouterConfig
 from .errors import RouterError, unavailable
@@ -43,8 +45,9 @@ class LegRunner:
         self._block_size: int | None = None  # the workers' KV block size, once one reported it
 
     async def run(self, state: RequestState, roles: Sequence[str], wreq: worker_pb2.WorkerGenerateRequest,
-                  *, leg: str) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
-        tried: set[str] = set()
+                  *, leg: str, exclude: Collection[str] = ()) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
+        """exclude: addresses not to pick (workers this request already failed on)."""
+        tried: set[str] = set(exclude)
         last_error = ""
         while True:
             handle = self.pick(state, roles, tried)
@@ -69,13 +72,21 @@ class LegRunner:
                 # unexhausted after the final delta, costs a finalizer task per request.
                 while (resp := await call.read()) is not grpc.aio.EOF:
                     finished = resp.finished
+                    if finished and resp.finish_reason == common_pb2.FINISH_REASON_ERROR and self._migrating(state):
+                        # The worker failed the request mid-way (a failed step, a lost KV pull):
+                        # the orchestrator resumes it elsewhere, maybe on this same worker.
+                        raise RouterError(grpc.StatusCode.INTERNAL,
+                                          f"worker {handle.worker_id} failed: {resp.error_message}")
                     yield resp
                     if finished:
                         self.registry.report_success(handle)
                         return
+                state.failed_workers.add(handle.address)
                 raise RouterError(grpc.StatusCode.INTERNAL,
                                   f"worker {handle.worker_id} closed the stream without a final response")
             except grpc.aio.AioRpcError as e:
+                if e.code() in _WORKER_FAULTS:
+                    state.failed_workers.add(handle.address)
                 err = self._worker_error(handle, e)
                 last_error = err.message
                 if not self._may_retry(state, e.code(), len(tried)):
@@ -89,6 +100,9 @@ class LegRunner:
                 state.active_calls.pop(handle.address, None)
                 if not finished and not call.done():
                     call.cancel()  # cancelled, abandoned or failed: the worker stops now
+
+    def _migrating(self, state: RequestState) -> bool:
+        return state.sent_to_client and self.config.max_migrations > 0 and not state.aborted
 
     def _may_retry(self, state: RequestState, code: grpc.StatusCode, num_tried: int) -> bool:
         if state.sent_to_client or state.aborted or code not in _RETRYABLE:

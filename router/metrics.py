@@ -41,6 +41,11 @@ class RouterMetrics:
         self.rejected = Counter("pdcluster_router_admission_rejections",
                                 "Requests refused by admission control (max in-flight reached)", registry=r)
         self.retries = Counter("pdcluster_router_retries", "Worker legs retried on another worker", ["role"], registry=r)
+        self.migrations = Counter("pdcluster_router_migrations",
+                                  "Requests resumed on another worker after output was streamed, by reason",
+                                  ["reason"], registry=r)
+        self.migrations_exhausted = Counter("pdcluster_router_migrations_exhausted",
+                                            "Requests that failed after using up their migrations", registry=r)
         self.ttft = hot.histogram("pdcluster_router_time_to_first_token_seconds",
                                   "Time to first token seen by the router", _TTFT_BUCKETS)
         self.itl = hot.histogram("pdcluster_router_inter_token_latency_seconds", "Time between streamed tokens",

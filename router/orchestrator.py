@@ -12,7 +12,9 @@
 
 Retries: a leg that fails with a worker-side error (UNAVAILABLE, connection lost, INTERNAL, the
 worker full) moves to another worker -- only while nothing has been yielded to the client. After
-the first delta the stream ends with finish_reason ERROR instead: a retry would duplicate output.
+the first delta a retry would duplicate output: the request migrates instead (migration.py:
+another worker continues after exactly the tokens sent), at most max_migrations times; then, or
+with max_migrations=0, the stream ends with finish_reason ERROR.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from .convert import error_response
 from .errors import RouterError
 from .legs import LegRunner
 from .metrics import RouterMetrics
+from .migration import Migrator
 from .policies import RouteRequest, RoutingPolicy
 from .preprocess import PreparedRequest
 from .registry import WorkerRegistry
@@ -51,6 +54,7 @@ class Orchestrator:
         self.policy = policy
         self.metrics = metrics
         self.legs = LegRunner(config, registry, policy, metrics)
+        self.migrator = Migrator(config, registry, self.legs, metrics)
         self._running: dict[str, RequestState] = {}
         self._background: set[asyncio.Task] = set()
         # Read at scrape time: two locked gauge updates less per request.
@@ -88,18 +92,26 @@ class Orchestrator:
         flow = self._disaggregated(state) if self._use_disaggregation(state) else self._aggregated(state)
         try:
             done = False
-            async for resp in flow:
-                if done:
-                    continue  # nothing may follow a final delta; the flow ends on its own
-                self._observe(state, resp)
-                state.sent_to_client = True
-                if resp.finished:
-                    # Settled before the yield: a frontend may stop reading right after it.
-                    done = True
-                    failed = resp.finish_reason == common_pb2.FINISH_REASON_ERROR
-                    state.finished_cleanly = not failed
-                    state.status = "INTERNAL" if failed else "OK"
-                yield resp
+            while True:
+                try:
+                    async for resp in flow:
+                        if done:
+                            continue  # nothing may follow a final delta; the flow ends on its own
+                        self._observe(state, resp)
+                        state.sent_to_client = True
+                        if resp.finished:
+                            # Settled before the yield: a frontend may stop reading right after it.
+                            done = True
+                            failed = resp.finish_reason == common_pb2.FINISH_REASON_ERROR
+                            state.finished_cleanly = not failed
+                            state.status = "INTERNAL" if failed else "OK"
+                        yield resp
+                    break
+                except RouterError as err:
+                    if done or not self.migrator.applies(state, err):
+                        raise
+                    await flow.aclose()
+                    flow = self.migrator.resume(state, err)  # or RouterError: the request ends
             # The flow is exhausted rather than abandoned (an abandoned async generator costs a
             # finalizer task per request).
             if not done:
@@ -226,6 +238,7 @@ class Orchestrator:
             self.metrics.observe_tokens(n, now, state.last_token_at)
         state.last_token_at = now
         state.num_generated += n
+        state.output_token_ids.extend(resp.token_ids)
 
     def _close(self, state: RequestState) -> None:
         if self._running.pop(state.request_id, None) is None:

@@ -29,6 +29,10 @@ class RequestState:
     first_token_time: float = 0.0  # Unix time
     last_token_at: float = 0.0  # monotonic, for ITL
     num_generated: int = 0
+    # What the client was sent, so a migration resumes right after it (router/migration.py).
+    output_token_ids: list[int] = field(default_factory=list)
+    failed_workers: set[str] = field(default_factory=set)  # addresses a leg of this request died on
+    num_migrations: int = 0
     status: str = "OK"  # gRPC code name of the outcome, a metric label
 
     @property

@@ -82,6 +82,8 @@ class LoopThread:
 class WorkerProc:
     """One `pdcluster serve-worker` process. The Popen happens on the caller's (main) thread."""
 
+    cli = HELD_CLI  # the script run as `pdcluster`; a subclass may install another test hook
+
     def __init__(self, name: str, args: Sequence[str], log_dir: pathlib.Path, *, port: int = 0,
                  env: dict[str, str] | None = None) -> None:
         self.name = name
@@ -107,7 +109,7 @@ class WorkerProc:
         self._ready_event = threading.Event()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._stderr_path = self.log_dir / f"{self.name}-{time.monotonic_ns()}.stderr"
-        argv = [sys.executable, str(HELD_CLI), "serve-worker", *self.args, "--worker-id", self.name,
+        argv = [sys.executable, str(self.cli), "serve-worker", *self.args, "--worker-id", self.name,
                 "--port", str(self.port)]
         with open(self._stderr_path, "wb") as err:
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err,

@@ -52,16 +52,18 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stream: _Optional[bool] = ..., model: _Optional[str] = ..., return_prompt_token_ids: _Optional[bool] = ...) -> None: ...
 
 class RouteInfo(_message.Message):
-    __slots__ = ("prefill_worker_id", "decode_worker_id", "disaggregated", "num_retries")
+    __slots__ = ("prefill_worker_id", "decode_worker_id", "disaggregated", "num_retries", "num_migrations")
     PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DISAGGREGATED_FIELD_NUMBER: _ClassVar[int]
     NUM_RETRIES_FIELD_NUMBER: _ClassVar[int]
+    NUM_MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     prefill_worker_id: str
     decode_worker_id: str
     disaggregated: bool
     num_retries: int
-    def __init__(self, prefill_worker_id: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., disaggregated: _Optional[bool] = ..., num_retries: _Optional[int] = ...) -> None: ...
+    num_migrations: int
+    def __init__(self, prefill_worker_id: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., disaggregated: _Optional[bool] = ..., num_retries: _Optional[int] = ..., num_migrations: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "logprobs", "token_arrival_times", "finished", "finish_reason", "stop_token_id", "stop_str", "usage", "error_message", "prompt_token_ids", "route", "first_token_time")

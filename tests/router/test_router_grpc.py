@@ -167,8 +167,9 @@ def test_retry_before_first_token_only(cluster, reference, channel):
     assert c.healthy_ids() == {second.worker_id}  # UNAVAILABLE ejected the dead worker at once
     # (Re-admission after a restart: test_health_ejection_and_readmission.)
     # After the first token a failure ends the stream with an error and is not retried, though
-    # another worker is there: a retry would repeat output.
-    c = cluster(2, worker_channel=channel)
+    # another worker is there: a retry would repeat output. (With migrations on, the default, the
+    # request would continue elsewhere instead: test_migration.py.)
+    c = cluster(2, worker_channel=channel, max_migrations=0)
     stream = long_stream(c.stub, "held-no-retry")
     got = [next(stream), next(stream)]
     serving = next(w for w in c.workers if worker_stats(w.address).num_running == 1)
