@@ -74,6 +74,10 @@ class RouterSection:
     policy: str = "prefix_aware"
     max_inflight: int = 1024
     max_retries: int = 2
+    max_migrations: int = 2              # resumes of a request on another worker after its first token
+    # Conditional disaggregation: prompts whose uncached part is at most this many tokens are
+    # served by a decode worker alone (0: always disaggregate when both pools exist).
+    disagg_min_uncached_tokens: int = 0
     health_interval_s: float = 1.0
     eject_after_failures: int = 1        # a restarted actor is a new port: one failed check is enough
     request_timeout_s: float = 600.0
@@ -281,8 +285,9 @@ def _parse_router(raw: Any) -> RouterSection:
     for key in ("max_inflight", "eject_after_failures"):
         if key in d:
             out[key] = _int(d[key], f"router.{key}")
-    if "max_retries" in d:
-        out["max_retries"] = _int(d["max_retries"], "router.max_retries", minimum=0)
+    for key in ("max_retries", "max_migrations", "disagg_min_uncached_tokens"):
+        if key in d:
+            out[key] = _int(d[key], f"router.{key}", minimum=0)
     for key in ("health_interval_s", "request_timeout_s"):
         if key in d:
             out[key] = _num(d[key], f"router.{key}")

@@ -45,6 +45,11 @@ def add_up_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--http-port", type=int, default=None, help="-1 disables the HTTP frontend")
     p.add_argument("--router-host", default=None, help="router bind address (default 127.0.0.1)")
     p.add_argument("--policy", default=None)
+    p.add_argument("--disagg-threshold", dest="disagg_min_uncached_tokens", type=int, default=None,
+                   help="conditional disaggregation: prompts whose uncached part is at most this many tokens are "
+                        "served by a decode worker alone (router.disagg_min_uncached_tokens; 0: always disaggregate)")
+    p.add_argument("--max-migrations", type=int, default=None,
+                   help="times a request whose worker failed after its first token is resumed on another (0: off)")
     p.add_argument("--key-dir", default=None, help="cluster keys (`pdcluster keys init`); default: fresh private keys")
     p.add_argument("--log-dir", default=None, help="worker logs, on each node (default: Ray's log folder)")
     p.add_argument("--max-restarts", type=int, default=None, help="Ray restarts of a crashed worker actor")
@@ -76,7 +81,8 @@ def _add_namespace(p: argparse.ArgumentParser) -> None:
 
 
 _OVERRIDES = ("model", "prefill", "decode", "workers", "tp", "connector", "grpc_port", "http_port", "router_host",
-              "policy", "key_dir", "log_dir", "max_restarts", "ready_timeout_s", "num_cpus", "namespace", "dashboard")
+              "policy", "key_dir", "log_dir", "max_restarts", "ready_timeout_s", "num_cpus", "namespace", "dashboard",
+              "disagg_min_uncached_tokens", "max_migrations")
 
 
 def build_config(args: argparse.Namespace) -> Any:
@@ -107,7 +113,8 @@ def apply_overrides(raw: Mapping[str, Any], overrides: Mapping[str, Any]) -> dic
         per_pool = {k: ov[k] for k in ("tp", "max_restarts") if k in ov}
         pools = {role: _merge(p, **per_pool) for role, p in pools.items()}
         out["pools"] = pools
-    router = {k: ov[k] for k in ("grpc_port", "http_port", "policy") if k in ov}
+    router = {k: ov[k] for k in ("grpc_port", "http_port", "policy", "disagg_min_uncached_tokens", "max_migrations")
+              if k in ov}
     if "router_host" in ov:
         router["host"] = ov["router_host"]
     if router:

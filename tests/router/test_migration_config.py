@@ -1,0 +1,62 @@
+"""The migration bound and the conditional-disaggregation threshold as settings: RouterConfig,
+`pdcluster serve`/`router` flags, `pdcluster up` flags and the cluster YAML's router section (the
+Ray router actor builds its RouterConfig from that section's fields). Pure: no processes."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from pdcluster.cluster.config import ClusterConfig, ConfigError
+from pdcluster.cluster.serve_cmd import _router_config, add_serve
+from pdcluster.cluster.up_cmd import add_up_commands, build_config
+from pdcluster.router.config import RouterConfig
+
+
+def _parse(add, *argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add(parser.add_subparsers(dest="command"))
+    return parser.parse_args(list(argv))
+
+
+def test_router_config_defaults_and_bounds() -> None:
+    assert RouterConfig().max_migrations == 2 and RouterConfig().disagg_min_uncached_tokens == 0
+    assert RouterConfig(max_migrations=0).max_migrations == 0
+    with pytest.raises(ValueError, match="max_migrations must be >= 0, got -1"):
+        RouterConfig(max_migrations=-1)
+
+
+def test_serve_flags_reach_the_router_config() -> None:
+    args = _parse(add_serve, "serve", "--max-migrations", "5", "--disagg-threshold", "64")
+    config = _router_config(args, (), None, None)
+    assert (config.max_migrations, config.disagg_min_uncached_tokens) == (5, 64)
+    config = _router_config(_parse(add_serve, "serve"), (), None, None)
+    assert (config.max_migrations, config.disagg_min_uncached_tokens) == (2, 0)
+
+
+def test_cluster_yaml_router_section(tmp_path) -> None:
+    c = ClusterConfig.from_dict({"router": {"max_migrations": 0, "disagg_min_uncached_tokens": 128}})
+    assert (c.router.max_migrations, c.router.disagg_min_uncached_tokens) == (0, 128)
+    # The Ray router actor passes the section's fields to RouterConfig by name.
+    fields = dataclasses.asdict(c.router)
+    config = RouterConfig(**{k: v for k, v in fields.items() if k in {f.name for f in dataclasses.fields(RouterConfig)}})
+    assert (config.max_migrations, config.disagg_min_uncached_tokens) == (0, 128)
+    assert set(fields) <= {f.name for f in dataclasses.fields(RouterConfig)}
+    for key in ("max_migrations", "disagg_min_uncached_tokens"):
+        with pytest.raises(ConfigError, match=rf"^router\.{key}: must be"):
+            ClusterConfig.from_dict({"router": {key: -1}})
+
+
+def test_up_flags_override_the_file(tmp_path) -> None:
+    import yaml
+
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump({"router": {"max_migrations": 1, "disagg_min_uncached_tokens": 16},
+                                   "pools": {"both": {"instances": 1}}}))
+    c = build_config(_parse(add_up_commands, "up", "--config", str(path)))
+    assert (c.router.max_migrations, c.router.disagg_min_uncached_tokens) == (1, 16)
+    c = build_config(_parse(add_up_commands, "up", "--config", str(path), "--disagg-threshold", "48",
+                            "--max-migrations", "3"))
+    assert (c.router.max_migrations, c.router.disagg_min_uncached_tokens) == (3, 48)

@@ -1,0 +1,227 @@
+"""Disaggregated serving in front of real prefill and decode `serve-worker` processes (P2P
+connector, demo model, CPU): a decode worker SIGKILLed mid-stream (the request migrates to the
+other decode worker, which computes the prompt itself and continues after the tokens sent), a
+prefill worker dead before the first token (retried on the other), and conditional
+disaggregation (`prefix_aware` + disagg_min_uncached_tokens: a prompt whose uncached part is short
+is served by a decode worker alone, a longer one is disaggregated; the threshold both ways).
+
+Decode workers run through tests/chaos/mark_hold_cli.py: a "mig-" request stops at output length
+4 until its worker is killed (mark_hold.py), so the kill lands mid-request on any machine.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import random
+import secrets
+import types
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from real_router_cluster import (
+    WORKER_MAX_MODEL_LEN,
+    WORKER_NUM_KV_BLOCKS,
+    Cluster,
+    LoopThread,
+    WorkerPool,
+    WorkerProc,
+    is_idle,
+    wait_until,
+    worker_stats,
+)
+
+from pdcluster._proto import common_pb2, router_pb2
+
+MARK = 4
+MARK_HOLD_CLI = pathlib.Path(__file__).resolve().parents[1] / "chaos" / "mark_hold_cli.py"
+LENGTH = common_pb2.FINISH_REASON_LENGTH
+PROMPT = [21, 22, 23, 24, 25]
+MODES = "pdcluster_router_disaggregated_requests_total"
+
+
+class MarkHoldWorker(WorkerProc):
+    cli = MARK_HOLD_CLI
+
+
+class DisaggPool(WorkerPool):
+    """p0, p1 (prefill) and d0, d1 (decode, holding "mig-" requests at MARK), one P2P secret."""
+
+    def __init__(self, model: str, key_dir: str, log_dir: pathlib.Path) -> None:
+        common = ["--model", model, "--max-model-len", str(WORKER_MAX_MODEL_LEN), "--num-kv-blocks",
+                  str(WORKER_NUM_KV_BLOCKS), "--key-dir", key_dir, "--kv-connector", "p2p", "--log-level", "WARNING"]
+        self.args = common
+        self.log_dir = log_dir
+        self.workers = []
+        env = {"PDCLUSTER_KV_CONNECTOR_OPTIONS": json.dumps({"params_secret": secrets.token_hex(32)}),
+               "PDCLUSTER_TEST_HOLD_MARKS": str(MARK)}
+        try:
+            for name, role in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"), ("d1", "decode")):
+                self.workers.append(MarkHoldWorker(name, ["--role", role, *common], log_dir, env=env))
+            for w in self.workers:
+                w.wait_ready()
+        except BaseException:
+            self.close()
+            raise
+
+    def take_roles(self, names: tuple[str, ...]) -> list[WorkerProc]:
+        self.revive()
+        chosen = [w for w in self.workers if w.name in names]
+        for w in chosen:
+            w.wait_ready()
+            assert wait_until(lambda w=w: is_idle(w.address), 30), f"{w.name} is not idle: {worker_stats(w.address)}"
+        return chosen
+
+
+@pytest.fixture(scope="module")
+def disagg_pool(demo_model: str, key_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DisaggPool]:
+    pool = DisaggPool(demo_model, str(key_dir), tmp_path_factory.mktemp("disagg-logs"))
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+@pytest.fixture
+def make(loop_thread: LoopThread, disagg_pool: DisaggPool, demo_model: str,
+         key_dir: pathlib.Path) -> Iterator[Callable[..., Cluster]]:
+    from pdcluster.router.app import Router
+    from pdcluster.router.config import RouterConfig
+
+    made: list[Cluster] = []
+
+    def make(names: tuple[str, ...] = ("p0", "d0", "d1"), **overrides: Any) -> Cluster:
+        workers = disagg_pool.take_roles(names)
+        config = RouterConfig(**{
+            "workers": tuple(w.address for w in workers), "model": demo_model, "grpc_port": 0, "http_port": 0,
+            "health_interval_s": 0.1, "health_timeout_s": 1.0, "request_timeout_s": 120.0, "policy": "round_robin",
+            "key_dir": str(key_dir), **overrides})
+        router = Router(config)
+        loop_thread.run(router.start())
+        c = Cluster(loop_thread, router, workers)
+        made.append(c)
+        assert c.wait_healthy(len(workers)), "the workers did not become healthy"
+        return c
+
+    try:
+        yield make
+    finally:
+        for c in made:
+            c.close()
+        disagg_pool.revive()
+
+
+def sampling(max_tokens: int, **kwargs: Any) -> common_pb2.SamplingParams:
+    kwargs.setdefault("temperature", 0.0)
+    return common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
+def tokens(out: list) -> list[int]:
+    return [t for r in out for t in r.token_ids]
+
+
+def final(c: Cluster, ids: list[int], max_tokens: int = 4) -> list:
+    return list(c.stub.Generate(router_pb2.GenerateRequest(
+        prompt_token_ids=router_pb2.TokenIds(ids=ids), sampling_params=sampling(max_tokens), stream=True), timeout=120))
+
+
+def by_name(c: Cluster, name: str) -> WorkerProc:
+    return next(w for w in c.workers if w.name == name)
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
+def test_decode_worker_killed_mid_stream(make, reference, seeded):
+    params = dict(temperature=0.8, top_p=0.9, seed=99, presence_penalty=0.3) if seeded else {}
+    want = reference.generate(PROMPT, max_tokens=30, **params)
+    c = make()
+    stream = c.stub.Generate(router_pb2.GenerateRequest(
+        request_id=f"mig-{uuid.uuid4().hex[:12]}", prompt_token_ids=router_pb2.TokenIds(ids=PROMPT),
+        sampling_params=sampling(30, **params), stream=True), timeout=120)
+    got: list = []
+    while sum(len(r.token_ids) for r in got) < MARK:
+        got.append(next(stream))
+    decoders = [by_name(c, "d0"), by_name(c, "d1")]
+    assert wait_until(lambda: any(worker_stats(w.address).num_running == 1 for w in decoders), 30)
+    serving = next(w for w in decoders if worker_stats(w.address).num_running == 1)
+    serving.kill()
+    got += list(stream)
+    last = got[-1]
+    assert last.finish_reason == LENGTH, last
+    assert tokens(got) == list(want.token_ids)
+    assert "".join(r.text for r in got) == want.text
+    assert last.usage.completion_tokens == 30
+    other = next(w for w in decoders if w is not serving)
+    assert last.route.disaggregated and last.route.num_migrations == 1
+    assert last.route.decode_worker_id == other.worker_id
+    assert c.metric("pdcluster_router_migrations_total", {"reason": "worker_lost"}) == 1
+    for w in (by_name(c, "p0"), other):
+        assert wait_until(lambda w=w: is_idle(w.address), 30), worker_stats(w.address)
+
+
+def test_prefill_worker_dead_before_the_first_token_is_retried(make, reference):
+    c = make(("p0", "p1", "d0"), eject_after_failures=50)
+    assert c.wait_settled()
+    first = by_name(c, "p0")  # round robin: a fresh router picks the first prefill worker first
+    first.kill()
+    out = final(c, PROMPT, 12)
+    assert tokens(out) == reference.tokens(PROMPT, 12)
+    last = out[-1]
+    assert last.route.disaggregated and last.route.num_retries == 1 and last.route.prefill_worker_id == "p1"
+    assert c.metric("pdcluster_router_retries_total", {"role": "prefill"}) == 1
+    assert c.metric("pdcluster_router_migrations_total", {"reason": "worker_lost"}) == 0
+
+
+THRESHOLD = 32
+
+
+def cached_tokens(c: Cluster, ids: list[int]) -> int:
+    """What the router's conditional disaggregation sees as cached on the decode workers."""
+    probe = types.SimpleNamespace(request_id="probe", prep=types.SimpleNamespace(prompt_token_ids=ids),
+                                  block_hashes=None)
+    return c.lt.call(lambda: c.router.orchestrator._best_cached_tokens(probe))
+
+
+def test_conditional_disaggregation_follows_the_uncached_part(make, reference):
+    c = make(("p0", "d0"), policy="prefix_aware", disagg_min_uncached_tokens=THRESHOLD)
+    rng = random.Random(20261201)  # prompts no other test sends: the workers' caches outlive tests
+    base = [rng.randrange(10, 600) for _ in range(96)]  # 6 blocks of 16
+    modes = lambda: (c.metric(MODES, {"mode": "aggregated"}), c.metric(MODES, {"mode": "disaggregated"}))  # noqa: E731
+
+    # A long fresh prompt: disaggregated; the decode worker then holds its KV (loaded, published).
+    out = final(c, base + [7])
+    assert out[-1].route.disaggregated and out[-1].route.prefill_worker_id == "p0"
+    assert tokens(out) == reference.tokens(base + [7], 4)
+    assert modes() == (0, 1)
+    assert wait_until(lambda: cached_tokens(c, base + [8]) >= 96, 30)
+
+    # Its prefix plus a short tail (uncached 96+THRESHOLD-96 = THRESHOLD tokens, at most the
+    # threshold): the decode worker serves it alone, prefilling the tail itself.
+    short = base + [rng.randrange(10, 600) for _ in range(THRESHOLD)]
+    out = final(c, short)
+    assert not out[-1].route.disaggregated and out[-1].route.decode_worker_id == "d0"
+    assert out[-1].route.prefill_worker_id == ""
+    assert out[-1].usage.cached_tokens >= 96  # it really reused the blocks
+    assert tokens(out) == reference.tokens(short, 4)
+    assert modes() == (1, 1)
+
+    # One token more than the threshold uncached: disaggregated again.
+    long = base + [rng.randrange(10, 600) for _ in range(THRESHOLD + 1)]
+    out = final(c, long)
+    assert out[-1].route.disaggregated
+    assert tokens(out) == reference.tokens(long, 4)
+    assert modes() == (1, 2)
+
+    # Short prompts nobody cached: at most the threshold -> the decode worker; above it -> split.
+    fresh = [rng.randrange(10, 600) for _ in range(THRESHOLD)]
+    assert not final(c, fresh)[-1].route.disaggregated
+    fresh = [rng.randrange(10, 600) for _ in range(THRESHOLD + 1)]
+    assert final(c, fresh)[-1].route.disaggregated
+    assert modes() == (2, 3)
+
+
+def test_threshold_zero_always_disaggregates(make):
+    c = make(("p0", "d0"), policy="prefix_aware", disagg_min_uncached_tokens=0)
+    assert final(c, [5, 6])[-1].route.disaggregated
+    assert c.metric(MODES, {"mode": "aggregated"}) == 0
