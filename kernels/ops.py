@@ -22,26 +22,32 @@ class Ops:
     silu_and_mul: Callable
     rotary_embedding: Callable
     reshape_and_cache: Callable
+    moe_router: Callable  # float32 softmax/sigmoid top-k (moe_router.py)
+    fused_moe: Callable  # the experts of a MoE layer (fused_moe.py)
 
 
 def _torch_ops() -> Ops:
     from .activation import silu_and_mul_torch
     from .cache_write import reshape_and_cache_torch
+    from .fused_moe import fused_moe_torch
+    from .moe_router import moe_router_torch
     from .norm import fused_add_rms_norm_torch, rms_norm_torch
     from .rotary import rotary_embedding_torch
 
     return Ops("torch", rms_norm_torch, fused_add_rms_norm_torch, silu_and_mul_torch,
-               rotary_embedding_torch, reshape_and_cache_torch)
+               rotary_embedding_torch, reshape_and_cache_torch, moe_router_torch, fused_moe_torch)
 
 
 def _triton_ops() -> Ops:
     from .activation import silu_and_mul_triton
     from .cache_write import reshape_and_cache_triton
+    from .fused_moe import fused_moe_triton
+    from .moe_router import moe_router_triton
     from .norm import fused_add_rms_norm_triton, rms_norm_triton
     from .rotary import rotary_embedding_triton
 
     return Ops("triton", rms_norm_triton, fused_add_rms_norm_triton, silu_and_mul_triton,
-               rotary_embedding_triton, reshape_and_cache_triton)
+               rotary_embedding_triton, reshape_and_cache_triton, moe_router_triton, fused_moe_triton)
 
 
 def _ops_builder(obj: object) -> Callable[[], Ops]:

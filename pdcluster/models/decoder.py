@@ -1,8 +1,10 @@
-"""The pre-norm decoder-only transformer shared by Llama, Mistral, Qwen2 and Qwen3.
+"""The pre-norm decoder-only transformer shared by every supported architecture.
 
 The architectures differ only in flags: bias on q/k/v (Qwen2), bias on o_proj (Llama with
-attention_bias), RMSNorm on q and k per head (Qwen3), tied embeddings (small Qwen). Parameter
-names mirror the HF checkpoints except for the two fused projections (see `STACKED_PARAMS`).
+attention_bias), RMSNorm on q and k per head (Qwen3), tied embeddings (small Qwen), and per layer
+(ModelConfig.uses_rope / window / is_moe): NoPE layers (SmolLM3), sliding windows (Mistral, Qwen2),
+a sparse MoE block instead of the MLP (Mixtral, Qwen-MoE). Parameter names mirror the HF
+checkpoints except for the fused projections (see `STACKED_PARAMS` and the loader's expert names).
 
 Numerics follow transformers: residual adds in the model dtype, norm statistics in float32. The
 residual stream is carried as (hidden, residual) so each norm fuses the preceding add:
@@ -24,13 +26,13 @@ from torch import nn
 from pdcluster.dtypes import torch_dtype
 from pdcluster.kernels.ops import Ops, get_ops
 from pdcluster.models.hf_config import ModelConfig
-from pdcluster.models.layers.activation import SiluAndMul
 from pdcluster.models.layers.attention import Attention
 from pdcluster.models.layers.attention_backend import AttentionBackend, AttentionMetadata
 from pdcluster.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from pdcluster.models.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from pdcluster.models.layers.mlp import MLP
 from pdcluster.models.layers.norm import RMSNorm
 from pdcluster.models.layers.rotary import RotaryEmbedding
+from pdcluster.models.moe_block import SparseMoeBlock
 
 # (fused parameter name part, checkpoint name part, shard id): q/k/v and gate/up are fused at load.
 STACKED_PARAMS: tuple[tuple[str, str, str | int], ...] = (
@@ -42,27 +44,17 @@ STACKED_PARAMS: tuple[tuple[str, str, str | int], ...] = (
 )
 
 
-class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, ops: Ops,
-                 tp: dict[str, Any]) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, False, dtype, **tp)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, False, dtype, **tp)
-        self.act_fn = SiluAndMul(ops)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
-
-
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, ops: Ops,
-                 dtype: torch.dtype, o_bias: bool, tp: dict[str, Any]) -> None:
+    def __init__(self, cfg: ModelConfig, index: int, rotary: RotaryEmbedding | None, backend: AttentionBackend,
+                 ops: Ops, dtype: torch.dtype, o_bias: bool, tp: dict[str, Any]) -> None:
         super().__init__()
         self.self_attn = Attention(
-            cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, rotary, backend,
-            ops, dtype, qkv_bias=cfg.attention_bias, o_bias=o_bias,
-            qk_norm_eps=cfg.rms_norm_eps if cfg.qk_norm else None, **tp)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, ops, tp)
+            cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+            rotary if cfg.uses_rope(index) else None, backend, ops, dtype, qkv_bias=cfg.attention_bias,
+            o_bias=o_bias, qk_norm_eps=cfg.rms_norm_eps if cfg.qk_norm else None, sliding_window=cfg.window(index),
+            **tp)
+        self.mlp: nn.Module = (SparseMoeBlock(cfg, dtype, ops, tp) if cfg.is_moe(index)
+                               else MLP(cfg.hidden_size, cfg.intermediate_size, dtype, ops, tp))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
 
@@ -83,11 +75,12 @@ class DecoderModel(nn.Module):
                  o_bias: bool, tp: dict[str, Any]) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, **tp)
-        # One rope table shared by every layer (it is position-only).
+        # One rope table shared by every layer (it is position-only); none at all for a rotary dim of 0.
         rotary = RotaryEmbedding(cfg.rotary_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                 cfg.rope_scaling_dict, ops.rotary_embedding, cfg.rope_is_neox_style)
+                                 cfg.rope_scaling_dict, ops.rotary_embedding, cfg.rope_is_neox_style
+                                 ) if cfg.rotary_dim > 0 else None
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, rotary, backend, ops, dtype, o_bias, tp) for _ in range(cfg.num_hidden_layers))
+            DecoderLayer(cfg, i, rotary, backend, ops, dtype, o_bias, tp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Any,
@@ -106,10 +99,16 @@ class DecoderForCausalLM(nn.Module):
 
     # Llama and Qwen3 put `attention_bias` on o_proj too; Qwen2 has q/k/v bias only.
     O_PROJ_FOLLOWS_ATTENTION_BIAS = True
+    # (checkpoint name part, ours): module names that differ from ours (Mixtral's block_sparse_moe).
+    CHECKPOINT_RENAMES: tuple[tuple[str, str], ...] = ()
 
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, ops_backend: str = "torch",
                  tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
+        if attn_backend.name == "triton" and config.layer_windows:
+            from pdcluster.models.layers.triton_attention import check_windows
+
+            check_windows(list(config.layer_windows), config.max_model_len)
         self.config = config
         ops = get_ops(ops_backend)
         dtype = torch_dtype(config.dtype)

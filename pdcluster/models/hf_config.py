@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdcluster.dtypes import SUPPORTED_DTYPES
+from pdcluster.models.hf_layers import layer_use_rope, layer_windows, moe_fields
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +26,14 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
     "MistralForCausalLM": ("mistral", False, False),
     "Qwen2ForCausalLM": ("qwen2", True, False),
     "Qwen3ForCausalLM": ("qwen3", False, True),
+    "SmolLM3ForCausalLM": ("smollm3", False, False),
+    "MixtralForCausalLM": ("mixtral", False, False),
+    "Qwen2MoeForCausalLM": ("qwen2_moe", False, False),  # q/k/v bias from its `qkv_bias` (default on)
+    "Qwen3MoeForCausalLM": ("qwen3_moe", False, True),
 }
+# What transformers assumes when a config.json leaves a field out, where it differs from ours.
+_DEFAULT_ROPE_THETA = {"smollm3": 2000000.0, "mixtral": 1000000.0}
+_DEFAULT_TIED = {"smollm3": True}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -58,10 +66,36 @@ class ModelConfig:
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # the widest window of any layer (None: no layer slides)
+    # Per-layer facts (hf_layers.py); () means "the same for every layer": rope on, no window.
+    layer_use_rope: tuple[bool, ...] = ()
+    layer_windows: tuple[int, ...] = ()  # tokens; 0 = full causal attention
+    # Sparse MoE (hf_layers.MoEFields); num_experts 0 = dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    layer_moe: tuple[bool, ...] = ()
     # What the checkpoint (or the user's `dtype`) asked for, when the engine computes in another
     # dtype (see EngineArgs.compute_dtype); None when `dtype` is what was asked.
     requested_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        # A config sent between processes (msgpack) comes back with lists: keep it hashable.
+        for name in ("eos_token_ids", "layer_use_rope", "layer_windows", "layer_moe"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+
+    def uses_rope(self, layer: int) -> bool:
+        """Layer `layer` rotates q/k: not a NoPE layer and a rotary dimension above 0."""
+        return self.rotary_dim > 0 and (not self.layer_use_rope or self.layer_use_rope[layer])
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window in tokens, or None for full causal attention."""
+        return (self.layer_windows[layer] or None) if self.layer_windows else None
+
+    def is_moe(self, layer: int) -> bool:
+        return bool(self.layer_moe) and self.layer_moe[layer]
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
@@ -82,6 +116,7 @@ def load_model_config(path: str, dtype: str = "auto", max_model_len: int | None 
     check_weights_exist(root)
     arch = _architecture(raw)
     model_type, force_qkv_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
+    num_layers = _required_int(raw, "num_hidden_layers")
     if raw.get("mlp_bias"):
         raise ValueError(f"{arch} with mlp_bias=true is not supported")
     hidden_act = raw.get("hidden_act", "silu")
@@ -90,8 +125,11 @@ def load_model_config(path: str, dtype: str = "auto", max_model_len: int | None 
     num_heads = _required_int(raw, "num_attention_heads")
     hidden = _required_int(raw, "hidden_size")
     max_pos = int(raw.get("max_position_embeddings", 2048))
-    rope_theta, rope_scaling, partial = _rope(raw, max_pos)
-    sliding_window = _sliding_window(raw, model_type)
+    rope_theta, rope_scaling, partial = _rope(raw, max_pos, _DEFAULT_ROPE_THETA.get(model_type, 10000.0))
+    use_rope = layer_use_rope(raw, model_type, num_layers)
+    windows = layer_windows(raw, model_type, num_layers, use_rope)
+    moe = moe_fields(raw, model_type, num_layers)
+    qkv_bias = bool(raw.get("qkv_bias", True)) if model_type == "qwen2_moe" else bool(raw.get("attention_bias"))
     return ModelConfig(
         model_path=str(root),
         architecture=arch,
@@ -100,23 +138,31 @@ def load_model_config(path: str, dtype: str = "auto", max_model_len: int | None 
         vocab_size=_required_int(raw, "vocab_size"),
         hidden_size=hidden,
         intermediate_size=_required_int(raw, "intermediate_size"),
-        num_hidden_layers=_required_int(raw, "num_hidden_layers"),
+        num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=int(raw.get("num_key_value_heads") or num_heads),
         head_dim=int(raw.get("head_dim") or hidden // num_heads),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=rope_theta,
         max_position_embeddings=max_pos,
-        max_model_len=_resolve_max_model_len(max_model_len, max_pos, sliding_window),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        attention_bias=force_qkv_bias or bool(raw.get("attention_bias", False)),
+        max_model_len=_resolve_max_model_len(max_model_len, max_pos),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", _DEFAULT_TIED.get(model_type, False))),
+        attention_bias=force_qkv_bias or qkv_bias,
         qk_norm=qk_norm,
         rope_scaling=rope_scaling,
         partial_rotary_factor=partial,
         hidden_act=hidden_act,
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=_eos_token_ids(raw, root),
-        sliding_window=sliding_window,
+        sliding_window=max(windows) if windows else None,
+        layer_use_rope=use_rope,
+        layer_windows=windows,
+        num_experts=moe.num_experts,
+        num_experts_per_tok=moe.num_experts_per_tok,
+        moe_intermediate_size=moe.moe_intermediate_size,
+        norm_topk_prob=moe.norm_topk_prob,
+        shared_expert_intermediate_size=moe.shared_expert_intermediate_size,
+        layer_moe=moe.layer_moe,
     )
 
 
@@ -153,11 +199,12 @@ def _resolve_dtype(raw: dict[str, Any], dtype: str) -> str:
     return dtype
 
 
-def _rope(raw: dict[str, Any], max_pos: int) -> tuple[float, tuple[tuple[str, Any], ...] | None, float]:
+def _rope(raw: dict[str, Any], max_pos: int, default_theta: float
+          ) -> tuple[float, tuple[tuple[str, Any], ...] | None, float]:
     """-> (rope_theta, frozen scaling items or None for plain rope, partial_rotary_factor)."""
     params = dict(raw.get("rope_scaling") or {})
     params.update(raw.get("rope_parameters") or {})  # the transformers 5 spelling wins
-    theta = float(params.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+    theta = float(params.pop("rope_theta", raw.get("rope_theta", default_theta)))
     partial = float(params.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
@@ -176,29 +223,15 @@ def _rope(raw: dict[str, Any], max_pos: int) -> tuple[float, tuple[tuple[str, An
     return theta, tuple(sorted(items.items())), partial
 
 
-def _sliding_window(raw: dict[str, Any], model_type: str) -> int | None:
-    window = raw.get("sliding_window")
-    if model_type in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
-        return None  # Qwen configs carry a window that is only active with use_sliding_window
-    return int(window) if window else None
-
-
-def _resolve_max_model_len(requested: int | None, max_pos: int, sliding_window: int | None) -> int:
+def _resolve_max_model_len(requested: int | None, max_pos: int) -> int:
+    # Sliding windows do not bound it: the attention backends mask the window.
     if requested is None:
-        max_len = max_pos
-    else:
-        if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
-            raise ValueError(f"max_model_len must be a positive integer, got {requested!r}")
-        if requested > max_pos:
-            raise ValueError(
-                f"max_model_len ({requested}) exceeds the model's max_position_embeddings ({max_pos})")
-        max_len = requested
-    if sliding_window is not None and sliding_window < max_len:
-        # We only implement full causal attention. It equals sliding-window attention as long as no
-        # sequence is longer than the window, so the window bounds the sequence length.
-        logger.warning("max_model_len capped from %d to the model's sliding_window %d", max_len, sliding_window)
-        max_len = sliding_window
-    return max_len
+        return max_pos
+    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+        raise ValueError(f"max_model_len must be a positive integer, got {requested!r}")
+    if requested > max_pos:
+        raise ValueError(f"max_model_len ({requested}) exceeds the model's max_position_embeddings ({max_pos})")
+    return requested
 
 
 def _eos_token_ids(raw: dict[str, Any], root: pathlib.Path) -> tuple[int, ...]:

@@ -1,4 +1,4 @@
-"""Llama 2/3 (and Mistral, which is Llama with a sliding window we bound max_model_len by)."""
+"""Llama 2/3 (and Mistral, which is Llama with a sliding window on every layer: ModelConfig.layer_windows)."""
 
 from __future__ import annotations
 

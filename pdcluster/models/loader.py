@@ -3,7 +3,8 @@
 Every checkpoint tensor goes through its parameter's `weight_loader` as a lazy safetensors slice
 (`get_slice`): the loader reads only this TP rank's part of it from the file and converts the
 dtype (layers/weight_slice.py). q/k/v and gate/up are fused here, at load time, so the forward pass
-runs one matmul for each. Tensors the model has no parameter for (e.g. rotary `inv_freq`) are
+runs one matmul for each; an MoE layer's per-expert tensors (`...experts.<e>.gate_proj.weight`,
+Mixtral's `w1/w3/w2`) are stacked into its `experts.w13_weight` / `experts.w2_weight`. Tensors the model has no parameter for (e.g. rotary `inv_freq`) are
 ignored; parameters no tensor filled are an error that names them.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import pathlib
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,12 +24,15 @@ from torch import nn
 from pdcluster.models.decoder import STACKED_PARAMS
 from pdcluster.models.hf_config import ModelConfig, check_weights_exist
 from pdcluster.models.layers.attention_backend import AttentionBackend
+from pdcluster.models.layers.fused_moe import EXPERT_PARTS
 from pdcluster.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
 
 _INDEX_FILE = "model.safetensors.index.json"
 _EMBED, _LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
+ShardId = str | int | tuple[int, int] | None
 
 
 def load_model(config: ModelConfig, attn_backend: AttentionBackend, ops_backend: str = "torch",
@@ -71,25 +76,36 @@ def iter_checkpoint_slices(path: str | pathlib.Path) -> Iterator[tuple[str, Any]
                 yield name, f.get_slice(name)
 
 
-def _map_name(name: str) -> tuple[str, str | int | None]:
+def _map_name(name: str, renames: tuple[tuple[str, str], ...] = ()) -> tuple[str, ShardId]:
     """Checkpoint name -> (our parameter name, shard id) using the fused projection table."""
+    for theirs, ours in renames:
+        name = name.replace(theirs, ours)
+    expert = _EXPERT.match(name)
+    if expert and expert.group(3) in EXPERT_PARTS:
+        prefix, index, part = expert.group(1), int(expert.group(2)), EXPERT_PARTS[expert.group(3)]
+        return f"{prefix}.{'w2' if part == 2 else 'w13'}_weight", (index, part)
     for fused, part, shard_id in STACKED_PARAMS:
         if f".{part}." in name:
             return name.replace(f".{part}.", f".{fused}."), shard_id
     return name, None
 
 
-def _unmap_name(param_name: str, shard_id: str | int | None) -> str:
+def _unmap_name(param_name: str, shard_id: ShardId) -> str:
+    if isinstance(shard_id, tuple):  # an expert's tensor, in the Qwen-MoE spelling
+        part = ("gate_proj", "up_proj", "down_proj")[shard_id[1]]
+        return re.sub(r"\.w(13|2)_weight$", f".{shard_id[0]}.{part}.weight", param_name)
     for fused, part, sid in STACKED_PARAMS:
         if sid == shard_id and f".{fused}." in param_name:
             return param_name.replace(f".{fused}.", f".{part}.")
     return param_name
 
 
-def _required_shards(params: dict[str, nn.Parameter]) -> set[tuple[str, str | int | None]]:
-    required: set[tuple[str, str | int | None]] = set()
-    for name in params:
-        shards = [sid for fused, _, sid in STACKED_PARAMS if f".{fused}." in name] or [None]
+def _required_shards(params: dict[str, nn.Parameter]) -> set[tuple[str, ShardId]]:
+    required: set[tuple[str, ShardId]] = set()
+    for name, param in params.items():
+        shards = getattr(param, "required_shards", None)  # stacked experts list theirs
+        if shards is None:
+            shards = [sid for fused, _, sid in STACKED_PARAMS if f".{fused}." in name] or [None]
         required.update((name, sid) for sid in shards)
     return required
 
@@ -97,10 +113,11 @@ def _required_shards(params: dict[str, nn.Parameter]) -> set[tuple[str, str | in
 def load_weights(model: nn.Module, path: str | pathlib.Path) -> None:
     # named_parameters() lists a tied lm_head weight once, under the embedding's name.
     params = dict(model.named_parameters())
-    loaded: set[tuple[str, str | int | None]] = set()
+    renames = getattr(model, "CHECKPOINT_RENAMES", ())
+    loaded: set[tuple[str, ShardId]] = set()
     ignored: list[str] = []
     for ckpt_name, tensor in iter_checkpoint_slices(path):
-        name, shard_id = _map_name(ckpt_name)
+        name, shard_id = _map_name(ckpt_name, renames)
         param = params.get(name)
         if param is None:
             ignored.append(ckpt_name)

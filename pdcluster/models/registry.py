@@ -18,6 +18,10 @@ _ARCHITECTURE_PATHS: dict[str, str] = {
     "MistralForCausalLM": "pdcluster.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "pdcluster.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "pdcluster.models.qwen3:Qwen3ForCausalLM",
+    "SmolLM3ForCausalLM": "pdcluster.models.smollm3:SmolLM3ForCausalLM",
+    "MixtralForCausalLM": "pdcluster.models.moe:MixtralForCausalLM",
+    "Qwen2MoeForCausalLM": "pdcluster.models.moe:Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM": "pdcluster.models.moe:Qwen3MoeForCausalLM",
 }
 
 

@@ -64,10 +64,12 @@ def test_legacy_rope_spelling_and_eos_lists(tmp_path: pathlib.Path) -> None:
     assert load_model_config(path, dtype="float32").dtype == "float32"
 
 
-def test_mistral_sliding_window_caps_max_model_len(tmp_path: pathlib.Path) -> None:
+def test_mistral_sliding_window_does_not_cap_max_model_len(tmp_path: pathlib.Path) -> None:
+    # The attention backends mask the window (tests/models/test_sliding_window.py), so sequences
+    # may be longer than it.
     path = write_config(tmp_path / "m", architectures=["MistralForCausalLM"], sliding_window=64)
     cfg = load_model_config(path)
-    assert (cfg.model_type, cfg.sliding_window, cfg.max_model_len) == ("mistral", 64, 64)
+    assert (cfg.model_type, cfg.sliding_window, cfg.max_model_len, cfg.layer_windows) == ("mistral", 64, 128, (64,))
     assert load_model_config(path, max_model_len=32).max_model_len == 32
 
 
@@ -96,7 +98,9 @@ def test_missing_files_are_named(tmp_path: pathlib.Path) -> None:
 
 
 def test_registry() -> None:
-    assert set(ARCHITECTURES) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+    assert set(ARCHITECTURES) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                                  "SmolLM3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
+                                  "Qwen3MoeForCausalLM"}
     assert get_model_class("MistralForCausalLM") is ARCHITECTURES["LlamaForCausalLM"]
     with pytest.raises(ValueError, match="FooForCausalLM.*Qwen3ForCausalLM"):
         get_model_class("FooForCausalLM")

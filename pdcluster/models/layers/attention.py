@@ -1,7 +1,9 @@
 """The attention block: qkv_proj -> (q/k RMSNorm per head) -> rope -> backend -> o_proj.
 
 The backend (torch or Triton) owns the paged KV cache write and the attention itself; this layer
-owns the projections and the position encoding, so both backends see identical q/k/v.
+owns the projections and the position encoding, so both backends see identical q/k/v. A NoPE layer
+(or a rotary dimension of 0) has no rotary module: no rotary op runs, so no kernel ever sees a
+zero-size rotary dimension. `sliding_window` (tokens, None = full causal) goes to the backend.
 """
 
 from __future__ import annotations
@@ -25,13 +27,14 @@ class Attention(nn.Module):
         num_heads: int,
         num_kv_heads: int,
         head_dim: int,
-        rotary_emb: RotaryEmbedding,
+        rotary_emb: RotaryEmbedding | None,
         backend: AttentionBackend,
         ops: Ops,
         dtype: torch.dtype,
         qkv_bias: bool = False,
         o_bias: bool = False,
         qk_norm_eps: float | None = None,  # a float turns on Qwen3's per-head q/k RMSNorm
+        sliding_window: int | None = None,
         tp_rank: int = 0,
         tp_size: int = 1,
     ) -> None:
@@ -44,6 +47,7 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
         self.rotary_emb = rotary_emb
+        self.sliding_window = sliding_window
         self.backend = backend
         if qk_norm_eps is not None:
             self.q_norm = RMSNorm(head_dim, qk_norm_eps, dtype, ops)
@@ -65,6 +69,8 @@ class Attention(nn.Module):
         q = q.reshape(num_tokens, self.num_heads, self.head_dim).contiguous()  # (T, Hq, D)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim).contiguous()  # (T, Hk, D)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hk, D)
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # (T, Hq, D)
+        if self.rotary_emb is not None:
+            q, k = self.rotary_emb(positions, q, k)
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
+                                   sliding_window=self.sliding_window)  # (T, Hq, D)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))

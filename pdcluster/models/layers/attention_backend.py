@@ -56,7 +56,9 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """Write k and v into the cache at meta.slot_mapping, then return causal attention of every
         new token over its request's whole context (cached prefix + new tokens): (T, Hq, D) in q's
-        dtype, accumulated in float32. Hq must be a multiple of Hk (GQA)."""
+        dtype, accumulated in float32. Hq must be a multiple of Hk (GQA). With `sliding_window` w,
+        the token at position p sees only positions (p - w, p] (transformers' window)."""

@@ -8,6 +8,8 @@ Per step: write the new K/V into the paged cache, then
   - requests with one new token (decode) run as ONE batched SDPA over their gathered contexts,
     with a padding mask, so a decode step costs one call per layer whatever the batch size.
 Softmax runs in float32 inside SDPA for every input dtype (as in transformers' sdpa path).
+A sliding window w adds "key position > query position - w" to each mask (the fresh-prefill case
+then builds its mask instead of using is_causal).
 """
 
 from __future__ import annotations
@@ -34,10 +36,13 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                sliding_window: int | None = None) -> torch.Tensor:
         reshape_and_cache_torch(k, v, k_cache, v_cache, meta.slot_mapping)
+        window = sliding_window
         if meta.is_decode_only:
-            return self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale)
+            return self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale,
+                                window)
         out = torch.empty_like(q)
         starts = list(itertools.accumulate(meta.query_lens_cpu, initial=0))
         decode_idx = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
@@ -45,44 +50,51 @@ class TorchAttentionBackend(AttentionBackend):
             if query_len > 1:
                 s, e = starts[i], starts[i + 1]
                 out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], k_cache, v_cache, meta.block_tables[i],
-                                         meta.context_lens_cpu[i], scale)
+                                         meta.context_lens_cpu[i], scale, window)
         if decode_idx:
             rows = torch.tensor(decode_idx, device=q.device)
             tokens = torch.tensor([starts[i] for i in decode_idx], device=q.device)
             max_seq_len = max(meta.seq_lens_cpu[i] for i in decode_idx)
             out[tokens] = self._decode(q[tokens], k_cache, v_cache, meta.block_tables[rows], meta.seq_lens[rows],
-                                       max_seq_len, scale)
+                                       max_seq_len, scale, window)
         return out
 
     @staticmethod
     def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, block_table: torch.Tensor, context_len: int, scale: float) -> torch.Tensor:
+                 v_cache: torch.Tensor, block_table: torch.Tensor, context_len: int, scale: float,
+                 window: int | None = None) -> torch.Tensor:
         """One request's chunk: q (n, Hq, D), k/v (n, Hk, D) -> (n, Hq, D)."""
         query_len = q.shape[0]
         qh = q.transpose(0, 1)  # (Hq, n, D)
-        if context_len == 0:
-            # Nothing cached before the chunk: attend over the new k/v, top-left causal.
+        if context_len == 0 and (window is None or window >= query_len):
+            # Nothing cached before the chunk (and no window shorter than it): top-left causal.
             out = F.scaled_dot_product_attention(qh, k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
                                                  scale=scale, enable_gqa=True)
             return out.transpose(0, 1)
         seq_len = context_len + query_len
         kc = gather_context(k_cache, block_table[None], seq_len)[0].to(q.dtype)  # (S, Hk, D)
         vc = gather_context(v_cache, block_table[None], seq_len)[0].to(q.dtype)
-        # Query j sits at position context_len + j and sees positions [0, context_len + j].
+        # Query j sits at position context_len + j and sees positions [0, context_len + j]
+        # (only the last `window` of them with a sliding window).
         key_pos = torch.arange(seq_len, device=q.device)
         query_pos = torch.arange(context_len, seq_len, device=q.device)
         mask = key_pos[None, :] <= query_pos[:, None]  # (n, S)
+        if window is not None:
+            mask &= key_pos[None, :] > query_pos[:, None] - window
         out = F.scaled_dot_product_attention(qh, kc.transpose(0, 1), vc.transpose(0, 1), attn_mask=mask,
                                              scale=scale, enable_gqa=True)
         return out.transpose(0, 1)
 
     @staticmethod
     def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                seq_lens: torch.Tensor, max_seq_len: int, scale: float) -> torch.Tensor:
+                seq_lens: torch.Tensor, max_seq_len: int, scale: float, window: int | None = None) -> torch.Tensor:
         """One new token per request: q (B, Hq, D) -> (B, Hq, D), all requests in one SDPA call."""
         kc = gather_context(k_cache, block_tables, max_seq_len).to(q.dtype)  # (B, S, Hk, D)
         vc = gather_context(v_cache, block_tables, max_seq_len).to(q.dtype)
-        valid = torch.arange(max_seq_len, device=q.device)[None, :] < seq_lens[:, None]  # (B, S)
+        key_pos = torch.arange(max_seq_len, device=q.device)[None, :]
+        valid = key_pos < seq_lens[:, None]  # (B, S)
+        if window is not None:  # the new token sits at seq_len - 1
+            valid &= key_pos >= seq_lens[:, None] - window
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2),  # (B, Hq, 1, D)
             kc.transpose(1, 2),  # (B, Hk, S, D)
