@@ -237,7 +237,7 @@ def test_router_reaches_an_mtls_worker_over_the_stream(engine: AsyncEngine, ref_
                                  key=str(certs / "client.key"))))
         try:
             await router.start()
-            for _ in range(500):  # the first health check (over mTLS) admits the worker
+            for _ in range(3000):  # the first health check (over mTLS) admits the worker (30 s: slow machines)
                 if router.registry.num_healthy:
                     break
                 await asyncio.sleep(0.01)
