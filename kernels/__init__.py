@@ -8,6 +8,7 @@
     extend_attention.py  extend_attention_*            (varlen causal over a cached prefix)
     kv_pack.py           pack_kv_blocks_*, unpack_kv_blocks_*, pack_shape (LBHNC / LBNHC buffers)
     moe_router.py        moe_router_*
+    fused_moe.py         fused_moe_*                   (MoE experts, grouped per expert)
     ops.py               get_ops(backend): the element-wise ops the model layers call
 
 Every name is importable from this package, resolved on first access: importing the package
@@ -29,6 +30,7 @@ _EXPORTS = {
     "kv_pack": ("LAYOUTS", "pack_shape", "pack_kv_blocks_torch", "pack_kv_blocks_triton",
                 "unpack_kv_blocks_torch", "unpack_kv_blocks_triton"),
     "moe_router": ("moe_router_torch", "moe_router_triton"),
+    "fused_moe": ("fused_moe_torch", "fused_moe_triton"),
     "ops": ("Ops", "get_ops"),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
