@@ -78,6 +78,7 @@ class RouterSection:
     # Conditional disaggregation: prompts whose uncached part is at most this many tokens are
     # served by a decode worker alone (0: always disaggregate when both pools exist).
     disagg_min_uncached_tokens: int = 0
+    stall_timeout_s: float = 0.0         # silence after the first token that counts as a failed worker
     health_interval_s: float = 1.0
     eject_after_failures: int = 1        # a restarted actor is a new port: one failed check is enough
     request_timeout_s: float = 600.0
@@ -291,6 +292,8 @@ def _parse_router(raw: Any) -> RouterSection:
     for key in ("health_interval_s", "request_timeout_s"):
         if key in d:
             out[key] = _num(d[key], f"router.{key}")
+    if "stall_timeout_s" in d:
+        out["stall_timeout_s"] = _num(d["stall_timeout_s"], "router.stall_timeout_s", positive=False)
     if d.get("served_model_name") is not None:
         out["served_model_name"] = _str(d["served_model_name"], "router.served_model_name")
     return RouterSection(**out)

@@ -39,6 +39,9 @@ def _add_router_flags(p: argparse.ArgumentParser, *, grpc_port: int = 50051, htt
     p.add_argument("--max-retries", type=int, default=2, help="retries on other workers before the first token")
     p.add_argument("--max-migrations", type=int, default=2,
                    help="after the first token: times a request whose worker failed is resumed on another (0: off)")
+    p.add_argument("--stall-timeout", type=float, default=0.0,
+                   help="after the first token: seconds without output after which a worker counts as failed "
+                        "and the request migrates (0: wait for the deadline)")
     p.add_argument("--health-interval", type=float, default=1.0, help="seconds between worker health checks")
     p.add_argument("--request-timeout", type=float, default=600.0, help="deadline of requests that bring none")
     p.add_argument("--key-dir", default=None, help="cluster keys (`pdcluster keys init`): KV events for prefix_aware")
@@ -125,6 +128,7 @@ def _router_config(args: argparse.Namespace, workers: tuple[str, ...], key_dir: 
         workers=workers, model=model, served_model_name=args.served_model_name, policy=args.policy,
         host=args.host, grpc_port=args.grpc_port, http_port=None if args.http_port < 0 else args.http_port,
         max_inflight=args.max_inflight, max_retries=args.max_retries, max_migrations=args.max_migrations,
+        stall_timeout_s=args.stall_timeout,
         health_interval_s=args.health_interval,
         request_timeout_s=args.request_timeout, key_dir=key_dir, tls=tls, worker_tls=worker_tls,
         disagg_min_uncached_tokens=args.disagg_threshold, worker_channel=args.worker_channel)

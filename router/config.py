@@ -28,6 +28,9 @@ class RouterConfig:
     # After the first token: resume a request whose worker failed on another worker, from the
     # prompt plus the tokens already streamed (router/migration.py); 0 = end it with an error.
     max_migrations: int = 2
+    # After the first token, a leg that sends nothing for this long is treated as a failed worker
+    # (SIGSTOPped, hung) and migrated; 0 = wait for the request's deadline.
+    stall_timeout_s: float = 0.0
     health_interval_s: float = 1.0           # health check + Stats poll period per worker
     health_timeout_s: float = 2.0
     eject_after_failures: int = 3            # consecutive failed checks before ejection
@@ -74,7 +77,7 @@ class RouterConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
-        for name in ("max_retries", "max_migrations"):
+        for name in ("max_retries", "max_migrations", "stall_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("health_interval_s", "health_timeout_s", "request_timeout_s", "kv_poll_interval_s",

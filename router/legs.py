@@ -12,6 +12,7 @@ the client has seen nothing.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Collection, Sequence
 
@@ -84,6 +85,15 @@ class LegRunner:
                 state.failed_workers.add(handle.address)
                 raise RouterError(grpc.StatusCode.INTERNAL,
                                   f"worker {handle.worker_id} closed the stream without a final response")
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if state.stalled != handle.address or (task is not None and task.cancelling()):
+                    raise
+                # The stall watch (migration.StallWatch) cancelled this leg, not the client.
+                state.failed_workers.add(handle.address)
+                self.registry.report_failure(handle, fatal=False, reason="stalled")
+                raise RouterError(grpc.StatusCode.UNAVAILABLE, f"worker {handle.worker_id} sent nothing for "
+                                  f"{self.config.stall_timeout_s:g}s") from None
             except grpc.aio.AioRpcError as e:
                 if e.code() in _WORKER_FAULTS:
                     state.failed_workers.add(handle.address)

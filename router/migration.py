@@ -13,6 +13,8 @@ the client sees one stream; usage counts the whole completion.
 
     applies(state, err)   a worker-side failure after output, migrations enabled, not aborted,
                           deadline left
+    StallWatch            with stall_timeout_s: a leg silent that long after the first token
+                          (a SIGSTOPped or hung worker) is cancelled and counts as failed
     resume(state, err)    the next leg (counted in pdcluster_router_migrations_total{reason}), or
                           a RouterError naming the cause once max_migrations are spent or no
                           other worker is left
@@ -20,8 +22,10 @@ the client sees one stream; usage counts the whole completion.
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Mapping
 
 import grpc
 
@@ -71,7 +75,8 @@ class Migrator:
         """The leg that continues the request after `err`; raises RouterError when it cannot."""
         prep = state.prep
         prior = list(state.output_token_ids)
-        reason = _REASONS[err.code]
+        reason = "stalled" if state.stalled else _REASONS[err.code]
+        state.stalled = None
         where = f"request {prep.request_id}: its worker failed after {len(prior)} tokens ({err.message})"
         if state.num_migrations >= self.config.max_migrations:
             self.metrics.migrations_exhausted.inc()
@@ -87,6 +92,7 @@ class Migrator:
         if roles is None:
             raise RouterError(grpc.StatusCode.UNAVAILABLE, f"{where}; no other healthy worker to resume it on")
         state.num_migrations += 1
+        state.last_token_at = time.monotonic()  # the new leg gets a whole stall window
         state.route.num_migrations = state.num_migrations
         self.metrics.migrations.labels(reason).inc()
         log.warning("%s; resuming it on another %s worker (migration %d of at most %d)", where, "/".join(roles),
@@ -109,3 +115,38 @@ class Migrator:
                 # The worker counts only what it sampled; the tokens it resumed after came before.
                 resp.usage.completion_tokens += num_prior
             yield resp
+
+
+class StallWatch:
+    """Cancels the leg of a request that has had output but no delta for timeout_s: the leg then
+    fails as UNAVAILABLE (legs.py) and the request migrates. One sweep every quarter timeout over
+    the running requests: nothing per token."""
+
+    def __init__(self, timeout_s: float, running: Mapping[str, RequestState]) -> None:
+        self.timeout_s = timeout_s
+        self._running = running
+        self._task: asyncio.Task | None = None
+
+    def ensure_started(self) -> None:
+        if self._task is None and self.timeout_s > 0:
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name="router-stall-watch")
+
+    async def _loop(self) -> None:
+        period = max(0.02, self.timeout_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for state in list(self._running.values()):
+                if (state.sent_to_client and state.active_calls and state.stalled is None
+                        and not state.finished_cleanly and now - state.last_token_at > self.timeout_s):
+                    address, call = next(iter(state.active_calls.items()))
+                    log.warning("request %s: no output from %s for %.1fs; moving it", state.request_id, address,
+                                now - state.last_token_at)
+                    state.stalled = address
+                    call.cancel()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None

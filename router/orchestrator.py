@@ -33,7 +33,7 @@ from .convert import error_response
 from .errors import RouterError
 from .legs import LegRunner
 from .metrics import RouterMetrics
-from .migration import Migrator
+from .migration import Migrator, StallWatch
 from .policies import RouteRequest, RoutingPolicy
 from .preprocess import PreparedRequest
 from .registry import WorkerRegistry
@@ -57,6 +57,7 @@ class Orchestrator:
         self.migrator = Migrator(config, registry, self.legs, metrics)
         self._running: dict[str, RequestState] = {}
         self._background: set[asyncio.Task] = set()
+        self.stall_watch = StallWatch(config.stall_timeout_s, self._running)
         # Read at scrape time: two locked gauge updates less per request.
         metrics.inflight.set_function(lambda: len(self._running))
 
@@ -89,6 +90,7 @@ class Orchestrator:
     async def stream(self, state: RequestState) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
         """Worker deltas for the client. Raises RouterError only before the first delta; after it,
         failures arrive as a final delta with finish_reason ERROR."""
+        self.stall_watch.ensure_started()
         flow = self._disaggregated(state) if self._use_disaggregation(state) else self._aggregated(state)
         try:
             done = False
@@ -292,6 +294,7 @@ class Orchestrator:
         return known
 
     async def close(self) -> None:
+        await self.stall_watch.close()
         for task in list(self._background):
             await asyncio.gather(task, return_exceptions=True)
 

@@ -33,6 +33,7 @@ class RequestState:
     output_token_ids: list[int] = field(default_factory=list)
     failed_workers: set[str] = field(default_factory=set)  # addresses a leg of this request died on
     num_migrations: int = 0
+    stalled: str | None = None  # address of a worker whose leg the stall watch cancelled
     status: str = "OK"  # gRPC code name of the outcome, a metric label
 
     @property

@@ -247,3 +247,27 @@ def test_migration_off_ends_with_the_error(make):
     assert last.finish_reason == ERROR and killed[0].worker_id in last.error_message
     assert migrations(c) == 0
     assert len(c.healthy_ids()) == 1  # the other worker is fine: only the migration was off
+
+
+def test_a_silent_worker_is_left_after_the_stall_timeout(make, reference):
+    """A worker that stops answering (SIGSTOP: its connection stays open) and one that holds the
+    request without output: after stall_timeout_s of silence each counts as failed and the
+    request moves on, continuing token-exact."""
+    c = make(3, stall_timeout_s=1.5, max_migrations=4)
+    want = reference.generate(PROMPT, max_tokens=40)
+    stream = open_stream(c, sampling(40))
+    got: list = []
+    read_tokens(stream, got, MARKS[0])
+    assert wait_until(lambda: sum(worker_stats(w.address).num_running for w in c.workers) == 1, 30)
+    paused = next(w for w in c.workers if worker_stats(w.address).num_running == 1)
+    paused.pause()
+    try:
+        got += list(stream)  # the next worker holds it at the second mark: silent again, left too
+    finally:
+        paused.resume()
+    last = got[-1]
+    assert last.finish_reason == LENGTH, last
+    assert tokens(got) == list(want.token_ids) and "".join(r.text for r in got) == want.text
+    assert last.route.decode_worker_id != paused.worker_id and last.route.num_migrations >= 2
+    assert migrations(c, "stalled") >= 2
+    assert_all_idle(c)

@@ -26,19 +26,25 @@ def test_router_config_defaults_and_bounds() -> None:
     assert RouterConfig(max_migrations=0).max_migrations == 0
     with pytest.raises(ValueError, match="max_migrations must be >= 0, got -1"):
         RouterConfig(max_migrations=-1)
+    assert RouterConfig().stall_timeout_s == 0.0  # off: wait for the deadline
+    with pytest.raises(ValueError, match="stall_timeout_s must be >= 0"):
+        RouterConfig(stall_timeout_s=-1.0)
 
 
 def test_serve_flags_reach_the_router_config() -> None:
-    args = _parse(add_serve, "serve", "--max-migrations", "5", "--disagg-threshold", "64")
+    args = _parse(add_serve, "serve", "--max-migrations", "5", "--disagg-threshold", "64", "--stall-timeout", "7.5")
     config = _router_config(args, (), None, None)
-    assert (config.max_migrations, config.disagg_min_uncached_tokens) == (5, 64)
+    assert (config.max_migrations, config.disagg_min_uncached_tokens, config.stall_timeout_s) == (5, 64, 7.5)
     config = _router_config(_parse(add_serve, "serve"), (), None, None)
     assert (config.max_migrations, config.disagg_min_uncached_tokens) == (2, 0)
 
 
 def test_cluster_yaml_router_section(tmp_path) -> None:
-    c = ClusterConfig.from_dict({"router": {"max_migrations": 0, "disagg_min_uncached_tokens": 128}})
-    assert (c.router.max_migrations, c.router.disagg_min_uncached_tokens) == (0, 128)
+    c = ClusterConfig.from_dict({"router": {"max_migrations": 0, "disagg_min_uncached_tokens": 128,
+                                            "stall_timeout_s": 20}})
+    assert (c.router.max_migrations, c.router.disagg_min_uncached_tokens, c.router.stall_timeout_s) == (0, 128, 20.0)
+    with pytest.raises(ConfigError, match=r"^router\.stall_timeout_s: must be a non-negative number"):
+        ClusterConfig.from_dict({"router": {"stall_timeout_s": -2}})
     # The Ray router actor passes the section's fields to RouterConfig by name.
     fields = dataclasses.asdict(c.router)
     config = RouterConfig(**{k: v for k, v in fields.items() if k in {f.name for f in dataclasses.fields(RouterConfig)}})
