@@ -180,6 +180,9 @@ def _check_tp_shapes(model: ModelConfig, tp: int) -> None:
     checks = [("num_attention_heads", model.num_attention_heads, model.num_attention_heads % tp == 0),
               ("intermediate_size", model.intermediate_size, model.intermediate_size % tp == 0),
               ("num_key_value_heads", kv, kv % tp == 0 if kv >= tp else tp % kv == 0)]
+    for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):  # MoE experts split like the MLP
+        size = getattr(model, name)
+        checks.append((name, size, size % tp == 0))
     bad = [f"{name}={value}" for name, value, ok in checks if not ok]
     if bad:
         raise ValueError(f"tensor_parallel_size={tp} does not divide the model: {', '.join(bad)} (KV heads must "

@@ -120,3 +120,11 @@ def test_tp_sharded_experts_equal_tp1(checkpoints: dict[str, str]) -> None:
         gate = torch.sigmoid(full.shared_expert_gate(x))
     got = outs[0][0] + outs[1][0] + gate * (outs[0][1] + outs[1][1])
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_tp_size_must_divide_the_expert_size(tmp_path: pathlib.Path) -> None:
+    from pdcluster.config import EngineArgs
+
+    path = make_checkpoint("qwen3_moe", tmp_path / "odd", moe_intermediate_size=25)
+    with pytest.raises(ValueError, match="moe_intermediate_size=25"):
+        EngineArgs(model=path, tensor_parallel_size=2, device="cpu").create_engine_config()
