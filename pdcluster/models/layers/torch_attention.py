@@ -9,7 +9,7 @@ Per step: write the new K/V into the paged cache, then
     with a padding mask, so a decode step costs one call per layer whatever the batch size.
 Softmax runs in float32 inside SDPA for every input dtype (as in transformers' sdpa path).
 A sliding window w adds "key position > query position - w" to each mask (the fresh-prefill case
-then builds its mask instead of using is_causal).
+then builds its mask instead of using is_causal); decode then gathers only the last w positions.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from pdcluster.kernels.cache_write import reshape_and_cache_torch
+from pdcluster.models.layers import cpu_attention
 from pdcluster.models.layers.attention_backend import AttentionBackend, AttentionMetadata
 
 
@@ -32,13 +33,32 @@ def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, seq_len: int
     return blocks.flatten(1, 2)[:, :seq_len]  # (B, num_blocks * block_size, Hk, D) -> (B, S, Hk, D)
 
 
+def _gather_windows(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Decode with a sliding window reads only the last `window` positions of each request:
+    -> k, v (B, window, Hk, D) and valid (B, window) (False past a request shorter than the window)."""
+    block_size = k_cache.shape[1]
+    start = (seq_lens.long() - window).clamp(min=0)  # the new token at seq_len - 1 sees [start, seq_len)
+    pos = start[:, None] + torch.arange(window, device=k_cache.device)[None, :]  # (B, window)
+    valid = pos < seq_lens[:, None]
+    pos = torch.minimum(pos, (seq_lens.long() - 1).clamp(min=0)[:, None])  # inside each request's blocks
+    blocks = block_tables.long().gather(1, pos // block_size)
+    return k_cache[blocks, pos % block_size], v_cache[blocks, pos % block_size], valid
+
+
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+
+    def __init__(self) -> None:
+        self._plans = cpu_attention.PlanCache()  # per-step gather index and masks
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 sliding_window: int | None = None) -> torch.Tensor:
         reshape_and_cache_torch(k, v, k_cache, v_cache, meta.slot_mapping)
+        if sliding_window is None:  # full attention: the CPU-shaped path (4-D SDPA, batched decode)
+            plan = self._plans.get(meta, k_cache.shape[1])
+            return cpu_attention.attention(q, k, v, k_cache, v_cache, meta, plan, scale, None)
         window = sliding_window
         if meta.is_decode_only:
             return self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale,
@@ -89,12 +109,13 @@ class TorchAttentionBackend(AttentionBackend):
     def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                 seq_lens: torch.Tensor, max_seq_len: int, scale: float, window: int | None = None) -> torch.Tensor:
         """One new token per request: q (B, Hq, D) -> (B, Hq, D), all requests in one SDPA call."""
-        kc = gather_context(k_cache, block_tables, max_seq_len).to(q.dtype)  # (B, S, Hk, D)
-        vc = gather_context(v_cache, block_tables, max_seq_len).to(q.dtype)
-        key_pos = torch.arange(max_seq_len, device=q.device)[None, :]
-        valid = key_pos < seq_lens[:, None]  # (B, S)
-        if window is not None:  # the new token sits at seq_len - 1
-            valid &= key_pos >= seq_lens[:, None] - window
+        if window is not None and max_seq_len > window:
+            kc, vc, valid = _gather_windows(k_cache, v_cache, block_tables, seq_lens, window)
+            kc, vc = kc.to(q.dtype), vc.to(q.dtype)
+        else:
+            kc = gather_context(k_cache, block_tables, max_seq_len).to(q.dtype)  # (B, S, Hk, D)
+            vc = gather_context(v_cache, block_tables, max_seq_len).to(q.dtype)
+            valid = torch.arange(max_seq_len, device=q.device)[None, :] < seq_lens[:, None]  # (B, S)
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2),  # (B, Hq, 1, D)
             kc.transpose(1, 2),  # (B, Hk, S, D)
