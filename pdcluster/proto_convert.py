@@ -44,6 +44,8 @@ ROLE_FROM_PROTO = {v: k for k, v in ROLE_TO_PROTO.items()}
 
 _SP_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name != "extra")
 _SP_REPEATED = frozenset({"stop", "stop_token_ids"})
+_SP_MESSAGES = frozenset({"structured_outputs", "logit_bias"})  # converted by hand below
+_SO_FIELDS = ("json", "regex", "choice", "grammar", "json_object")
 _KV_FIELDS = frozenset(f.name for f in dataclasses.fields(KVTransferParams)) - {"extra"}
 _TYPED_SUFFIX = ":mp"
 
@@ -65,17 +67,25 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams | None) -> Samplin
         return SamplingParams()
     kwargs: dict[str, Any] = {}
     for name in _SP_FIELDS:
+        if name in _SP_MESSAGES:
+            continue
         if name in _SP_REPEATED:
             values = list(getattr(msg, name))
             if values:
                 kwargs[name] = values
         elif msg.HasField(name):
             kwargs[name] = getattr(msg, name)
+    if msg.logit_bias:
+        kwargs["logit_bias"] = dict(msg.logit_bias)
+    if msg.HasField("structured_outputs"):
+        so = msg.structured_outputs
+        kwargs["structured_outputs"] = {k: (list(so.choice) if k == "choice" else getattr(so, k))
+                                        for k in _SO_FIELDS if (so.choice if k == "choice" else so.HasField(k))}
     try:
         return SamplingParams(**kwargs)
     except ValueError as e:
         detail = str(e)
-        first = detail.split(" ", 1)[0].rstrip(":")
+        first = detail.split(" ", 1)[0].rstrip(":").split(".", 1)[0]
         raise InvalidField(first if first in _SP_FIELDS else "sampling_params", detail) from None
 
 
@@ -87,10 +97,21 @@ def sampling_params_to_proto(params: SamplingParams | None) -> common_pb2.Sampli
     default = SamplingParams()
     for name in _SP_FIELDS:
         value = getattr(params, name)
+        if name in _SP_MESSAGES:
+            continue
         if name in _SP_REPEATED:
             getattr(msg, name).extend(value)
         elif value is not None and value != getattr(default, name):
             setattr(msg, name, value)
+    for token_id, bias in params.logit_bias:
+        msg.logit_bias[token_id] = bias
+    so = params.structured_outputs
+    if so is not None:
+        for k, v in so.to_dict().items():
+            if k == "choice":
+                msg.structured_outputs.choice.extend(v)
+            else:
+                setattr(msg.structured_outputs, k, v)
     return msg
 
 

@@ -11,6 +11,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdcluster.structured_spec import StructuredOutputs
+
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_LEN = 1024
@@ -19,6 +21,9 @@ MAX_STOP_STRING_LEN = 1024
 DEFAULT_MAX_STOP_TOKEN_IDS = 64
 MAX_STOP_TOKEN_IDS = 1024
 MAX_SEED = 2**63 - 1
+# logit_bias is added to every step's logits: bounded like stop_token_ids; OpenAI's value range.
+MAX_LOGIT_BIAS = 1024
+MAX_LOGIT_BIAS_VALUE = 100.0
 
 
 @dataclass(frozen=True, init=False)
@@ -41,6 +46,10 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs to return besides the sampled token
     skip_special_tokens: bool = True
     detokenize: bool = True
+    # Constrained decoding (json schema, regex, choice, grammar, json_object); see structured_spec.py.
+    structured_outputs: StructuredOutputs | None = None
+    # (token id, bias) pairs added to the logits every step, sorted by id (a dict is accepted).
+    logit_bias: tuple[tuple[int, float], ...] = ()
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __init__(self, **kwargs: Any) -> None:
@@ -67,6 +76,9 @@ class SamplingParams:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
         out["stop"] = list(self.stop)
         out["stop_token_ids"] = list(self.stop_token_ids)
+        # Lists, not maps: msgpack transport (step_codec) refuses non-string map keys.
+        out["logit_bias"] = [[t, b] for t, b in self.logit_bias]
+        out["structured_outputs"] = self.structured_outputs.to_dict() if self.structured_outputs else None
         return out
 
     def replace(self, **changes: Any) -> SamplingParams:
@@ -141,3 +153,33 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean")
+        self._set("logit_bias", _logit_bias(self.logit_bias))
+        self._set("structured_outputs", StructuredOutputs.coerce(self.structured_outputs))
+        if self.structured_outputs is not None:
+            # The grammar ends at a stop token (eos or stop_token_ids): ignoring eos or banning
+            # it (min_tokens) could leave a finished grammar with no token to sample.
+            if self.ignore_eos:
+                raise ValueError("ignore_eos cannot be combined with structured_outputs")
+            if self.min_tokens:
+                raise ValueError("min_tokens cannot be combined with structured_outputs")
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    pairs = list(value.items()) if isinstance(value, dict) else value
+    if not isinstance(pairs, (list, tuple)):
+        raise ValueError("logit_bias must be a map of token id to bias")
+    if len(pairs) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias has {len(pairs)} entries; at most {MAX_LOGIT_BIAS} allowed")
+    out: dict[int, float] = {}
+    for pair in pairs:
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise ValueError("logit_bias must be a map of token id to bias")
+        t, b = pair
+        if isinstance(t, str) and t.isdigit():
+            t = int(t)  # JSON object keys are strings
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise ValueError(f"logit_bias keys must be non-negative token ids, got {t!r}")
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not -MAX_LOGIT_BIAS_VALUE <= b <= MAX_LOGIT_BIAS_VALUE:
+            raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {b!r} for token {t}")
+        out[t] = float(b)
+    return tuple(sorted(out.items()))

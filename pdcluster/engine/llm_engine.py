@@ -33,6 +33,7 @@ class LLMEngine:
         self.core = EngineCore(config, executor or default_executor(config), connector=connector)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self._grammar_cache: Any = None  # only when the executor has none (structured output)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, connector: ConnectorArg = None,
@@ -73,9 +74,28 @@ class LLMEngine:
         text, ids = process_prompt(prompt, params, self.tokenizer, self.config.model.vocab_size,
                                    self.config.scheduler.max_model_len)
         prior = _check_prior_tokens(prefill_output_token_ids, params, len(ids), self.config)
+        if params.logit_bias and params.logit_bias[-1][0] >= self.config.model.vocab_size:
+            raise ValueError(f"logit_bias: token id {params.logit_bias[-1][0]} is outside the vocabulary "
+                             f"[0, {self.config.model.vocab_size})")
+        if params.structured_outputs is not None:
+            self._check_grammar(params)
         req = Request(request_id, ids, params, eos_token_ids=self.eos_token_ids,
                       kv_transfer_params=kv_transfer_params, output_token_ids=prior)
         return req, text
+
+    def _check_grammar(self, params: SamplingParams) -> None:
+        """Compile now (ValueError naming structured_outputs.<kind>), into the cache the runner
+        reads; an executor without one (tensor parallel) gets a cache of the engine's own."""
+        cache_of = getattr(self.core.runner, "grammar_cache", None)
+        if cache_of is None:
+            if self._grammar_cache is None:
+                from pdcluster.engine.structured_output import GrammarCompilerCache
+
+                self._grammar_cache = GrammarCompilerCache.from_tokenizer(
+                    self.tokenizer, self.config.model.vocab_size, list(self.tokenizer.eos_token_ids))
+            cache_of = lambda: self._grammar_cache  # noqa: E731
+        assert params.structured_outputs is not None
+        cache_of().compile(params.structured_outputs)
 
     def add_prepared(self, request: Request, prompt_text: str | None) -> None:
         self.output_processor.add_request(request.request_id, prompt_text, request.prompt_token_ids,

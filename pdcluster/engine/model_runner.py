@@ -41,6 +41,7 @@ class CachedRequestState:
     num_computed_tokens: int
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...]
+    grammar: Any = None  # structured_output.GrammarState when the request is constrained
 
 
 def make_attention_backend(name: str) -> AttentionBackend:
@@ -72,6 +73,7 @@ class ModelRunner:
         self.layer_kv_caches: list[torch.Tensor] = list(self.kv_caches.unbind(0))
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler: Any = None  # built on first use (pdcluster.engine.sampler)
+        self._grammar_cache: Any = None  # built on first structured-output request
         self.connector_hooks: ConnectorHooks | None = None
         if connector is not None:
             self.connector_hooks = ConnectorHooks(connector, rank, config.parallel.tensor_parallel_size)
@@ -123,14 +125,35 @@ class ModelRunner:
             self.sampler = Sampler(self.config.model.vocab_size, self.device, seed=self.config.seed)
         return self.sampler
 
+    def grammar_cache(self) -> Any:
+        """This runner's structured_output.GrammarCompilerCache (LLMEngine validates with it too)."""
+        if self._grammar_cache is None:
+            from pdcluster.engine.structured_output import GrammarCompilerCache  # lazy: imports xgrammar
+            from pdcluster.engine.tokenizer import Tokenizer
+
+            tokenizer = Tokenizer.from_pretrained(self.config.tokenizer_path)
+            self._grammar_cache = GrammarCompilerCache.from_tokenizer(
+                tokenizer, self.config.model.vocab_size, list(tokenizer.eos_token_ids))
+        return self._grammar_cache
+
     # -- state ------------------------------------------------------------------------------------
     def update_states(self, scheduler_output: SchedulerOutput) -> None:
         for request_id in scheduler_output.finished_request_ids:
             self.requests.pop(request_id, None)
         for new in scheduler_output.scheduled_new_reqs:
+            grammar = None
+            spec = new.sampling_params.structured_outputs
+            if spec is not None:
+                from pdcluster.engine.structured_output import build_state
+
+                # Advanced over the outputs so far: a decode leg continues after the prefill
+                # leg's token, a preempted request where it stopped.
+                grammar = build_state(self.grammar_cache(), spec, tuple(new.eos_token_ids),
+                                      new.sampling_params.stop_token_ids, list(new.output_token_ids))
             self.requests[new.request_id] = CachedRequestState(
                 new.request_id, list(new.prompt_token_ids) + list(new.output_token_ids), len(new.prompt_token_ids),
-                list(new.block_ids), new.num_computed_tokens, new.sampling_params, tuple(new.eos_token_ids))
+                list(new.block_ids), new.num_computed_tokens, new.sampling_params, tuple(new.eos_token_ids),
+                grammar)
         for cached in scheduler_output.scheduled_cached_reqs:
             state = self.requests[cached.request_id]
             state.block_ids.extend(cached.new_block_ids)
@@ -185,7 +208,7 @@ class ModelRunner:
         from pdcluster.engine.sampler import SamplingState
 
         return SamplingState(r.sampling_params, r.token_ids[: r.num_prompt_tokens],
-                             r.token_ids[r.num_prompt_tokens:], r.eos_token_ids)
+                             r.token_ids[r.num_prompt_tokens:], r.eos_token_ids, r.grammar)
 
     def prepare_inputs(self, reqs: list[CachedRequestState], query_lens: list[int]
                        ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:

@@ -3,6 +3,8 @@
 Pipeline per step (each stage runs only on the rows that use it, vectorised over those rows):
 
     raw logits[:, :vocab_size]                -> logprobs (log_softmax of the raw logits, vLLM v1 default)
+      -> structured-output grammar masks (one batched bitmask, engine/structured_output.py)
+      -> logit_bias
       -> penalties (repetition, presence, frequency)
       -> min_tokens mask (eos / stop_token_ids forbidden until min_tokens outputs exist)
       -> greedy rows: argmax
@@ -23,6 +25,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
+from typing import Any
 
 import torch
 
@@ -45,6 +48,9 @@ class SamplingState:
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # generated so far (penalties, min_tokens, seeded position)
     eos_token_ids: tuple[int, ...]
+    # structured_output.GrammarState of a constrained request; the sampler advances it with the
+    # token it picks.
+    grammar: Any = None
 
     @property
     def is_greedy(self) -> bool:
@@ -105,16 +111,24 @@ class Sampler:
         # Columns past vocab_size are padding of the LM head: never sampled, never in logprobs.
         logits = logits[:, : self.vocab_size].to(self.device)
         banned = [s.min_tokens_banned_ids() for s in states]
+        constrained = any(s.grammar is not None for s in states)
+        biased = any(s.params.logit_bias for s in states)
         plain = all(s.is_greedy and not s.has_penalties and s.params.logprobs is None for s in states)
-        if plain and not any(banned):
+        if plain and not any(banned) and not constrained and not biased:
             return logits.argmax(dim=-1).tolist(), [None] * len(states)
 
         raw = logits.float()
-        # Penalties and bans edit in place: copy only then (raw stays intact for logprobs). Every
-        # (B, V) copy or gather costs as much as a softmax, so stages skip them where they can.
-        edits = any(banned) or any(s.has_penalties for s in states)
+        # Masks, biases, penalties and bans edit in place: copy only then (raw stays intact for
+        # logprobs). Every (B, V) copy or gather costs as much as a softmax, so stages skip them
+        # where they can.
+        edits = any(banned) or any(s.has_penalties for s in states) or constrained or biased
         x = raw.clone() if edits else raw
         if edits:
+            if constrained:
+                from pdcluster.engine.structured_output import apply_grammar_masks  # lazy: imports xgrammar
+
+                apply_grammar_masks(x, [s.grammar for s in states])
+            self._apply_logit_bias(x, states)
             self._apply_penalties(x, states)
             self._apply_bans(x, banned)
         greedy = [i for i, s in enumerate(states) if s.is_greedy]
@@ -128,7 +142,11 @@ class Sampler:
             token_ids[self._index(greedy)] = x[self._index(greedy)].argmax(dim=-1)
             rows = self._index(random)
             token_ids[rows] = self._sample_random(x[rows], [states[i] for i in random])
-        return token_ids.tolist(), self._logprobs(raw, token_ids, states)
+        chosen = token_ids.tolist()
+        for s, t in zip(states, chosen):
+            if s.grammar is not None:
+                s.grammar.advance([t])
+        return chosen, self._logprobs(raw, token_ids, states)
 
     # -- stages -------------------------------------------------------------------------------
     def _index(self, rows: list[int]) -> torch.Tensor:
@@ -143,6 +161,13 @@ class Sampler:
         idx = self._index(rows)
         x[idx] = fn(x[idx], *args)
         return x
+
+    def _apply_logit_bias(self, x: torch.Tensor, states: list[SamplingState]) -> None:
+        triples = [(i, t, b) for i, s in enumerate(states) for t, b in s.params.logit_bias if t < self.vocab_size]
+        if triples:
+            rows, cols, bias = zip(*triples, strict=True)
+            x.index_put_((self._index(list(rows)), self._index(list(cols))),
+                         torch.tensor(bias, dtype=x.dtype, device=self.device), accumulate=True)
 
     def _apply_penalties(self, x: torch.Tensor, states: list[SamplingState]) -> None:
         rows = [i for i, s in enumerate(states) if s.has_penalties]

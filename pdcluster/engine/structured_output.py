@@ -1,0 +1,151 @@
+"""Structured output with xgrammar: grammars compiled once per spec, a matcher per request.
+
+    GrammarCompilerCache.compile(spec)  -> CompiledGrammar  (bounded LRU keyed by (kind, spec text);
+                                           ValueError naming structured_outputs.<kind> when xgrammar
+                                           cannot compile it)
+    GrammarState(compiled, stop ids)    -> per request: fill its row of the step's token bitmask,
+                                           advance with each sampled token
+
+The sampler fills one (B, ceil(V/32)) int32 bitmask for every constrained row of a step and applies
+it batched (xgrammar's apply_token_bitmask_inplace) before any sampling stage, so greedy, random,
+penalties and top-k/p all see only the tokens the grammar allows. The grammar ends at one of the
+request's stop tokens (its eos ids and stop_token_ids): once complete only those are allowed, and
+sampling one stops the request through the scheduler's usual eos/stop-token check.
+
+A matcher is built from the request's output tokens so far (advanced over them), so a decode leg
+continues the grammar after the prefill leg's token and a preempted request resumes where it was.
+xgrammar (and torch) are imported only here: the router never imports this module.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import torch
+import xgrammar as xgr
+
+from pdcluster.structured_spec import StructuredOutputs
+
+DEFAULT_MAX_CACHED_GRAMMARS = 128
+# xgrammar's messages start with "[time] /path/file.cc:line: ": the client needs only the rest.
+_LOG_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
+
+
+def tokenizer_info(backend: Any, vocab_size: int, stop_token_ids: list[int]) -> xgr.TokenizerInfo:
+    """xgrammar's view of a `tokenizers` backend: every id's token string and the decoder's
+    vocabulary type (byte-level, byte-fallback or raw), as xgrammar's from_huggingface detects it."""
+    meta = xgr.TokenizerInfo._detect_metadata_from_hf(backend.to_str())
+    vocab = [backend.id_to_token(i) or "" for i in range(vocab_size)]
+    return xgr.TokenizerInfo(vocab, vocab_type=meta["vocab_type"], vocab_size=vocab_size,
+                             stop_token_ids=stop_token_ids or None, add_prefix_space=meta["add_prefix_space"])
+
+
+class GrammarCompilerCache:
+    """One per engine (and per TP rank): compiles each (kind, spec) once, keeps the most recent."""
+
+    def __init__(self, info: xgr.TokenizerInfo, max_entries: int = DEFAULT_MAX_CACHED_GRAMMARS) -> None:
+        # xgrammar's own cache is unbounded: ours is bounded by entries.
+        self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+        self._cache: OrderedDict[tuple[str, str], xgr.CompiledGrammar] = OrderedDict()
+        self._max = max_entries
+        # Requests are validated (compiled) on the caller's thread while the engine thread builds
+        # matchers: the dict is guarded; a compile runs outside the lock (xgrammar is thread-safe).
+        self._lock = threading.Lock()
+        self.vocab_size = info.vocab_size
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> GrammarCompilerCache:
+        return cls(tokenizer_info(tokenizer.backend, vocab_size, stop_token_ids))
+
+    def compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
+        key = spec.key()
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+        compiled = self._compile(spec)
+        with self._lock:
+            self._cache[key] = compiled
+            while len(self._cache) > self._max:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    def _compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
+        kind = spec.kind
+        try:
+            if kind == "json":
+                return self._compiler.compile_json_schema(spec.json or "", any_whitespace=False)
+            if kind == "json_object":
+                return self._compiler.compile_builtin_json_grammar()
+            if kind == "regex":
+                return self._compiler.compile_regex(spec.regex or "")
+            if kind == "choice":
+                alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice or ())
+                return self._compiler.compile_grammar(f"root ::= {alternatives}")
+            return self._compiler.compile_grammar(spec.grammar or "")
+        except (RuntimeError, ValueError, TypeError) as e:  # xgrammar raises RuntimeError on bad specs
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            first = _LOG_PREFIX.sub("", first)
+            raise ValueError(f"structured_outputs.{kind} cannot be compiled: {first[:300]}") from None
+
+
+class GrammarState:
+    """One request's matcher. `rejected` is set when a token the grammar refuses was forced on it
+    (only possible if a caller bypassed the mask); the request then runs unconstrained."""
+
+    def __init__(self, compiled: xgr.CompiledGrammar, stop_token_ids: list[int],
+                 output_token_ids: list[int] | tuple[int, ...] = ()) -> None:
+        self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids or None)
+        self.rejected = False
+        self.advance(output_token_ids)
+
+    def advance(self, token_ids: list[int] | tuple[int, ...]) -> None:
+        for t in token_ids:
+            if self.rejected or self._matcher.is_terminated():
+                return
+            if not self._matcher.accept_token(int(t)):
+                self.rejected = True
+
+    @property
+    def active(self) -> bool:
+        """Whether the grammar still constrains the next token."""
+        return not self.rejected and not self._matcher.is_terminated()
+
+    @property
+    def terminated(self) -> bool:
+        return self._matcher.is_terminated()
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+
+def apply_grammar_masks(logits: torch.Tensor, grammars: list[GrammarState | None]) -> bool:
+    """Mask, in place, every token row i's grammar forbids (logits (B, V), any device). One
+    bitmask for the batch, filled on CPU, applied in one call. Returns whether anything was masked."""
+    rows = [i for i, g in enumerate(grammars) if g is not None and g.active]
+    if not rows:
+        return False
+    vocab_size = logits.shape[1]
+    bitmask = xgr.allocate_token_bitmask(len(grammars), vocab_size)
+    for i in rows:
+        grammars[i].fill(bitmask, i)  # type: ignore[union-attr]
+    if logits.device.type == "cpu":
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=rows)
+    else:
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+                                        vocab_size=vocab_size, indices=rows)
+    return True
+
+
+def build_state(cache: GrammarCompilerCache, spec: StructuredOutputs, eos_token_ids: tuple[int, ...],
+                stop_token_ids: tuple[int, ...], output_token_ids: list[int]) -> GrammarState:
+    stops = list(dict.fromkeys([*eos_token_ids, *stop_token_ids]))
+    return GrammarState(cache.compile(spec), stops, output_token_ids)

@@ -1,0 +1,121 @@
+"""Structured output in the engine (xgrammar): every kind of spec constrains the offline engine's
+output, greedy and sampled; grammars are compiled once per spec and the cache is bounded; a bad
+spec is a ValueError naming the field before anything runs; a decode leg that starts after a
+prefill leg's token continues the grammar (the disaggregated split gives the aggregated output)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from pdcluster import LLM, SamplingParams
+from pdcluster.proto_convert import sampling_params_from_proto, sampling_params_to_proto
+from pdcluster.structured_spec import StructuredOutputs
+from tests.bytelevel_tiny import make_bytelevel_checkpoint
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "enum": ["ada", "bob"]},
+                                           "ok": {"type": "boolean"}},
+          "required": ["name", "ok"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory) -> LLM:
+    return LLM(make_bytelevel_checkpoint(tmp_path_factory.mktemp("bl") / "m"), max_model_len=256)
+
+
+def _gen(llm: LLM, so: dict, prompt: str = "hello", **kw) -> object:
+    kw.setdefault("max_tokens", 64)
+    return llm.generate([prompt], SamplingParams(structured_outputs=so, **kw))[0].outputs[0]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_json_schema_output_validates(llm, temperature):
+    for seed in range(3):
+        out = _gen(llm, {"json": SCHEMA}, temperature=temperature, seed=seed)
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+
+
+def test_choice_regex_grammar_json_object(llm):
+    for seed in range(4):
+        assert _gen(llm, {"choice": ["yes", "no", "maybe"]}, temperature=1.0, seed=seed).text in {"yes", "no", "maybe"}
+        assert re.fullmatch(r"[a-c]{3}-[0-9]{2}", _gen(llm, {"regex": "[a-c]{3}-[0-9]{2}"}, temperature=1.0,
+                                                            seed=seed).text)
+        assert re.fullmatch(r"x[0-9]+y", _gen(llm, {"grammar": 'root ::= "x" [0-9] [0-9]? "y"'}, temperature=1.0,
+                                               seed=seed).text)
+    out = _gen(llm, {"json_object": True}, temperature=0.0, max_tokens=200)
+    assert out.finish_reason == "stop" and isinstance(json.loads(out.text), dict)
+
+
+def test_constrained_and_free_requests_share_a_batch(llm):
+    free = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    want = llm.generate(["hello"], free)[0].outputs[0].token_ids
+    outs = llm.generate(["hello", "hello"], [SamplingParams(structured_outputs={"choice": ["no"]}, max_tokens=8), free])
+    assert outs[0].outputs[0].text == "no" and outs[1].outputs[0].token_ids == want
+
+
+def test_grammar_compiled_once_and_cache_bounded(llm):
+    cache = llm.engine.core.runner.grammar_cache()
+    spec = StructuredOutputs(regex="[0-9]{4}")
+    first = cache.compile(spec)
+    _gen(llm, {"regex": "[0-9]{4}"})
+    assert cache.compile(StructuredOutputs(regex="[0-9]{4}")) is first
+    for i in range(cache._max + 5):
+        cache.compile(StructuredOutputs(regex=f"a{{{i + 1}}}"))
+    assert len(cache) == cache._max
+
+
+@pytest.mark.parametrize("so,field", [({"regex": "("}, "structured_outputs.regex"),
+                                      ({"json": {"type": "objectx"}}, "structured_outputs.json"),
+                                      ({"grammar": "root ::= "}, "structured_outputs.grammar")])
+def test_uncompilable_spec_is_a_value_error(llm, so, field):
+    with pytest.raises(ValueError, match=re.escape(field)):
+        llm.generate(["hi"], SamplingParams(structured_outputs=so))
+
+
+@pytest.mark.parametrize("kw,field", [({"structured_outputs": {"json": "{nope"}}, "structured_outputs.json"),
+                                      ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+                                      ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "exactly one"),
+                                      ({"structured_outputs": {"regex": "a"}, "ignore_eos": True}, "ignore_eos"),
+                                      ({"logit_bias": {5: 500}}, "logit_bias"),
+                                      ({"logit_bias": {-1: 1}}, "logit_bias")])
+def test_malformed_params(kw, field):
+    with pytest.raises(ValueError, match=re.escape(field)):
+        SamplingParams(**kw)
+
+
+def test_params_round_trip_through_proto_and_dict():
+    sp = SamplingParams(structured_outputs={"json": SCHEMA}, logit_bias={"7": 1.5, 3: -2})
+    assert sampling_params_from_proto(sampling_params_to_proto(sp)) == sp
+    assert SamplingParams.from_dict(sp.to_dict()) == sp
+    assert sp.logit_bias == ((3, -2.0), (7, 1.5))
+    sp = SamplingParams(structured_outputs={"choice": ["a", "b"]})
+    assert sampling_params_from_proto(sampling_params_to_proto(sp)) == sp
+
+
+def test_decode_leg_continues_the_grammar(llm):
+    """Prefill leg: one constrained token. Decode leg: the same prompt with that token as prior
+    output; the matcher is advanced over it, so the result is the aggregated one."""
+    params = SamplingParams(structured_outputs={"json": SCHEMA}, temperature=0.8, seed=3, max_tokens=64)
+    whole = llm.generate(["hi"], params)[0].outputs[0]
+    first = llm.generate(["hi"], params.replace(max_tokens=1))[0].outputs[0].token_ids
+    engine = llm.engine
+    req, text = engine.prepare_request("hi", params, prefill_output_token_ids=list(first))
+    engine.add_prepared(req, text)
+    while engine.has_unfinished_requests():
+        engine.step()
+    rest = engine.get_final(req.request_id).outputs[0]
+    assert list(first) + list(rest.token_ids) == list(whole.token_ids)
+    jsonschema.validate(json.loads(whole.text), SCHEMA)
+
+
+def test_logit_bias_forces_a_token(llm):
+    tok = llm.tokenizer.encode("Z", add_special_tokens=False)[0]
+    out = llm.generate(["hello"], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
+                                                 logit_bias={tok: 100}))[0].outputs[0]
+    assert list(out.token_ids) == [tok] * 4
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm.generate(["hello"], SamplingParams(logit_bias={10**6: 1}))
