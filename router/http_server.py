@@ -2,6 +2,8 @@
 
     POST /v1/completions, /v1/chat/completions   -> OpenAI JSON -> GenerateRequest -> the same
                                                     Preprocessor and Orchestrator as gRPC Generate
+                                                    (n, best_of, echo, batched prompts: openai_fanout)
+    POST /tokenize, /detokenize                   -> the router's tokenizer (openai_tokenize)
     GET  /v1/models, /health, /metrics
 
 Streaming answers are Server-Sent Events (`data: {json}` ... `data: [DONE]`). The first delta is
@@ -28,8 +30,10 @@ from .auth import ApiKey
 from .config import RouterConfig
 from .errors import RouterError, invalid
 from .metrics import RouterMetrics
-from .openai_protocol import OpenAIOptions, parse_chat, parse_completion
+from .openai_fanout import FanOut
+from .openai_protocol import OpenAIOptions, parse_chat, parse_completions
 from .openai_responses import FINISH_REASONS, ResponseBuilder, stop_reason
+from .openai_tokenize import detokenize, tokenize
 from .orchestrator import Orchestrator
 from .preprocess import Preprocessor
 from .registry import WorkerRegistry
@@ -66,6 +70,8 @@ class HttpFrontend:
         app = web.Application(client_max_size=self.config.max_message_bytes, middlewares=middlewares)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_endpoint)
@@ -87,6 +93,28 @@ class HttpFrontend:
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8",
                             headers={"X-Content-Type-Options": "nosniff"})
 
+    async def tokenize(self, request: web.Request) -> web.Response:
+        try:
+            body = await _read_json(request, self.config.max_message_bytes, self.config.max_json_depth)
+            return web.json_response(await tokenize(self.pre, body))
+        except RouterError as e:
+            return _error(e)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        try:
+            body = await _read_json(request, self.config.max_message_bytes, self.config.max_json_depth)
+            return web.json_response(detokenize(self.pre, body))
+        except RouterError as e:
+            return _error(e)
+
+    def error(self, err: RouterError, opts: OpenAIOptions | None = None) -> web.Response:
+        """An error answer; a worker's refusal of the structured-output spec (it compiles it) is
+        reported under the field the client used."""
+        if (opts is not None and opts.structured_field and err.field is None
+                and err.code == grpc.StatusCode.INVALID_ARGUMENT and "structured_outputs" in err.message):
+            err = RouterError(err.code, err.message, opts.structured_field)
+        return _error(err)
+
     # -- generation -----------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=False)
@@ -98,13 +126,25 @@ class HttpFrontend:
         try:
             with self.admission.preparing("http"):
                 body = await _read_json(request, self.config.max_message_bytes, self.config.max_json_depth)
-                parse = parse_chat if chat else parse_completion
-                greq, opts = parse(body, self.pre.model_name)
-                greq.request_id = request.headers.get("X-Request-Id", "")
-                prep = await self.pre.prepare(greq, self.config.request_timeout_s, chat_max_tokens_default=chat)
+                if chat:
+                    greq, opts = parse_chat(body, self.pre.model_name)
+                    greqs = [greq]
+                else:
+                    greqs, opts = parse_completions(body, self.pre.model_name)
+                rid = request.headers.get("X-Request-Id", "")
+                preps = []
+                for greq in greqs:  # every prompt is valid before any runs
+                    greq.request_id = rid or preps[0].request_id if preps else rid
+                    preps.append(await self.pre.prepare(greq, self.config.request_timeout_s,
+                                                        chat_max_tokens_default=chat))
         except RouterError as e:
             self.orch.count_refused("http", e)
             return _error(e)
+        if len(preps) > 1 or opts.best_of > 1 or opts.echo:
+            echoes = [g.prompt if g.WhichOneof("input") == "prompt" else self.pre.tokenizer.decode(p.prompt_token_ids)
+                      for g, p in zip(greqs, preps)] if opts.echo else []
+            return await FanOut(self, opts, preps, echoes).respond(request)
+        prep = preps[0]
         try:
             state = self.orch.open_request(prep, "http")
         except RouterError as e:
@@ -114,7 +154,7 @@ class HttpFrontend:
             try:
                 first = await anext(deltas)
             except RouterError as e:
-                return _error(e)
+                return self.error(e, opts)
             except StopAsyncIteration:
                 return _error(RouterError(grpc.StatusCode.INTERNAL, "no response from the worker"))
             if opts.stream:

@@ -2,9 +2,10 @@
 
 Only JSON shapes and types are checked here, each failure naming its field; ranges and
 cross-field rules are checked once for both frontends by SamplingParams in the Preprocessor.
-Unknown fields are ignored, as OpenAI-compatible servers do (clients send vendor extras);
-features this server does not have (n > 1, echo, logit_bias, tools, ...) are refused by name
-rather than silently ignored.
+Every accepted field is honoured; any other field, and features this server does not have
+(tools, suffix, prompt_logprobs, ...), are refused by name rather than silently ignored.
+`n`, `best_of`, `echo` and batched prompts are the HTTP frontend's (openai_fanout.py): each
+GenerateRequest here is one prompt, sampled once.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdcluster._proto import common_pb2, router_pb2
-from pdcluster.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from pdcluster.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
 from .errors import invalid
+from .openai_structured import FIELDS as STRUCTURED_FIELDS
+from .openai_structured import parse_structured
 
 # JSON field -> (proto SamplingParams field, kind). The vLLM extras are honoured like the rest.
 _SAMPLING_FIELDS: dict[str, tuple[str, str]] = {
@@ -33,8 +36,19 @@ _SAMPLING_FIELDS: dict[str, tuple[str, str]] = {
     "skip_special_tokens": ("skip_special_tokens", "bool"),
 }
 # Field -> the value that means "not used"; anything else is refused as unsupported.
-_UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "suffix": None, "logit_bias": None, "tools": None,
-                "tool_choice": "none", "functions": None, "function_call": None, "prompt_logprobs": None}
+_UNSUPPORTED = {"suffix": None, "tools": None, "tool_choice": "none", "functions": None, "function_call": None,
+                "prompt_logprobs": None}
+# Every field a body may carry; anything else is refused by name. `user` is an opaque end-user id
+# (nothing to honour); `parallel_tool_calls` only qualifies tools, which are refused.
+_COMMON_FIELDS = frozenset({"model", "max_tokens", "stop", "stop_token_ids", "stream", "stream_options", "n",
+                            "logit_bias", "user", *_SAMPLING_FIELDS, *_UNSUPPORTED, *STRUCTURED_FIELDS})
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of"}
+CHAT_FIELDS = _COMMON_FIELDS | {"messages", "add_generation_prompt", "logprobs", "top_logprobs",
+                                "max_completion_tokens", "parallel_tool_calls"}
+# Choices per request (n, best_of) and prompts per batch: each is a generation on the workers.
+MAX_N = 16
+MAX_PROMPTS = 64
+MAX_GENERATIONS = 256
 _MAX_TOKEN_ID = 0xFFFFFFFF
 # Lists are counted before anything walks them (the finer limits are checked later, once, for
 # both frontends: the configured stop_token_ids bound and the vocabulary in the Preprocessor).
@@ -50,35 +64,68 @@ class OpenAIOptions:
     include_usage: bool
     logprobs: int | None  # top-n alternatives requested (None: no logprobs in the answer)
     chat: bool
+    n: int = 1             # choices returned per prompt
+    best_of: int = 1       # generations per prompt (>= n); the n with the highest cumulative logprob win
+    echo: bool = False     # completions: the prompt's text before each choice's text
+    structured_field: str | None = None  # the structured-output field the client used
 
 
 def parse_completion(body: Any, default_model: str) -> tuple[router_pb2.GenerateRequest, OpenAIOptions]:
+    """One prompt (a batch of one included)."""
+    reqs, opts = parse_completions(body, default_model)
+    if len(reqs) != 1:
+        raise invalid("prompt", "expected one prompt")
+    return reqs[0], opts
+
+
+def parse_completions(body: Any, default_model: str) -> tuple[list[router_pb2.GenerateRequest], OpenAIOptions]:
+    """A completion body -> one GenerateRequest per prompt (a batch: a list of strings or of token
+    lists), each sampled once; n, best_of and echo are in the options."""
     body = _object(body)
-    req = router_pb2.GenerateRequest()
+    _check_fields(body, COMPLETION_FIELDS)
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        prompts = prompt  # a batch
+    else:
+        prompts = [prompt]
+    if len(prompts) > MAX_PROMPTS:
+        raise invalid("prompt", f"prompt has {len(prompts)} prompts; at most {MAX_PROMPTS} allowed")
+    reqs = [_one_prompt(p) for p in prompts]
+    req = reqs[0]
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not _is_int(logprobs):
+        raise invalid("logprobs", "must be an integer (the number of top logprobs)")
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise invalid("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {logprobs}")
+    echo = _bool(body, "echo", False)
+    if echo and logprobs is not None:
+        raise invalid("echo", "echo with logprobs needs prompt logprobs, which this server does not compute")
+    opts = _common(body, req, default_model, chat=False, logprobs=logprobs, echo=echo)
+    if opts.n * opts.best_of * len(reqs) > MAX_GENERATIONS:
+        raise invalid("prompt", f"{len(reqs)} prompts x best_of={opts.best_of} exceed {MAX_GENERATIONS} generations")
+    for other in reqs[1:]:
+        other.model = req.model
+        other.stream = req.stream
+        other.sampling_params.CopyFrom(req.sampling_params)
+    return reqs, opts
+
+
+def _one_prompt(prompt: Any) -> router_pb2.GenerateRequest:
+    req = router_pb2.GenerateRequest()
     if isinstance(prompt, str):
         req.prompt = prompt
     elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         if any(not 0 <= t <= _MAX_TOKEN_ID for t in prompt):
             raise invalid("prompt", "token ids must be non-negative integers")
         req.prompt_token_ids.ids.extend(prompt)
-    elif isinstance(prompt, list) and len(prompt) > 1:
-        raise invalid("prompt", "batched prompts are not supported; send one prompt per request")
     else:
-        raise invalid("prompt", "must be a string or a non-empty list of token ids")
-    logprobs = body.get("logprobs")
-    if logprobs is not None and not _is_int(logprobs):
-        raise invalid("logprobs", "must be an integer (the number of top logprobs)")
-    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        raise invalid("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {logprobs}")
-    opts = _common(body, req, default_model, chat=False, logprobs=logprobs)
-    return req, opts
+        raise invalid("prompt", "must be a string, a non-empty list of token ids, or a list of either")
+    return req
 
 
 def parse_chat(body: Any, default_model: str) -> tuple[router_pb2.GenerateRequest, OpenAIOptions]:
     body = _object(body)
+    _check_fields(body, CHAT_FIELDS)
     req = router_pb2.GenerateRequest()
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -111,8 +158,14 @@ def parse_chat(body: Any, default_model: str) -> tuple[router_pb2.GenerateReques
     return req, opts
 
 
+def _check_fields(body: dict, allowed: frozenset[str]) -> None:
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise invalid(unknown[0], f"unknown field {unknown[0]!r}; this server does not support it")
+
+
 def _common(body: dict, req: router_pb2.GenerateRequest, default_model: str, *, chat: bool,
-            logprobs: int | None) -> OpenAIOptions:
+            logprobs: int | None, echo: bool = False) -> OpenAIOptions:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise invalid("model", "must be a string")
@@ -123,6 +176,9 @@ def _common(body: dict, req: router_pb2.GenerateRequest, default_model: str, *, 
             raise invalid(name, f"{name}={value!r} is not supported by this server")
     sp = req.sampling_params
     _fill_sampling(body, sp)
+    structured = parse_structured(body, sp)
+    n = _count(body, "n", 1, 1)
+    best_of = n if chat else _count(body, "best_of", n, n)
     if logprobs is not None:
         _set(sp, "logprobs", logprobs, "logprobs" if not chat else "top_logprobs")
     stream = _bool(body, "stream", False)
@@ -134,8 +190,21 @@ def _common(body: dict, req: router_pb2.GenerateRequest, default_model: str, *, 
         if not isinstance(options, dict):
             raise invalid("stream_options", "must be an object")
         include_usage = _bool(options, "include_usage", False, "stream_options.include_usage")
+    if stream and best_of > n:
+        raise invalid("best_of", "best_of > n cannot be streamed (the best are known only at the end)")
     req.stream = stream
-    return OpenAIOptions(model or default_model, stream, include_usage, logprobs, chat)
+    return OpenAIOptions(model or default_model, stream, include_usage, logprobs, chat, n, best_of, echo, structured)
+
+
+def _count(body: dict, name: str, default: int, low: int) -> int:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not _is_int(value):
+        raise invalid(name, "must be an integer")
+    if not low <= value <= MAX_N:
+        raise invalid(name, f"must be in [{low}, {MAX_N}], got {value}")
+    return value
 
 
 def _fill_sampling(body: dict, sp: common_pb2.SamplingParams) -> None:
@@ -170,6 +239,18 @@ def _fill_sampling(body: dict, sp: common_pb2.SamplingParams) -> None:
         if not isinstance(ids, list) or not all(_is_int(t) and 0 <= t <= _MAX_TOKEN_ID for t in ids):
             raise invalid("stop_token_ids", "must be a list of non-negative integers")
         sp.stop_token_ids.extend(ids)
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise invalid("logit_bias", "must be an object mapping token ids to biases")
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise invalid("logit_bias", f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS} allowed")
+        for key, value in bias.items():
+            if not (isinstance(key, str) and key.isdigit() and int(key) <= _MAX_TOKEN_ID):
+                raise invalid("logit_bias", f"keys must be token ids, got {key!r}")
+            if not (_is_int(value) or isinstance(value, float)):
+                raise invalid("logit_bias", f"values must be numbers, got {value!r}")
+            sp.logit_bias[int(key)] = value
 
 
 def _set(msg: Any, field: str, value: Any, name: str) -> None:

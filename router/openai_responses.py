@@ -23,8 +23,13 @@ TokenDecoder = Callable[[int], str]
 class ResponseBuilder:
     """Shapes one request's answer; holds the id, creation time and running usage counts."""
 
-    def __init__(self, request_id: str, opts: OpenAIOptions, num_prompt_tokens: int, decode_token: TokenDecoder) -> None:
+    def __init__(self, request_id: str, opts: OpenAIOptions, num_prompt_tokens: int, decode_token: TokenDecoder,
+                 *, index: int = 0, echo: str = "") -> None:
+        """index: the choice's index (n > 1, batched prompts); echo: text put before the choice's
+        own (completions' echo: the prompt), in the whole answer or the stream's first chunk."""
         self.id = ("chatcmpl-" if opts.chat else "cmpl-") + request_id
+        self.index = index
+        self._echo = echo
         self.opts = opts
         self.created = int(time.time())
         self.num_prompt_tokens = num_prompt_tokens
@@ -76,39 +81,47 @@ class ResponseBuilder:
         return {**one(e.sampled), "top_logprobs": [one(t) for t in e.top]}
 
     # -- whole responses ------------------------------------------------------------------------
-    def full(self, text: str, finish: int, logprobs: list[common_pb2.SampleLogprobs],
-             stop_reason: int | str | None) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "logprobs": self.logprobs(logprobs),
+    def choice(self, text: str, finish: int, logprobs: list[common_pb2.SampleLogprobs],
+               stop_reason: int | str | None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": self.index, "logprobs": self.logprobs(logprobs),
                                   "finish_reason": FINISH_REASONS.get(finish), "stop_reason": stop_reason}
         if self.opts.chat:
             choice["message"] = {"role": "assistant", "content": text}
-            obj = "chat.completion"
         else:
-            choice["text"] = text
-            obj = "text_completion"
+            choice["text"] = self._echo + text
+        return choice
+
+    def full(self, text: str, finish: int, logprobs: list[common_pb2.SampleLogprobs],
+             stop_reason: int | str | None) -> dict[str, Any]:
+        return self.response([self.choice(text, finish, logprobs, stop_reason)], self.usage())
+
+    def response(self, choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
+        obj = "chat.completion" if self.opts.chat else "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.opts.model,
-                "choices": [choice], "usage": self.usage()}
+                "choices": choices, "usage": usage}
 
     # -- stream chunks --------------------------------------------------------------------------
     def role_chunk(self) -> dict[str, Any]:
         """Chat streams open with the assistant role, as OpenAI's do."""
-        return self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        return self._chunk({"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None})
 
     def delta_chunk(self, delta: worker_pb2.WorkerGenerateResponse) -> dict[str, Any]:
         finish = FINISH_REASONS.get(delta.finish_reason) if delta.finished else None
-        choice: dict[str, Any] = {"index": 0, "logprobs": self.logprobs(delta.logprobs), "finish_reason": finish}
+        choice: dict[str, Any] = {"index": self.index, "logprobs": self.logprobs(delta.logprobs),
+                                  "finish_reason": finish}
         if self.opts.chat:
             choice["delta"] = {"content": delta.text} if delta.text or not delta.finished else {}
         else:
-            choice["text"] = delta.text
+            choice["text"] = self._echo + delta.text
+            self._echo = ""
         if delta.finished:
             choice["stop_reason"] = stop_reason(delta)
         return self._chunk(choice)
 
-    def usage_chunk(self) -> dict[str, Any]:
+    def usage_chunk(self, usage: dict[str, Any] | None = None) -> dict[str, Any]:
         chunk = self._chunk(None)
-        chunk["usage"] = self.usage()
+        chunk["usage"] = usage or self.usage()
         return chunk
 
     def _chunk(self, choice: dict[str, Any] | None) -> dict[str, Any]:
@@ -117,6 +130,18 @@ class ResponseBuilder:
         if self.opts.include_usage:
             chunk["usage"] = None  # OpenAI: null on every chunk but the last
         return chunk
+
+
+def merged_usage(builders: Sequence[ResponseBuilder], prompt_builders: Sequence[ResponseBuilder]) -> dict[str, Any]:
+    """Usage of a fanned-out request: every generation's completion tokens, each prompt once."""
+    prompt = sum(b.num_prompt_tokens for b in prompt_builders)
+    completion = sum(b.num_completion_tokens for b in builders)
+    usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                             "total_tokens": prompt + completion}
+    cached = sum(b.num_cached_tokens for b in builders)
+    if cached:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return usage
 
 
 def stop_reason(delta: worker_pb2.WorkerGenerateResponse) -> int | str | None:

@@ -105,6 +105,8 @@ class Preprocessor:
         params = self._params_cache.get(key)
         if params is None:
             self._check_stop_token_ids(pb.stop_token_ids)
+            if pb.logit_bias and max(pb.logit_bias) >= self.vocab_size:
+                raise invalid("logit_bias", f"token id {max(pb.logit_bias)} is out of range [0, {self.vocab_size})")
             params = sampling_params_from_proto(pb)
             self._memoise(key, params)
         return params
@@ -133,6 +135,10 @@ class Preprocessor:
     def params_cache_bytes(self) -> int:
         """The cache's estimated size (tests, metrics)."""
         return self._params_cache_bytes
+
+    async def tokenize(self, req: router_pb2.GenerateRequest) -> list[int]:
+        """The prompt's token ids as a generation would see them (/tokenize)."""
+        return await self._prompt_token_ids(req)
 
     async def _prompt_token_ids(self, req: router_pb2.GenerateRequest) -> list[int]:
         which = req.WhichOneof("input")

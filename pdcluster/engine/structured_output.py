@@ -84,7 +84,8 @@ class GrammarCompilerCache:
             if kind == "json":
                 return self._compiler.compile_json_schema(spec.json or "", any_whitespace=False)
             if kind == "json_object":
-                return self._compiler.compile_builtin_json_grammar()
+                # OpenAI's json_object is an object; xgrammar's built-in JSON grammar is any value.
+                return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if kind == "regex":
                 return self._compiler.compile_regex(spec.regex or "")
             if kind == "choice":

@@ -173,14 +173,14 @@ BAD_BODIES = [
     ({"prompt": "x", "max_tokens": 10**7}, 400, "max_tokens"),
     ({"prompt": "x", "max_tokens": 256}, 400, "max_tokens"),  # the workers' max_model_len
     ({"prompt": "x", "top_k": 1.5}, 400, "top_k"),
-    ({"prompt": "x", "n": 2}, 400, "n"),
-    ({"prompt": "x", "echo": True}, 400, "echo"),
+    ({"prompt": "x", "n": 0}, 400, "n"),  # n > 1 and echo are served (issue 18): their bounds
+    ({"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
     ({"prompt": "x", "stop": [1]}, 400, "stop"),
     ({"prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
     ({"prompt": "x", "ignore_eos": "yes"}, 400, "ignore_eos"),
     ({"prompt": "x", "seed": -5}, 400, "seed"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
-    ({"prompt": ["a", "b"]}, 400, "prompt"),
+    ({"prompt": ["a", [1.5]]}, 400, "prompt"),  # batches are served; a bad member is refused
     ({"prompt": [1, 2, 10**9]}, 400, "prompt_token_ids"),
     ({"prompt": {"a": 1}}, 400, "prompt"),
     ({}, 400, "prompt"),
@@ -282,8 +282,8 @@ BOUNDED = [
     ({"prompt": "x", "stop": ["s"] * 33}, "stop", "32"),
     ({"prompt": "x", "stop": ["s" * 1025]}, "stop", "1024"),
     ({"prompt": "x", "logprobs": 21}, "logprobs", "20"),
-    ({"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias", "not supported"),
-    ({"prompt": "x", "n": 3}, "n", "not supported"),
+    ({"prompt": "x", "logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias", "1024"),
+    ({"prompt": "x", "n": 17}, "n", "16"),
     ({"prompt": list(range(300))}, "prompt_token_ids", "256"),
 ]
 

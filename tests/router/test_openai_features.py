@@ -1,0 +1,218 @@
+"""The OpenAI features of issue 18 through the router's HTTP frontend, driven by the official
+`openai` client against real `serve-worker` processes (demo model, CPU, aggregated): structured
+output (response_format, vLLM's guided_* and structured_outputs, streaming included), n/best_of,
+logprobs and top_logprobs against the offline engine, echo, logit_bias, batched prompts,
+/tokenize and /detokenize, and unknown or unsupported fields refused by name. The disaggregated
+runs are in test_openai_disagg.py."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import math
+import re
+
+import jsonschema
+import openai
+import pytest
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+                                           "sunny": {"type": "boolean"}},
+          "required": ["city", "sunny"], "additionalProperties": False}
+MSGS = [{"role": "user", "content": "Which city? Answer in JSON."}]
+
+
+def client(c) -> openai.OpenAI:
+    return openai.OpenAI(base_url=c.http_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def post(c, path: str, body: dict) -> tuple[int, dict]:
+    host, port = c.http_url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", path, body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    raw = resp.read()
+    conn.close()
+    return resp.status, json.loads(raw) if raw else {}
+
+
+def _model(c) -> str:
+    return c.router.preprocessor.model_name
+
+
+def test_json_schema_chat_and_stream(cluster):
+    c = cluster(1)
+    oa = client(c)
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}
+    for temperature in (0.0, 1.0):
+        r = oa.chat.completions.create(model=_model(c), messages=MSGS, response_format=fmt, max_tokens=60,
+                                       temperature=temperature, seed=1)
+        assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+        jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+    chunks = list(oa.chat.completions.create(model=_model(c), messages=MSGS, response_format=fmt, max_tokens=60,
+                                             temperature=0.7, seed=2, stream=True))
+    jsonschema.validate(json.loads("".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)), SCHEMA)
+    r = oa.chat.completions.create(model=_model(c), messages=MSGS, response_format={"type": "json_object"},
+                                   max_tokens=120, temperature=0)
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    else:  # the grammar allows long objects: a cut one is still a JSON object's beginning
+        assert r.choices[0].message.content.lstrip().startswith("{")
+
+
+def test_guided_fields_on_completions(cluster):
+    c = cluster(1)
+    oa = client(c)
+    choices = ["red", "green", "blue"]
+    r = oa.completions.create(model=_model(c), prompt="Colour:", max_tokens=8, temperature=1.0, n=2, seed=3,
+                              extra_body={"guided_choice": choices})
+    assert len(r.choices) == 2 and [ch.index for ch in r.choices] == [0, 1]
+    assert all(ch.text in choices for ch in r.choices)
+    r = oa.completions.create(model=_model(c), prompt="Code:", max_tokens=12, temperature=0.9, seed=4,
+                              extra_body={"guided_regex": "[A-Z]{2}-[0-9]{3}"})
+    assert re.fullmatch(r"[A-Z]{2}-[0-9]{3}", r.choices[0].text)
+    r = oa.completions.create(model=_model(c), prompt="Data:", max_tokens=60, temperature=0,
+                              extra_body={"structured_outputs": {"json": SCHEMA}})
+    jsonschema.validate(json.loads(r.choices[0].text), SCHEMA)
+    r = oa.completions.create(model=_model(c), prompt="N:", max_tokens=8, temperature=1.0, seed=5,
+                              extra_body={"guided_grammar": 'root ::= "n=" [0-9] [0-9]?'})
+    assert re.fullmatch(r"n=[0-9]{1,2}", r.choices[0].text)
+    text = "".join(ch.choices[0].text for ch in oa.completions.create(
+        model=_model(c), prompt="Colour:", max_tokens=8, stream=True, extra_body={"guided_choice": choices}))
+    assert text in choices
+
+
+BAD_STRUCTURED = [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
+     "response_format"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"guided_regex": "([a-z]"}, "guided_regex"),
+    ({"guided_grammar": "root ::= "}, "guided_grammar"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex"),
+    ({"structured_outputs": {"jsonn": {}}}, "structured_outputs"),
+    ({"guided_choice": ["a"], "ignore_eos": True}, "ignore_eos"),
+]
+
+
+@pytest.mark.parametrize("extra,param", BAD_STRUCTURED, ids=[p + str(i) for i, (_, p) in enumerate(BAD_STRUCTURED)])
+def test_bad_structured_output_is_400_naming_the_field(cluster, extra, param):
+    c = cluster(1)
+    code, err = post(c, "/v1/completions", {"prompt": "x", "max_tokens": 4, **extra})
+    assert code == 400 and err["error"]["param"] == param, err
+    code, err = post(c, "/v1/chat/completions", {"messages": MSGS, "max_tokens": 4, **extra})
+    assert code == 400 and err["error"]["param"] == param, err
+
+
+UNKNOWN = [({"prompt": "x", "frobnicate": 1}, "/v1/completions", "frobnicate"),
+           ({"messages": MSGS, "audio": {}}, "/v1/chat/completions", "audio"),
+           ({"prompt": "x", "suffix": "y"}, "/v1/completions", "suffix"),
+           ({"messages": MSGS, "tools": [{"type": "function", "function": {"name": "f"}}]},
+            "/v1/chat/completions", "tools"),
+           ({"messages": MSGS, "top_logprobs": 2}, "/v1/chat/completions", "top_logprobs"),
+           ({"prompt": "x", "echo": True, "logprobs": 1}, "/v1/completions", "echo"),
+           ({"prompt": "x", "n": 17}, "/v1/completions", "n"),
+           ({"prompt": "x", "n": 2, "best_of": 1}, "/v1/completions", "best_of"),
+           ({"prompt": "x", "best_of": 2, "stream": True}, "/v1/completions", "best_of"),
+           ({"prompt": "x", "logit_bias": {"999999": 1}}, "/v1/completions", "logit_bias"),
+           ({"prompt": "x", "logit_bias": {"5": 101}}, "/v1/completions", "logit_bias"),
+           ({"prompt": ["a"] * 65}, "/v1/completions", "prompt")]
+
+
+@pytest.mark.parametrize("body,path,param", UNKNOWN, ids=[p + str(i) for i, (_, _, p) in enumerate(UNKNOWN)])
+def test_unknown_and_unsupported_fields_are_refused_by_name(cluster, body, path, param):
+    c = cluster(1)
+    code, err = post(c, path, body)
+    assert code == 400 and err["error"]["param"] == param, err
+
+
+def test_n_best_of_and_batched_prompts(cluster, reference):
+    c = cluster(2, policy="prefix_aware")
+    oa = client(c)
+    greedy = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+    want = [reference.generate(p, max_tokens=4).text for p in ("Hello", "World")]
+    r = oa.completions.create(model=_model(c), prompt=["Hello", "World"], max_tokens=4, n=2, **greedy)
+    assert [ch.index for ch in r.choices] == [0, 1, 2, 3]
+    assert [ch.text for ch in r.choices] == [want[0], want[0], want[1], want[1]]
+    assert r.usage.completion_tokens == 16
+    r = oa.completions.create(model=_model(c), prompt=[[5, 6, 7], [8, 9]], max_tokens=3, **greedy)
+    assert [ch.text for ch in r.choices] == [reference.generate(p, max_tokens=3).text for p in ([5, 6, 7], [8, 9])]
+    # best_of: the n best by cumulative logprob among best_of samples.
+    r = oa.completions.create(model=_model(c), prompt="Hello", max_tokens=5, n=1, best_of=3, temperature=1.0,
+                              seed=11, logprobs=0, extra_body={"ignore_eos": True})
+    assert len(r.choices) == 1
+    samples = [reference.generate("Hello", max_tokens=5, temperature=1.0, seed=11 + j, logprobs=0) for j in range(3)]
+    best = max(samples, key=lambda s: sum(lp.sampled.logprob for lp in s.logprobs))
+    assert r.choices[0].text == best.text
+    # Seeded siblings differ (seed + j); n with chat, streamed: every index gets its chunks.
+    r = oa.completions.create(model=_model(c), prompt="Hello", max_tokens=6, n=2, temperature=1.0, seed=5,
+                              extra_body={"ignore_eos": True})
+    assert [ch.text for ch in r.choices] == [reference.generate("Hello", max_tokens=6, temperature=1.0, seed=5 + j).text
+                                             for j in range(2)]
+    chunks = list(oa.chat.completions.create(model=_model(c), messages=MSGS, max_tokens=3, n=2, stream=True,
+                                             stream_options={"include_usage": True}, **greedy))
+    texts = {0: "", 1: ""}
+    for ch in chunks:
+        for choice in ch.choices:
+            texts[choice.index] += choice.delta.content or ""
+    want_chat = reference.chat(MSGS, max_tokens=3).text
+    assert texts == {0: want_chat, 1: want_chat}
+    assert chunks[-1].usage.completion_tokens == 6
+
+
+def test_logprobs_match_the_offline_engine(cluster, reference):
+    c = cluster(1)
+    oa = client(c)
+    r = oa.completions.create(model=_model(c), prompt=[5, 6, 7], max_tokens=4, temperature=0, logprobs=3,
+                              extra_body={"ignore_eos": True})
+    want = reference.generate([5, 6, 7], max_tokens=4, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    for got, w in zip(lp.token_logprobs, want.logprobs):
+        assert math.isclose(got, w.sampled.logprob, rel_tol=1e-4, abs_tol=1e-4)
+    for top, w in zip(lp.top_logprobs, want.logprobs):
+        assert len(top) <= 3 and max(top.values()) == pytest.approx(w.top[0].logprob, abs=1e-4)
+    r = oa.chat.completions.create(model=_model(c), messages=MSGS, max_tokens=3, temperature=0, logprobs=True,
+                                   top_logprobs=2, extra_body={"ignore_eos": True})
+    want = reference.chat(MSGS, max_tokens=3, logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 3
+    for got, w in zip(content, want.logprobs):
+        assert got.logprob == pytest.approx(w.sampled.logprob, abs=1e-4)
+        assert [t.logprob for t in got.top_logprobs] == pytest.approx([t.logprob for t in w.top], abs=1e-4)
+        assert len(got.top_logprobs) == 2
+
+
+def test_echo_and_logit_bias(cluster, reference):
+    c = cluster(1)
+    oa = client(c)
+    r = oa.completions.create(model=_model(c), prompt="Hello there", max_tokens=3, temperature=0, echo=True,
+                              extra_body={"ignore_eos": True})
+    assert r.choices[0].text == "Hello there" + reference.generate("Hello there", max_tokens=3).text
+    tok = reference.llm.tokenizer.encode("the", add_special_tokens=False)[0]
+    r = oa.completions.create(model=_model(c), prompt=[5, 6], max_tokens=3, temperature=0,
+                              logit_bias={str(tok): 100}, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 3
+    assert r.choices[0].text == reference.llm.tokenizer.decode([tok] * 3)
+
+
+def test_tokenize_and_detokenize(cluster):
+    c = cluster(1)
+    tok = c.router.preprocessor.tokenizer
+    code, body = post(c, "/tokenize", {"prompt": "Hello world"})
+    assert code == 200 and body["tokens"] == tok.encode("Hello world") and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == c.router.preprocessor.max_model_len
+    code, plain = post(c, "/tokenize", {"prompt": "Hello world", "add_special_tokens": False})
+    assert code == 200 and plain["tokens"] == tok.encode("Hello world", add_special_tokens=False)
+    code, chat = post(c, "/tokenize", {"messages": MSGS})
+    assert code == 200 and chat["tokens"] == tok.apply_chat_template(MSGS, True, True)
+    code, back = post(c, "/detokenize", {"tokens": plain["tokens"]})
+    assert code == 200 and back["prompt"] == "Hello world"
+    for path, bad, param in [("/tokenize", {"prompt": 5}, "prompt"), ("/tokenize", {"prompt": "x", "y": 1}, "y"),
+                             ("/detokenize", {"tokens": [10**9]}, "tokens"),
+                             ("/detokenize", {"tokens": [1], "model": "nope"}, "model")]:
+        code, err = post(c, path, bad)
+        assert code in (400, 404) and err["error"]["param"] == param, err
+    with pytest.raises(openai.BadRequestError):
+        client(c).completions.create(model=_model(c), prompt="x", max_tokens=2, extra_body={"nonsense": 1})
