@@ -7,11 +7,11 @@ Once serving it prints exactly one line to stdout, for launchers to wait on:
 
     PDCLUSTER_READY {"worker_id": ..., "role": ..., "address": "HOST:PORT", "bind": "HOST:PORT",
                      "port": ..., "pid": ..., "kv_events_endpoint": ..., "kv_snapshot_endpoint": ...,
-                     "kv_events_public_key": ..., "epoch": ..., "tls": ...}
+                     "kv_events_public_key": ..., "epoch": ..., "tls": ..., "metrics": "http://HOST:PORT/metrics"}
 
 (one line of JSON). `address` is what peers dial (--advertise-host, else --host), `bind` what the
 server bound; worker_id defaults to ROLE@BIND; the KV-event fields are "" when no keys were
-given. Logs go to stderr.
+given; `metrics` is the Prometheus endpoint's URL ("" with --metrics-port -1). Logs go to stderr.
 SIGTERM / SIGINT: health NOT_SERVING, abort every request, close the sockets, exit 0.
 
 This module only parses flags: the worker itself is assembled by pdcluster.worker.assembly.
@@ -53,6 +53,9 @@ def add_worker_flags(p: argparse.ArgumentParser, role: str | None = None) -> Non
                    help="host peers use to reach this worker (default: --host, or the hostname for 0.0.0.0)")
     p.add_argument("--worker-id", default=None)
     p.add_argument("--max-message-bytes", type=int, default=None)
+    p.add_argument("--metrics-host", default="127.0.0.1", help="bind address of the Prometheus endpoint (default loopback)")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="Prometheus endpoint port; 0 picks a free one (its URL is in the ready line), -1 turns it off")
     g = p.add_argument_group("security")
     g.add_argument("--key-dir", default=None, help="keys made by `pdcluster keys init DIR` (enables KV events); "
                    "or set PDCLUSTER_WORKER_KEY and PDCLUSTER_KV_EVENTS_ALLOWED")
@@ -90,7 +93,7 @@ def run_serve_worker(args: argparse.Namespace) -> int:
     from pdcluster.worker.assembly import run_worker
 
     config = worker_config(args)
-    run_worker(config, lambda server, port: _announce(config, server, port))
+    run_worker(config, lambda server, port, metrics_url: _announce(config, server, port, metrics_url))
     return 0
 
 
@@ -117,6 +120,7 @@ def worker_config(args: argparse.Namespace) -> Any:
         worker_id=args.worker_id, max_message_bytes=args.max_message_bytes, key_dir=args.key_dir,
         key_name=args.key_name, kv_events_allow=tuple(n.strip() for n in args.kv_events_allow.split(",") if n.strip()),
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca, kv_connector=args.kv_connector,
+        metrics_host=args.metrics_host, metrics_port=None if args.metrics_port < 0 else args.metrics_port,
         kv_connector_options=_kv_connector_options(args), engine=dict(
             model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
@@ -141,7 +145,7 @@ def _kv_connector_options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
-def _announce(config: Any, server: Any, port: int) -> None:
+def _announce(config: Any, server: Any, port: int, metrics_url: str = "") -> None:
     """The READY line launchers wait on (see the module docstring)."""
     from pdcluster.worker.assembly import advertise_host
 
@@ -152,6 +156,7 @@ def _announce(config: Any, server: Any, port: int) -> None:
         "pid": os.getpid(), "kv_events_endpoint": kv.events_endpoint, "kv_snapshot_endpoint": kv.snapshot_endpoint,
         "kv_events_public_key": kv.public_key.decode(), "epoch": server.servicer.epoch,
         "tls": config.tls_cert is not None or config.tls_key is not None or config.tls_ca is not None,
+        "metrics": metrics_url,
     }
     sys.stdout.write(f"{READY_PREFIX} {json.dumps(ready, separators=(',', ':'))}\n")
     sys.stdout.flush()

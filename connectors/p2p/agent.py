@@ -4,7 +4,10 @@ the rank's registered KV cache), the leases, and the answers to side-channel req
 Capabilities: a consumer gets READ tokens only through `open`, over the CURVE side channel, for
 a live lease bound to its (request_id, transfer_id). A token covers exactly the byte ranges of
 that lease's blocks and expires when the lease does at the time of `open`; the TransferServer
-checks it statelessly. Reads are then validated at the end: the consumer's `done` is answered
+checks it, and also that the lease is still live (a token dies with its lease) and that no part
+of it is presented twice (single use: a replay is refused and counted as data_refused_replayed).
+With each token goes its payload MAC key (pdcluster.transfer.integrity), over the same CURVE
+reply, so the consumer can check every window it reads. Reads are then validated at the end: the consumer's `done` is answered
 "released" only if the lease was still alive, so a read that raced an expiry (blocks freed and
 possibly reused) is reported to the reader as failed, never used.
 
@@ -20,7 +23,8 @@ from collections import Counter
 from typing import Any
 
 from pdcluster.security.envelope import MalformedMessage, ReplayGuard, decode, encode
-from pdcluster.transfer import OP_READ, Region, TransferServer, issue_token, local_host_id
+from pdcluster.transfer import OP_READ, Capability, Region, TransferServer, issue_token, local_host_id
+from pdcluster.transfer.integrity import transfer_mac_key
 
 from .blocks import CacheGeometry, block_ranges, chunk_block_ids
 from .lease import LeaseError, LeaseTable
@@ -58,8 +62,10 @@ class ProducerAgent:
         self._guard = ReplayGuard(window_s=REPLAY_WINDOW_S)
         self._guard_lock = threading.Lock()
         self.counters: Counter[str] = Counter()
+        self._serial = 0  # per grant, so two opens of one lease never mint the same token
         self.server = TransferServer(self._data_key, opts.data_host, 0, io_timeout_s=opts.io_timeout_s,
-                                     on_refusal=lambda reason: self._count(f"data_refused_{reason}"))
+                                     on_refusal=lambda reason: self._count(f"data_refused_{reason}"),
+                                     single_use=True, authorize=self._lease_of)
         self.region_id = self.server.register(region)
         self.server.start()
 
@@ -85,6 +91,11 @@ class ProducerAgent:
     def close(self) -> None:
         self.leases.end_all()
         self.server.stop()
+
+    # -- data-plane threads ----------------------------------------------------------------------
+    def _lease_of(self, cap: Capability) -> str | None:
+        """The TransferServer's per-request check: None while the token's lease lives."""
+        return None if self.leases.transfer_live(cap.transfer_id.hex()) else "lease_ended"
 
     # -- side-channel thread -------------------------------------------------------------------
     def _count(self, name: str) -> None:
@@ -149,10 +160,14 @@ class ProducerAgent:
         remaining_ms = int(self.leases.remaining_s(lease) * 1000)
         expiry_ms = now_ms() + remaining_ms
         tid = bytes.fromhex(lease.transfer_id)
-        tokens = [issue_token(self._data_key, tid, OP_READ, self.region_id, block_ranges(self.geo, chunk),
-                              expiry_ms=expiry_ms)
-                  for chunk in chunk_block_ids(block_ids, self.geo.num_layers) if chunk]
-        return self._reply(nonce, block_ids=block_ids, tokens=tokens, expiry_ms=expiry_ms,
+        tokens = []
+        for chunk in chunk_block_ids(block_ids, self.geo.num_layers):
+            if chunk:
+                self._serial = (self._serial + 1) & 0xFFFFFFFF
+                tokens.append(issue_token(self._data_key, tid, OP_READ, self.region_id, block_ranges(self.geo, chunk),
+                                          expiry_ms=expiry_ms, serial=self._serial))
+        mac_keys = [transfer_mac_key(self._data_key, token) for token in tokens]
+        return self._reply(nonce, block_ids=block_ids, tokens=tokens, mac_keys=mac_keys, expiry_ms=expiry_ms,
                            ttl_ms=int(self.leases.ttl_s * 1000))
 
     def _reply(self, nonce: bytes, ok: bool = True, **fields: Any) -> list[bytes]:

@@ -18,7 +18,9 @@ Invariants:
     after the lease ended;
   - expiry does not assume any order: expire() looks at every lease;
   - ended leases are remembered (bounded) so a late reader learns "expired"/"released" rather
-    than "unknown".
+    than "unknown";
+  - a data-plane token dies with its lease: the producer's TransferServer asks transfer_live()
+    on every request, so a token of an ended lease is refused although it has not expired.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class LeaseTable:
         self._lock = threading.Lock()
         self._active: dict[str, Lease] = {}
         self._ended: OrderedDict[str, tuple[str, str]] = OrderedDict()  # lease_id -> (state, transfer_id)
+        self._by_transfer: dict[str, set[str]] = {}  # transfer_id -> its active lease ids
         self._finished: set[str] = set()
         self.counts = {"created": 0, "released": 0, "expired": 0, "aborted": 0}
 
@@ -67,6 +70,7 @@ class LeaseTable:
                 raise ValueError(f"lease id {lease_id} already used")
             lease = Lease(lease_id, transfer_id, request_id, list(block_ids), self._clock() + self.ttl_s)
             self._active[lease_id] = lease
+            self._by_transfer.setdefault(transfer_id, set()).add(lease_id)
             self.counts["created"] += 1
             return lease
 
@@ -79,6 +83,17 @@ class LeaseTable:
             if request_id is not None and lease.request_id != request_id:
                 raise LeaseError("wrong_request")
             return lease
+
+    def transfer_live(self, transfer_id: str) -> bool:
+        """Some lease of this transfer is active and unexpired (the data-plane token check)."""
+        with self._lock:
+            for lease_id in list(self._by_transfer.get(transfer_id, ())):
+                try:
+                    self._live(lease_id)
+                    return True
+                except LeaseError:
+                    continue
+            return False
 
     def remaining_s(self, lease: Lease) -> float:
         return max(0.0, lease.expiry - self._clock())
@@ -160,6 +175,11 @@ class LeaseTable:
 
     def _end(self, lease: Lease, state: str) -> None:
         del self._active[lease.lease_id]
+        ids = self._by_transfer.get(lease.transfer_id)
+        if ids is not None:
+            ids.discard(lease.lease_id)
+            if not ids:
+                del self._by_transfer[lease.transfer_id]
         self._ended[lease.lease_id] = (state, lease.transfer_id)
         while len(self._ended) > _MAX_TOMBSTONES:
             self._ended.popitem(last=False)

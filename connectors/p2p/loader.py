@@ -7,7 +7,8 @@ One load (request R, local blocks D, producer blocks S = lease[first_block:]):
     -> open(R, transfer, lease, first_block): S and READ tokens (retried briefly while the
        lease is not registered yet: the producer registers it one engine step after finishing)
     -> heartbeats renew the lease while we work
-    -> copy: memcpy from the producer's shared-memory cache (same host) or scatter READ over TCP
+    -> copy: memcpy from the producer's shared-memory cache (same host) or scatter READ over TCP,
+       each window checked against its MAC (key from the open reply) as it lands
     -> done(ok): "released" proves the lease outlived every read; anything else = bad data
     -> R in finished_recving; on any failure D in failed blocks too (the scheduler applies the
        failure policy), and the producer is told so it frees early.
@@ -213,9 +214,9 @@ class Loader:
             full = (len(pieces) == 1 and pieces[0].src_h0 == 0 and pieces[0].src_h1 == src_heads
                     and pieces[0].dst_h0 == 0 and pieces[0].dst_h1 == lay.num_kv_heads)
             if full:
-                self._copy(job, hs, src_ids, reply["tokens"])
+                self._copy(job, hs, src_ids, self._grants(reply))
             else:
-                self._copy_heads(job, hs, src_ids, reply["tokens"], src_heads, pieces)
+                self._copy_heads(job, hs, src_ids, self._grants(reply), src_heads, pieces)
         finally:
             self.heartbeats.remove(p.lease_id)
 
@@ -224,7 +225,18 @@ class Loader:
         t = torch.frombuffer(self.cache, dtype=torch_dtype(lay.dtype))
         return t.view(lay.num_layers, *lay.layer_shape)
 
-    def _copy_heads(self, job: LoadJob, hs: Handshake, src_ids: list[int], tokens: list[bytes], src_heads: int,
+    def _grants(self, reply: dict[str, Any]) -> list[tuple[bytes, bytes | None]]:
+        """(token, payload MAC key or None when data_mac is off) per chunk of the open reply."""
+        tokens = reply.get("tokens") or []
+        if not self.opts.data_mac:
+            return [(token, None) for token in tokens]
+        mac_keys = reply.get("mac_keys") or []
+        if len(mac_keys) != len(tokens):
+            raise LoadError(f"producer sent {len(mac_keys)} payload MAC keys for {len(tokens)} tokens")
+        return list(zip(tokens, mac_keys))
+
+    def _copy_heads(self, job: LoadJob, hs: Handshake, src_ids: list[int], tokens: list[tuple[bytes, bytes | None]],
+                    src_heads: int,
                     pieces: list[Any]) -> None:
         """Heterogeneous TP: copy head slices of the producer rank's blocks into ours."""
         lay, body = self.layout, hs.body
@@ -254,11 +266,11 @@ class Loader:
                 raise LoadError(f"producer sent {len(tokens)} tokens for {len(src_chunks)} chunks")
             parts = []
             addr = (body["data_host"], body["data_port"])
-            for token, chunk in zip(tokens, src_chunks):
+            for (token, mac_key), chunk in zip(tokens, src_chunks):
                 ranges = block_ranges(src_geo, chunk)
                 nbytes = sum(n for _, n in ranges)
                 staging = bytearray(nbytes)
-                n = self.reader.read(addr, token, ranges, memoryview(staging), [(0, nbytes)])
+                n = self.reader.read(addr, token, ranges, memoryview(staging), [(0, nbytes)], mac_key)
                 self._add("bytes_tcp", n)
                 parts.append(torch.frombuffer(staging, dtype=dtype).view(
                     lay.num_layers, 2, len(chunk), lay.block_size, src_heads, lay.head_dim))
@@ -283,7 +295,7 @@ class Loader:
             if job.cancelled.wait(0.02):
                 raise LoadError("cancelled")
 
-    def _copy(self, job: LoadJob, hs: Handshake, src_ids: list[int], tokens: list[bytes]) -> None:
+    def _copy(self, job: LoadJob, hs: Handshake, src_ids: list[int], tokens: list[tuple[bytes, bytes | None]]) -> None:
         body = hs.body
         src_geo = CacheGeometry(self.geo.num_layers, body["num_blocks"], body["block_nbytes"])
         if self.opts.transport != "tcp" and body.get("shm_name") and body["host_id"] == self._host_id:
@@ -303,8 +315,9 @@ class Loader:
         dst_chunks = chunk_block_ids(job.local_block_ids, self.geo.num_layers)
         if len(tokens) != len(src_chunks):
             raise LoadError(f"producer sent {len(tokens)} tokens for {len(src_chunks)} chunks")
-        for token, src, dst in zip(tokens, src_chunks, dst_chunks):
-            n = self.reader.read(addr, token, block_ranges(src_geo, src), self.cache, block_ranges(self.geo, dst))
+        for (token, mac_key), src, dst in zip(tokens, src_chunks, dst_chunks):
+            n = self.reader.read(addr, token, block_ranges(src_geo, src), self.cache, block_ranges(self.geo, dst),
+                                 mac_key)
             self._add("bytes_tcp", n)
 
     def _notify_all(self, producer: Producer, job: LoadJob, ok: bool) -> None:

@@ -17,6 +17,8 @@
     transport          "auto" (shared memory on one host, else TCP) | "tcp" | "shm"
     lease_ttl_s        producer lease lifetime, renewed by consumer heartbeats
     failure_policy     "fail" | "recompute"
+    data_mac           consumer: check every TCP window's payload MAC (default true; false only to
+                       measure its cost); a mismatch fails the load's blocks like any other error
     timeouts, streams  request_timeout_s, connect_timeout_s, io_timeout_s, num_streams,
                        min_stream_bytes, num_load_threads, open_retry_s
     debug_pause_before_read_s   fault injection for tests: a consumer waits after opening
@@ -43,7 +45,7 @@ _KNOWN = {
     "keypair", "keys_dir", "key_name", "allowed_keys", "peers", "params_secret", "engine_id",
     "side_channel_bind", "advertise_host", "data_host", "transport", "lease_ttl_s", "failure_policy",
     "request_timeout_s", "connect_timeout_s", "io_timeout_s", "num_streams", "min_stream_bytes",
-    "num_load_threads", "open_retry_s", "debug_pause_before_read_s",
+    "num_load_threads", "open_retry_s", "debug_pause_before_read_s", "data_mac",
 }
 
 
@@ -75,6 +77,7 @@ class P2POptions:
     num_load_threads: int = 2
     open_retry_s: float = 2.0
     debug_pause_before_read_s: float = 0.0
+    data_mac: bool = True
 
     @property
     def is_producer(self) -> bool:
@@ -109,6 +112,10 @@ class P2POptions:
         for name in ("side_channel_bind", "advertise_host", "data_host", "failure_policy"):
             if name in o:
                 kw[name] = str(o[name])
+        if "data_mac" in o:
+            if not isinstance(o["data_mac"], bool):
+                raise ValueError(f"p2p option data_mac must be true or false, got {o['data_mac']!r}")
+            kw["data_mac"] = o["data_mac"]
         if kw.get("failure_policy", "fail") not in ("fail", "recompute"):
             raise ValueError(f"failure_policy must be 'fail' or 'recompute', got {kw['failure_policy']!r}")
         return cls(engine_id=engine_id, kv_role=engine_config.kv_role, keypair=keypair, allowed_keys=allowed,

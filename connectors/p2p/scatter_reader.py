@@ -12,6 +12,10 @@ cover it (`recv_into` on slices of the cache: zero copies):
 Same wire protocol and token checks as TransferClient (pdcluster.transfer.protocol); this only
 adds the scatter on receive. A refused or broken window raises TransferError; every stream is
 waited for before read() returns, so nothing writes into the destination afterwards.
+
+With a `mac_key` (the producer's per-token key, from its CURVE `open` reply) every window asks
+for its MAC and is checked slice by slice as it lands in place (pdcluster.transfer.integrity):
+a mismatch raises TransferError("integrity") and the loader fails those blocks.
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 from pdcluster.transfer import OP_READ, TransferError, parse_token
 from pdcluster.transfer.client import TransferClient, split_windows
+from pdcluster.transfer.integrity import IntegrityError, recv_checked, window_hasher
 from pdcluster.transfer.protocol import (
+    FLAG_MAC,
     PROTO_VERSION,
     RANGE,
     REQ_HEADER,
@@ -48,7 +54,7 @@ class ScatterReader(TransferClient):
         self._pool = ThreadPoolExecutor(max_workers=max(1, 2 * num_streams), thread_name_prefix="p2p-stream")
 
     def read(self, addr: Address, token: bytes, src_ranges: Sequence[tuple[int, int]], dest: memoryview,
-             dst_ranges: Sequence[tuple[int, int]]) -> int:
+             dst_ranges: Sequence[tuple[int, int]], mac_key: bytes | None = None) -> int:
         total = sum(n for _, n in src_ranges)
         if total == 0 or total != sum(n for _, n in dst_ranges):
             raise ValueError(f"source ranges hold {total} bytes, destination ranges "
@@ -59,7 +65,7 @@ class ScatterReader(TransferClient):
         # The range table is the same for every window: pack it once (the request frame is
         # header | token | table, see pdcluster.transfer.protocol).
         table = token + b"".join(RANGE.pack(o, n) for o, n in src_ranges)
-        frame_args = (addr, token, len(src_ranges), table, dest, list(dst_ranges))
+        frame_args = (addr, token, len(src_ranges), table, dest, list(dst_ranges), mac_key)
         windows = split_windows(total, self.num_streams, self.min_stream_bytes)
         futures = [self._pool.submit(self._window, *frame_args, s, n) for s, n in windows[1:]]
         errors: list[BaseException] = []
@@ -78,10 +84,10 @@ class ScatterReader(TransferClient):
 
     # -- one window on one connection ------------------------------------------------------------
     def _window(self, addr: Address, token: bytes, num_ranges: int, table: bytes, dest: memoryview,
-                dst_ranges: list[tuple[int, int]], start: int, length: int) -> None:
+                dst_ranges: list[tuple[int, int]], mac_key: bytes | None, start: int, length: int) -> None:
         cap = parse_token(token)
-        head = REQ_HEADER.pack(REQ_MAGIC, PROTO_VERSION, OP_READ, 0, num_ranges, cap.region_id, start, length,
-                               cap.transfer_id)
+        head = REQ_HEADER.pack(REQ_MAGIC, PROTO_VERSION, OP_READ, FLAG_MAC if mac_key else 0, num_ranges,
+                               cap.region_id, start, length, cap.transfer_id)
         frame = head + table
         for attempt in range(2):
             sock, reused = self._checkout(addr, fresh=attempt > 0)
@@ -97,8 +103,15 @@ class ScatterReader(TransferClient):
                 sock.close()
                 raise TransferError(STATUS_NAMES.get(status, str(status)), f"refused by {addr[0]}:{addr[1]}")
             try:
-                for off, n in window_segments(dst_ranges, start, length):
-                    recv_exact(sock, dest[off:off + n])
+                if mac_key is None:
+                    for off, n in window_segments(dst_ranges, start, length):
+                        recv_exact(sock, dest[off:off + n])
+                else:
+                    hasher = window_hasher(mac_key, cap.transfer_id, cap.region_id, start, length)
+                    recv_checked(sock, dest, window_segments(dst_ranges, start, length), hasher)
+            except IntegrityError as e:
+                sock.close()
+                raise TransferError("integrity", f"{addr[0]}:{addr[1]}: {e}") from e
             except OSError as e:
                 sock.close()
                 raise TransferError("io", f"{addr[0]}:{addr[1]}: {e}") from e

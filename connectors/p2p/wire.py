@@ -11,7 +11,7 @@ dropped).
     [hs_req]                           ->     [nonce, fp, hs_body]     two-phase: decode fp, compare,
                                                                        only then decode hs_body
     [open  {request_id, transfer_id, lease_id, first_block}]
-                                       ->     [nonce, reply{block_ids, tokens, expiry_ms, ttl_ms}]
+                                       ->     [nonce, reply{block_ids, tokens, mac_keys, expiry_ms, ttl_ms}]
     [heartbeat {leases}]               ->     [nonce, reply{alive}]
     [done  {request_id, transfer_id, lease_id, ok}]
                                        ->     [nonce, reply{status: released|expired|unknown}]
@@ -69,6 +69,8 @@ REPLY = MessageSchema("p2p_reply", 1, {
     "ok": Field(bool, True), "epoch": _COUNT, "error": Field((str, type(None)), False, (0, 512)),
     "block_ids": Field(list, False, (0, MAX_BLOCKS), items=Field(int, True, (0, 1 << 31))),
     "tokens": Field(list, False, (0, 1024), items=Field(bytes, True, (104, 104))),
+    # one per token: its payload MAC key (pdcluster.transfer.integrity), only ever sent over CURVE
+    "mac_keys": Field(list, False, (0, 1024), items=Field(bytes, True, (32, 32))),
     "expiry_ms": Field(int, False, (0, None)), "ttl_ms": Field(int, False, (0, None)),
     "alive": Field(list, False, (0, 1024), items=Field(str, True, (32, 32))),
     "status": Field(str, False, (1, 32)),

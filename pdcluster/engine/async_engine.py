@@ -22,6 +22,7 @@ from typing import Any
 
 from pdcluster.config import EngineArgs, EngineConfig
 from pdcluster.engine.block_pool import KVEvent
+from pdcluster.engine.engine_counters import EngineCounters
 from pdcluster.engine.kv_transfer_params import KVTransferParams
 from pdcluster.engine.llm_engine import LLMEngine
 from pdcluster.engine.outputs import CompletionOutput, RequestOutput
@@ -61,6 +62,8 @@ class AsyncEngine:
         self._dead: BaseException | None = None
         self.stats: dict[str, Any] = engine.get_stats()  # snapshot swapped after every step
         self.last_step_time = time.monotonic()
+        # Tokens served and step times, read by the worker's metrics at scrape time.
+        self.counters = EngineCounters()
         self._thread = threading.Thread(target=self._run, name="pdcluster-engine", daemon=True)
         self._thread.start()
 
@@ -129,11 +132,17 @@ class AsyncEngine:
             self._streams[request_id] = stream
         self._cmds.put(("add", request, text, stream))
         finished = False
+        counters, num_prompt_tokens = self.counters, request.num_prompt_tokens
         try:
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item.error is None:  # the prompt counts once, when its first output arrives
+                    counters.prompt_tokens += num_prompt_tokens
+                    num_prompt_tokens = 0
+                    for out in item.outputs:
+                        counters.generation_tokens += len(out.token_ids)
                 finished = item.finished
                 yield item
                 if finished:
@@ -213,6 +222,7 @@ class AsyncEngine:
             loop.call_soon_threadsafe(_settle, fut, res, err)
 
     def _step(self) -> None:
+        started = time.monotonic()
         try:
             outputs = self.engine.step()
         except Exception as e:
@@ -224,6 +234,7 @@ class AsyncEngine:
             self._fail_all(RuntimeError(f"engine step failed: {e!r}"))
             return
         self.last_step_time = time.monotonic()
+        self.counters.observe_step(self.last_step_time - started)
         self.stats = self.engine.get_stats()
         live = self._live
         with self._lock:  # a stream whose consumer has gone gets nothing (its loop may be closed)

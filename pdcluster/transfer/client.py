@@ -8,6 +8,10 @@ READ, `sendmsg` of memoryview slices for WRITE -- no intermediate copies.
 A transfer of `total` bytes is split into up to `num_streams` windows of at least
 `min_stream_bytes`, each served on its own pooled connection (the first one on the calling
 thread). The client is thread-safe; connections are pooled per peer and reused.
+
+With a `mac_key` (from the token's issuer, over the control plane) a READ asks for each
+window's MAC and checks it after the window landed (integrity.py): a mismatch raises
+TransferError("integrity") and the buffer's bytes must not be used.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from .integrity import IntegrityError, recv_checked, window_hasher
 from .protocol import (
+    FLAG_MAC,
     RESP_HEADER,
     RESP_MAGIC,
     ST_OK,
@@ -64,9 +70,10 @@ class TransferClient:
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
 
-    def read(self, addr: Address, token: bytes, ranges: Sequence[tuple[int, int]], dest: Any) -> int:
+    def read(self, addr: Address, token: bytes, ranges: Sequence[tuple[int, int]], dest: Any,
+             mac_key: bytes | None = None) -> int:
         """Read the ranges into `dest` (concatenated, in order); returns the byte count."""
-        return self._transfer(OP_READ, addr, token, ranges, as_byte_view(dest, writable=True))
+        return self._transfer(OP_READ, addr, token, ranges, as_byte_view(dest, writable=True), mac_key)
 
     def write(self, addr: Address, token: bytes, ranges: Sequence[tuple[int, int]], src: Any) -> int:
         """Write `src` (the ranges' bytes, concatenated) into the remote ranges; returns the byte count."""
@@ -91,7 +98,7 @@ class TransferClient:
 
     # -- internals ---------------------------------------------------------------------------
     def _transfer(self, op: int, addr: Address, token: bytes, ranges: Sequence[tuple[int, int]],
-                  buf: memoryview) -> int:
+                  buf: memoryview, mac_key: bytes | None = None) -> int:
         try:
             cap = parse_token(token)
         except TokenError as e:
@@ -102,7 +109,7 @@ class TransferClient:
         if total == 0 or buf.nbytes < total:
             raise ValueError(f"buffer has {buf.nbytes} bytes, ranges need {total}")
         windows = split_windows(total, self.num_streams, self.min_stream_bytes)
-        args = (op, addr, cap.transfer_id, cap.region_id, token, ranges, buf)
+        args = (op, addr, cap.transfer_id, cap.region_id, token, ranges, buf, mac_key)
         if len(windows) == 1:
             self._part(*args, 0, total)
             return total
@@ -130,8 +137,9 @@ class TransferClient:
             return self._pool
 
     def _part(self, op: int, addr: Address, tid: bytes, region_id: int, token: bytes,
-              ranges: Sequence[tuple[int, int]], buf: memoryview, start: int, length: int) -> None:
-        frame = pack_request(op, region_id, tid, token, ranges, start, length)
+              ranges: Sequence[tuple[int, int]], buf: memoryview, mac_key: bytes | None, start: int,
+              length: int) -> None:
+        frame = pack_request(op, region_id, tid, token, ranges, start, length, FLAG_MAC if mac_key else 0)
         window = buf[start:start + length]
         for attempt in range(2):
             try:
@@ -144,12 +152,18 @@ class TransferClient:
                     sock.sendall(frame)
                     status = self._recv_status(sock)
                     answered = True
-                    if status == ST_OK:
+                    if status == ST_OK and mac_key is None:
                         recv_exact(sock, window)
+                    elif status == ST_OK:
+                        hasher = window_hasher(mac_key, tid, region_id, start, length)
+                        recv_checked(sock, buf, [(start, length)], hasher)
                 else:
                     send_views(sock, [frame, window])
                     status = self._recv_status(sock)
                     answered = True
+            except IntegrityError as e:
+                sock.close()
+                raise TransferError("integrity", f"{addr[0]}:{addr[1]}: {e}") from e
             except OSError as e:
                 sock.close()
                 if reused and not answered:

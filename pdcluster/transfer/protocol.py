@@ -6,6 +6,7 @@ first frame of every connection is authenticated and so is each later one.
     request  = REQ_HEADER (52 B) | token (104 B) | num_ranges x (offset u64, length u64)
                [ | payload: the part's bytes, WRITE only ]
     response = RESP_HEADER (16 B) [ | payload: the part's bytes, READ with status OK ]
+                                  [ | MAC (32 B): READ with FLAG_MAC, see integrity.py ]
 
 A transfer's bytes are the concatenation of its ranges (in order). A request serves the window
 `[part_start, part_start + part_len)` of that concatenation, so a client can split one transfer
@@ -43,9 +44,16 @@ ST_NO_REGION = 4
 ST_OUT_OF_RANGE = 5
 ST_TOO_LARGE = 6
 ST_INTERNAL = 7
+ST_REVOKED = 8  # the grant behind a valid token ended (e.g. its P2P lease was released)
+ST_REPLAYED = 9  # a single-use server saw this part of the token already
 STATUS_NAMES = {ST_OK: "ok", ST_BAD_REQUEST: "bad_request", ST_UNAUTHORIZED: "unauthorized",
                 ST_EXPIRED: "expired", ST_NO_REGION: "no_region", ST_OUT_OF_RANGE: "out_of_range",
-                ST_TOO_LARGE: "too_large", ST_INTERNAL: "internal"}
+                ST_TOO_LARGE: "too_large", ST_INTERNAL: "internal", ST_REVOKED: "revoked",
+                ST_REPLAYED: "replayed"}
+TOKEN_STATUS = {"expired": ST_EXPIRED, "revoked": ST_REVOKED, "replayed": ST_REPLAYED}
+
+# Request flags.
+FLAG_MAC = 1  # READ only: append the window's MAC after its bytes (integrity.py)
 
 
 class ProtocolError(Exception):
@@ -58,8 +66,8 @@ class ProtocolError(Exception):
 
 
 def pack_request(op: int, region_id: int, transfer_id: bytes, token: bytes,
-                 ranges: Sequence[tuple[int, int]], part_start: int, part_len: int) -> bytes:
-    head = REQ_HEADER.pack(REQ_MAGIC, PROTO_VERSION, op, 0, len(ranges), region_id, part_start,
+                 ranges: Sequence[tuple[int, int]], part_start: int, part_len: int, flags: int = 0) -> bytes:
+    head = REQ_HEADER.pack(REQ_MAGIC, PROTO_VERSION, op, flags, len(ranges), region_id, part_start,
                            part_len, transfer_id)
     table = b"".join(RANGE.pack(o, n) for o, n in ranges)
     return head + token + table

@@ -10,6 +10,9 @@ Invariants:
 - Every refusal closes that connection, is counted under a reason, and leaves the server and
   its other connections untouched.
 - `unregister` waits for in-flight requests on the region so its memory is never freed under us.
+- Optional, for issuers that want them (the P2P producer): `single_use` serves each byte of a
+  token once (single_use.py); `authorize(cap)` lets the issuer revoke a valid token whose grant
+  ended (a released lease) by returning a reason; FLAG_MAC READs get a MAC trailer (integrity.py).
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
+from .integrity import MAC_SLICE, slices, transfer_mac_key, window_hasher
 from .protocol import (
     DEFAULT_MAX_RANGES,
     DEFAULT_MAX_REQUEST_BYTES,
+    FLAG_MAC,
     PROTO_VERSION,
     RANGE,
     REQ_FIXED_LEN,
@@ -32,13 +37,13 @@ from .protocol import (
     RESP_HEADER,
     RESP_MAGIC,
     ST_BAD_REQUEST,
-    ST_EXPIRED,
     ST_INTERNAL,
     ST_NO_REGION,
     ST_OK,
     ST_OUT_OF_RANGE,
     ST_TOO_LARGE,
     ST_UNAUTHORIZED,
+    TOKEN_STATUS,
     ProtocolError,
     recv_exact,
     send_views,
@@ -46,7 +51,8 @@ from .protocol import (
     window_segments,
 )
 from .region import Region
-from .tokens import OP_READ, OP_WRITE, TokenError, check_claims, check_ranges, verify_token
+from .single_use import SingleUseGuard
+from .tokens import OP_READ, OP_WRITE, Capability, TokenError, check_claims, check_ranges, verify_token
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +70,11 @@ class TransferServer:
                  max_ranges: int = DEFAULT_MAX_RANGES, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                  max_connections: int = 256, io_timeout_s: float = 30.0, idle_timeout_s: float = 300.0,
                  header_timeout_s: float = 5.0, clock_skew_ms: int = 0,
-                 on_refusal: Callable[[str], None] | None = None) -> None:
+                 on_refusal: Callable[[str], None] | None = None, single_use: bool = False,
+                 authorize: Callable[[Capability], str | None] | None = None) -> None:
         self._key = key
+        self._single_use = SingleUseGuard(skew_ms=clock_skew_ms) if single_use else None
+        self._authorize = authorize
         self._max_ranges = max_ranges
         self._max_request_bytes = max_request_bytes
         self._max_connections = max_connections
@@ -208,7 +217,7 @@ class TransferServer:
                     return
                 except TokenError as e:
                     self._refuse(e.reason)
-                    self._send_status(sock, ST_EXPIRED if e.reason == "expired" else ST_UNAUTHORIZED)
+                    self._send_status(sock, TOKEN_STATUS.get(e.reason, ST_UNAUTHORIZED))
                     return
                 except (OSError, ConnectionError):
                     self._refuse("truncated_or_io_error")
@@ -246,19 +255,26 @@ class TransferServer:
     # -- one request -------------------------------------------------------------------------
     def _handle(self, sock: socket.socket, head: memoryview) -> None:
         magic, version, op, flags, num_ranges, region_id, start, length, tid = REQ_HEADER.unpack_from(head)
-        if magic != REQ_MAGIC or version != PROTO_VERSION or flags != 0 or op not in (OP_READ, OP_WRITE):
+        if magic != REQ_MAGIC or version != PROTO_VERSION or op not in (OP_READ, OP_WRITE):
             raise ProtocolError(ST_BAD_REQUEST, "bad_header")
+        if flags not in (0, FLAG_MAC) or (flags == FLAG_MAC and op != OP_READ):
+            raise ProtocolError(ST_BAD_REQUEST, "bad_flags")
         if not 0 < num_ranges <= self._max_ranges:
             raise ProtocolError(ST_TOO_LARGE, "too_many_ranges")
         if length > self._max_request_bytes:
             raise ProtocolError(ST_TOO_LARGE, "request_too_large")
         # Authenticate before reading anything sized by the peer.
-        cap = verify_token(self._key, bytes(head[REQ_HEADER.size:]), skew_ms=self._skew_ms)
+        token = bytes(head[REQ_HEADER.size:])
+        cap = verify_token(self._key, token, skew_ms=self._skew_ms)
         check_claims(cap, tid, op, region_id)
         table = memoryview(bytearray(num_ranges * RANGE.size))
         recv_exact(sock, table)
         ranges = unpack_ranges(table, num_ranges)
         check_ranges(cap, ranges)
+        if self._authorize is not None:
+            reason = self._authorize(cap)
+            if reason is not None:
+                raise TokenError("revoked", f"grant ended: {reason}")
         slot = self._acquire(region_id)
         try:
             view = slot.region.view
@@ -270,9 +286,14 @@ class TransferServer:
             if length == 0 or start + length > total:
                 raise ProtocolError(ST_OUT_OF_RANGE, "bad_window")
             pieces = window_segments(ranges, start, length)
+            if self._single_use is not None:  # after every other check: a refused try uses nothing up
+                self._single_use.claim(token, cap, start, length)
             if op == OP_READ:
                 hdr = RESP_HEADER.pack(RESP_MAGIC, ST_OK, 0, 0, length)
-                send_views(sock, [hdr] + [view[o:o + n] for o, n in pieces])
+                if flags == FLAG_MAC:
+                    self._send_with_mac(sock, hdr, view, pieces, transfer_mac_key(self._key, token), cap, start, length)
+                else:
+                    send_views(sock, [hdr] + [view[o:o + n] for o, n in pieces])
                 self._count("bytes_read", length)
             else:
                 if view.readonly:
@@ -284,6 +305,24 @@ class TransferServer:
             self._count("requests_ok")
         finally:
             self._release(slot)
+
+    @staticmethod
+    def _send_with_mac(sock: socket.socket, hdr: bytes, view: memoryview, pieces: list[tuple[int, int]],
+                       mac_key: bytes, cap: Capability, start: int, length: int) -> None:
+        """Hash each slice, then send it (blake3 and sendmsg both release the GIL, so parallel
+        streams overlap one's hashing with another's sending); the MAC goes last."""
+        hasher = window_hasher(mac_key, cap.transfer_id, cap.region_id, start, length)
+        batch: list[memoryview | bytes] = [hdr]
+        batch_bytes = 0
+        for piece in slices(view, pieces):
+            hasher.update(piece)
+            batch.append(piece)
+            batch_bytes += piece.nbytes
+            if batch_bytes >= MAC_SLICE:
+                send_views(sock, batch)
+                batch, batch_bytes = [], 0
+        batch.append(hasher.digest())
+        send_views(sock, batch)
 
     def _acquire(self, region_id: int) -> _Slot:
         with self._lock:

@@ -8,18 +8,23 @@ verifies a token with that key and its clock alone -- no lookup, no state, no ro
 Wire form (fixed size, 104 bytes, network byte order):
 
     +---------+----+----------+-------------+-----------+-----------+---------------+--------+
-    | version | op | reserved | transfer_id | region_id | expiry_ms | ranges_digest |  mac   |
-    |   u8    | u8 |   u16+u32|   16 bytes  |    u64    |    u64    |   32 bytes    | 32 B   |
+    | version | op | reserved | serial | transfer_id | region_id | expiry_ms | ranges_digest |  mac   |
+    |   u8    | u8 |   u16    |  u32   |   16 bytes  |    u64    |    u64    |   32 bytes    | 32 B   |
     +---------+----+----------+-------------+-----------+-----------+---------------+--------+
     mac = HMAC-SHA256(key, every byte before it)
 
 `ranges_digest` = SHA-256 over the (offset, length) pairs, so a token for ranges A is useless
 for ranges B even on the same region.
 
-Replay: a token may be presented any number of times until `expiry_ms` (several parallel
-streams of one transfer present the same token). It is refused after expiry. Issuers therefore
-keep lifetimes short and never reuse the bytes a token covers before it has expired plus a
-clock-skew grace (the kvstore master quarantines freed space for exactly that reason).
+`serial` (0 unless the issuer sets it) makes two grants of the same claims distinct tokens, so
+a server that enforces single use (single_use.py) tells them apart.
+
+Replay: by default a token may be presented any number of times until `expiry_ms` (several
+parallel streams of one transfer present the same token). It is refused after expiry. Issuers
+therefore keep lifetimes short and never reuse the bytes a token covers before it has expired
+plus a clock-skew grace (the kvstore master quarantines freed space for exactly that reason).
+A server built with `single_use=True` (the P2P producer) serves each byte of a token's
+coverage once: a replayed window is refused and counted.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ class Capability:
     region_id: int
     expiry_ms: int  # unix wall-clock milliseconds
     ranges_digest: bytes  # 32 bytes, see ranges_digest()
+    serial: int = 0  # issuer-chosen u32 that tells apart two grants of the same claims
 
 
 def ranges_digest(ranges: Sequence[tuple[int, int]]) -> bytes:
@@ -76,7 +82,7 @@ def now_ms() -> int:
 
 def issue_token(key: bytes, transfer_id: bytes, op: int, region_id: int,
                 ranges: Sequence[tuple[int, int]], ttl_s: float | None = None,
-                expiry_ms: int | None = None) -> bytes:
+                expiry_ms: int | None = None, serial: int = 0) -> bytes:
     """Mint a token. Give either `ttl_s` (from now) or an absolute `expiry_ms`."""
     if len(key) < MIN_KEY_LEN:
         raise ValueError("key too short")
@@ -88,7 +94,9 @@ def issue_token(key: bytes, transfer_id: bytes, op: int, region_id: int,
         if ttl_s is None:
             raise ValueError("give ttl_s or expiry_ms")
         expiry_ms = now_ms() + int(ttl_s * 1000)
-    claims = _CLAIMS.pack(TOKEN_VERSION, op, 0, 0, transfer_id, region_id, expiry_ms,
+    if not 0 <= serial < 1 << 32:
+        raise ValueError("serial must be a u32")
+    claims = _CLAIMS.pack(TOKEN_VERSION, op, 0, serial, transfer_id, region_id, expiry_ms,
                           ranges_digest(ranges))
     return claims + hmac.digest(key, claims, "sha256")
 
@@ -97,10 +105,10 @@ def parse_token(token: bytes) -> Capability:
     """Decode claims WITHOUT verifying (for holders that want to read the expiry)."""
     if len(token) != TOKEN_LEN:
         raise TokenError("malformed", f"token must be {TOKEN_LEN} bytes, got {len(token)}")
-    version, op, _r1, _r2, tid, region_id, expiry_ms, digest = _CLAIMS.unpack_from(token)
+    version, op, _reserved, serial, tid, region_id, expiry_ms, digest = _CLAIMS.unpack_from(token)
     if version != TOKEN_VERSION or op not in (OP_READ, OP_WRITE):
         raise TokenError("malformed", "unknown token version or op")
-    return Capability(tid, op, region_id, expiry_ms, digest)
+    return Capability(tid, op, region_id, expiry_ms, digest, serial)
 
 
 def verify_token(key: bytes, token: bytes, *, now: int | None = None, skew_ms: int = 0) -> Capability:

@@ -7,7 +7,8 @@
            connector_options                     config mistake fails in milliseconds
         -> build_engine()                        AsyncEngine with kv_role = the role's half
         -> start_worker_server()                 WorkerServicer + RequestTable + health + KV events
-        -> on_ready(server, port)                the caller announces it (the READY line)
+        -> start_metrics()                       Prometheus on --metrics-host:--metrics-port
+        -> on_ready(server, port, metrics_url)   the caller announces it (the READY line)
         SIGTERM / SIGINT -> server.stop(): NOT_SERVING, abort every request, close the sockets
 
 Nothing here parses flags, and nothing is imported until it is needed (the CLI imports this
@@ -29,6 +30,7 @@ from pdcluster.worker.role_registry import WorkerRole, resolve_role
 if TYPE_CHECKING:
     from pdcluster.engine.async_engine import AsyncEngine
     from pdcluster.worker.kv_events import KVEventsConfig
+    from pdcluster.worker.metrics import MetricsServer
     from pdcluster.worker.roles import RoleHandler
     from pdcluster.worker.server import WorkerServer
     from pdcluster.worker.tls import TLSConfig
@@ -53,6 +55,8 @@ class WorkerConfig:
     kv_connector: str | None = None
     kv_connector_options: Mapping[str, Any] = field(default_factory=dict)
     engine: Mapping[str, Any] = field(default_factory=dict)  # EngineArgs keywords (not the connector's)
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = 0  # 0: a free port; None: no metrics endpoint
 
 
 def advertise_host(config: WorkerConfig) -> str:
@@ -119,7 +123,7 @@ def build_engine(config: WorkerConfig, role: WorkerRole, options: Mapping[str, A
     return AsyncEngine.from_engine_args(args, connector=factory)
 
 
-def run_worker(config: WorkerConfig, on_ready: Callable[[WorkerServer, int], None]) -> None:
+def run_worker(config: WorkerConfig, on_ready: Callable[[WorkerServer, int, str], None]) -> None:
     """Assemble the worker and serve until SIGTERM / SIGINT; the engine is shut down on the way out."""
     role = resolve_role(config.role)
     tls = tls_config(config)
@@ -135,7 +139,7 @@ def run_worker(config: WorkerConfig, on_ready: Callable[[WorkerServer, int], Non
 
 async def _serve(config: WorkerConfig, role: WorkerRole, engine: AsyncEngine, handler: RoleHandler,
                  tls: TLSConfig | None, kv_events: KVEventsConfig | None,
-                 on_ready: Callable[[WorkerServer, int], None]) -> None:
+                 on_ready: Callable[[WorkerServer, int, str], None]) -> None:
     from pdcluster.worker.options import DEFAULT_MAX_MESSAGE_BYTES
     from pdcluster.worker.server import start_worker_server
 
@@ -146,8 +150,27 @@ async def _serve(config: WorkerConfig, role: WorkerRole, engine: AsyncEngine, ha
     server, port = await start_worker_server(
         engine, handler, config.host, config.port, tls, worker_id=config.worker_id, kv_events=kv_events,
         max_message_bytes=config.max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES)
-    on_ready(server, port)
+    metrics = start_metrics(config, role, engine, server)
+    on_ready(server, port, metrics.url if metrics is not None else "")
     log.info("worker %s (%s) serving on %s", server.worker_id, role.name, server.address)
     await stop.wait()
     log.info("shutting down; %s stats: %s", role.name, role.role_metrics(engine.get_stats()))
     await server.stop(grace=2.0)
+    if metrics is not None:
+        metrics.stop()
+
+
+def start_metrics(config: WorkerConfig, role: WorkerRole, engine: AsyncEngine,
+                  server: WorkerServer) -> MetricsServer | None:
+    """The worker's Prometheus endpoint (pdcluster.worker.metrics), or None with metrics_port None."""
+    if config.metrics_port is None:
+        return None
+    from pdcluster.worker.metrics import start_metrics_server
+    from pdcluster.worker.metrics_collector import WorkerCollector
+
+    refusals = getattr(server.kv_events, "refusals", None)
+    collector = WorkerCollector(engine, role, worker_id=server.worker_id, connector=config.kv_connector,
+                                requests=getattr(server.servicer, "requests", None),
+                                handshake_registry=getattr(refusals, "registry", None))
+    return start_metrics_server(collector, host=config.metrics_host, port=config.metrics_port,
+                                advertise_host=config.advertise_host)

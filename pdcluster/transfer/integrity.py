@@ -1,0 +1,78 @@
+"""Payload MACs of the data plane: keyed BLAKE3 per READ window, computed while bytes stream.
+
+A token's holder may ask for a MAC (request flag FLAG_MAC). The server then appends, after the
+window's bytes, MAC_LEN bytes:
+
+    mac = BLAKE3-keyed(mac_key, window_context(tid, region, start, length) | window bytes)
+    mac_key = HMAC-SHA256(server key, "pdcluster-transfer-mac/" | token)
+
+The server derives mac_key from the token it was shown (stateless, like the token check); the
+issuer, who holds the same server key, hands mac_key to the token's holder over the
+authenticated control plane (the P2P producer: in its CURVE `open` reply), never on the data
+plane. An on-path peer sees the token but not the server key, so it cannot make a MAC for bytes
+of its choosing; the context binds the MAC to one window of one transfer, so windows cannot be
+swapped or replayed into another request.
+
+Both sides hash in slices of at most MAC_SLICE bytes: the server hashes a slice then sends it;
+the client receives a slice into place then hashes it while it is still in cache. A mismatch is
+TransferError("integrity"): the reader treats the bytes as never loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import socket
+import struct
+from collections.abc import Iterator, Sequence
+
+import blake3
+
+from .protocol import recv_exact
+
+MAC_LEN = 32
+MAC_KEY_LEN = 32
+MAC_SLICE = 1 << 20  # hash/send granularity: small enough to stay in cache, large enough per syscall
+_CONTEXT = struct.Struct("!8s16sQQQ")  # domain, transfer id, region, window start, window length
+_DOMAIN = b"pdxmac01"
+
+
+def transfer_mac_key(server_key: bytes, token: bytes) -> bytes:
+    """The per-token (so per-transfer) MAC key; only holders of the server key can compute it."""
+    return hmac.new(server_key, b"pdcluster-transfer-mac/" + bytes(token), hashlib.sha256).digest()
+
+
+def window_hasher(mac_key: bytes, transfer_id: bytes, region_id: int, start: int, length: int) -> blake3.blake3:
+    if len(mac_key) != MAC_KEY_LEN:
+        raise ValueError(f"mac key must be {MAC_KEY_LEN} bytes")
+    h = blake3.blake3(key=mac_key)
+    h.update(_CONTEXT.pack(_DOMAIN, transfer_id, region_id, start, length))
+    return h
+
+
+def slices(view: memoryview, pieces: Sequence[tuple[int, int]]) -> Iterator[memoryview]:
+    """The pieces' bytes of `view`, cut into slices of at most MAC_SLICE bytes, in order."""
+    for off, n in pieces:
+        end = off + n
+        while off < end:
+            step = min(MAC_SLICE, end - off)
+            yield view[off:off + step]
+            off += step
+
+
+class IntegrityError(Exception):
+    """The bytes that arrived are not the bytes the server sent (their MAC does not match)."""
+
+
+def recv_checked(sock: socket.socket, dest: memoryview, pieces: Sequence[tuple[int, int]],
+                 hasher: blake3.blake3) -> None:
+    """Receive a window into the pieces of `dest` (in order), hashing each slice as it lands,
+    then its MAC trailer; IntegrityError when they differ. The caller must not use the bytes
+    unless this returns."""
+    for piece in slices(dest, pieces):
+        recv_exact(sock, piece)
+        hasher.update(piece)
+    mac = memoryview(bytearray(MAC_LEN))
+    recv_exact(sock, mac)
+    if not hmac.compare_digest(hasher.digest(), bytes(mac)):
+        raise IntegrityError("payload MAC mismatch")

@@ -1,0 +1,105 @@
+"""WorkerCollector on a stand-in engine: connector counters by name, the drain gauge, role
+metrics, EC names only with an EC connector, and a registry of its own per server."""
+
+from __future__ import annotations
+
+import urllib.request
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdcluster.engine.engine_counters import EngineCounters
+from pdcluster.worker.metrics import start_metrics_server
+from pdcluster.worker.metrics_collector import EC_ERRORS, EC_MM_ITEMS, EC_TRANSFER_BYTES, WorkerCollector
+from pdcluster.worker.role_registry import AGGREGATED, WorkerRole
+
+P2P_STATS = {"p2p_bytes_tcp": 4096, "p2p_bytes_shm": 0, "p2p_bytes_served": 8192, "p2p_loads_ok": 2,
+             "p2p_loads_failed": 1, "p2p_leases_expired": 3, "p2p_leases_active": 1,
+             "p2p_refused_lease_unknown": 5, "p2p_data_refused_bad_token": 1, "p2p_requests_open": 4,
+             "p2p_side_channel_refusals": 2.0, "p2p_something_new": 9}
+
+
+class FakeEngine:
+    def __init__(self, stats: dict) -> None:
+        self.stats = stats
+        self.counters = EngineCounters()
+
+    def get_stats(self) -> dict:
+        return self.stats
+
+
+def samples(collector: WorkerCollector) -> dict:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    text = generate_latest(registry).decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_connector_counters_are_exported_by_name() -> None:
+    role = WorkerRole("decode", "pdcluster.worker.roles:AggregatedRole", kv_role="consumer",
+                      metrics=("num_running", "num_waiting_for_remote_kv", "kv_connector"))
+    engine = FakeEngine({"num_running": 2, "num_waiting_for_remote_kv": 1, "kv_connector": P2P_STATS})
+    got = samples(WorkerCollector(engine, role, worker_id="d0", connector="p2p"))
+    assert got[("pdcluster_connector_loaded_bytes_total", (("transport", "tcp"),))] == 4096
+    assert got[("pdcluster_connector_served_bytes_total", ())] == 8192
+    assert got[("pdcluster_connector_loads_total", (("result", "failed"),))] == 1
+    assert got[("pdcluster_connector_leases_total", (("state", "expired"),))] == 3
+    assert got[("pdcluster_connector_active_leases", ())] == 1
+    assert got[("pdcluster_connector_refusals_total", (("reason", "lease_unknown"),))] == 5
+    assert got[("pdcluster_connector_refusals_total", (("reason", "data_refused_bad_token"),))] == 1
+    assert got[("pdcluster_connector_side_channel_requests_total", (("kind", "open"),))] == 4
+    assert got[("pdcluster_zmq_handshake_refusals_total", (("reason", "any"), ("socket", "p2p-side-channel")))] == 2
+    assert got[("pdcluster_connector_stat_value", (("name", "p2p_something_new"),))] == 9
+    assert got[("pdcluster_role_running_requests", (("role", "decode"),))] == 2
+    assert got[("pdcluster_role_waiting_for_remote_kv_requests", (("role", "decode"),))] == 1
+    assert not any(name.startswith(("pdcluster_mm_", "pdcluster_ec_")) for name, _ in got)
+
+
+def test_draining_gauge_follows_the_request_table() -> None:
+    table = SimpleNamespace(draining=False)
+    collector = WorkerCollector(FakeEngine({}), AGGREGATED, worker_id="w", connector=None, requests=table)
+    assert samples(collector)[("pdcluster_worker_draining", ())] == 0
+    table.draining = True
+    assert samples(collector)[("pdcluster_worker_draining", ())] == 1
+
+
+def test_ec_names_only_with_an_ec_connector() -> None:
+    ec = {"mm_items_computed": 3, "mm_items_remote": 2, "transfer_bytes": 1000, "errors_timeout": 1}
+    got = samples(WorkerCollector(FakeEngine({"ec_connector": ec}), AGGREGATED, worker_id="w", connector=None))
+    assert got[(EC_MM_ITEMS, (("source", "computed"),))] == 3
+    assert got[(EC_MM_ITEMS, (("source", "local_cache"),))] == 0
+    assert got[(EC_MM_ITEMS, (("source", "remote"),))] == 2
+    assert got[(EC_TRANSFER_BYTES, ())] == 1000
+    assert got[(EC_ERRORS, (("reason", "timeout"),))] == 1
+
+
+def test_step_histogram_is_cumulative() -> None:
+    engine = FakeEngine({})
+    for seconds in (0.0005, 0.003, 0.003, 20.0):
+        engine.counters.observe_step(seconds)
+    got = samples(WorkerCollector(engine, AGGREGATED, worker_id="w", connector=None))
+    bucket = "pdcluster_engine_step_duration_seconds_bucket"
+    assert got[(bucket, (("le", "0.001"),))] == 1
+    assert got[(bucket, (("le", "0.005"),))] == 3
+    assert got[(bucket, (("le", "10.0"),))] == 3
+    assert got[(bucket, (("le", "+Inf"),))] == 4
+    assert got[("pdcluster_engine_step_duration_seconds_count", ())] == 4
+    assert got[("pdcluster_engine_step_duration_seconds_sum", ())] == pytest.approx(20.0065)
+
+
+def test_servers_have_registries_of_their_own() -> None:
+    servers = [start_metrics_server(WorkerCollector(FakeEngine({}), AGGREGATED, worker_id=f"w{i}", connector=None))
+               for i in range(2)]
+    try:
+        assert servers[0].port != servers[1].port and servers[0].registry is not servers[1].registry
+        for i, server in enumerate(servers):
+            assert server.url == f"http://127.0.0.1:{server.port}/metrics"
+            with urllib.request.urlopen(server.url, timeout=10) as resp:
+                assert f'worker_id="w{i}"' in resp.read().decode()
+        assert not any(m.name.startswith("pdcluster_worker") for m in REGISTRY.collect())
+    finally:
+        for server in servers:
+            server.stop()
