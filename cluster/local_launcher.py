@@ -66,6 +66,11 @@ class LaunchedProcess:
     def address(self) -> str:
         return str(self.ready.get("address", ""))
 
+    def summary(self) -> dict[str, object]:
+        """This instance in a launcher's ready line: role, address, pid and its metrics URL."""
+        return {"role": self.ready.get("role", ""), "address": self.address, "pid": self.pid,
+                "pids": [self.pid], "metrics": self.ready.get("metrics", "")}
+
     def status(self) -> str:
         code = self.proc.poll()
         if code is None:

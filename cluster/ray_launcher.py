@@ -299,4 +299,4 @@ def _why(e: BaseException) -> str:
 
 
 def _summary(w: dict[str, Any]) -> dict[str, Any]:
-    return {k: w.get(k) for k in ("address", "role", "node_id", "node_ip", "actor_pid", "child_pid")}
+    return {k: w.get(k) for k in ("address", "role", "node_id", "node_ip", "actor_pid", "child_pid", "metrics")}

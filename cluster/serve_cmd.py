@@ -6,7 +6,8 @@
 
 Both stay in the foreground, print the endpoints and one machine-readable line
 
-    PDCLUSTER_READY {"grpc": "HOST:PORT", "http": "http://HOST:PORT", "workers": [...], ...}
+    PDCLUSTER_READY {"grpc": "HOST:PORT", "http": "http://HOST:PORT", "workers": [...],
+                     "instances": {NAME: {"role", "address", "pid", "pids", "metrics": URL}}, ...}
 
 and on Ctrl-C / SIGTERM stop everything they started. `serve` runs the router in-process (no
 torch in this process: workers are subprocesses) after its N aggregated workers are serving, and
@@ -217,6 +218,7 @@ def _print_ready(router: Any, launcher: Any, extra: dict[str, Any] | None = None
     ep = router.endpoints()
     if launcher is not None:
         ep["worker_pids"] = [p.pid for p in launcher.processes]
+        ep["instances"] = {p.name: p.summary() for p in launcher.processes}
     ep.update(extra or {})
     print(f"pdcluster router: gRPC {ep['grpc']}" + (f", OpenAI HTTP {ep['http']}/v1" if ep["http"] else ""))
     print(f"  model {ep['model']!r}, policy {ep['policy']}, workers {', '.join(ep['workers'])}")
