@@ -1,5 +1,6 @@
 """An on-path TCP proxy for integrity tests: forwards both ways, and while `armed` flips one byte
-of what the server sends back (at `flip_at` bytes into a response stream of one connection)."""
+of what the server sends back on each connection: `flip_at` bytes after the first byte it
+forwards once armed (so a pooled connection is tampered as well as a fresh one)."""
 
 from __future__ import annotations
 
@@ -52,14 +53,19 @@ class TamperProxy:
 
     def _pump(self, src: socket.socket, dst: socket.socket, tamper: bool) -> None:
         seen = 0
+        target: int | None = None  # stream offset to flip while armed
         try:
             while True:
                 data = src.recv(1 << 16)
                 if not data:
                     break
-                if tamper and self.armed.is_set() and seen <= self.flip_at < seen + len(data):
+                if not (tamper and self.armed.is_set()):
+                    target = None
+                elif target is None:
+                    target = seen + self.flip_at
+                if target is not None and seen <= target < seen + len(data):
                     buf = bytearray(data)
-                    buf[self.flip_at - seen] ^= 0x01
+                    buf[target - seen] ^= 0x01
                     data = bytes(buf)
                     with self._lock:
                         self.flipped += 1
