@@ -95,10 +95,14 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of aggregated workers")
     p.add_argument("--prefill-tp", type=int, default=1, help="tensor-parallel size of prefill workers")
     p.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel size of decode workers")
-    p.add_argument("--worker-args", default="", help="extra serve-worker flags, e.g. \"--max-model-len 2048\"")
+    p.add_argument("--worker-args", default="", help="extra serve-worker flags (after the engine flags, so they "
+                   "win), e.g. \"--kv-connector-options '{...}'\"")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for each worker")
     p.add_argument("--demo-request", action="store_true",
                    help="once ready, stream one demo request through the router (the README's main job)")
+    from pdcluster.cluster.worker_flags import add_forwarded_engine_flags
+
+    add_forwarded_engine_flags(p)
     p.set_defaults(func=run_serve)
 
 
@@ -232,6 +236,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import tempfile
 
     from pdcluster.cluster.local_launcher import LaunchError, LocalLauncher, WorkerSpec
+    from pdcluster.cluster.worker_flags import engine_argv, forwarded_engine, worker_flag_actions
 
     _setup_logging(args.log_level)
     _check_exposure(args)
@@ -257,9 +262,10 @@ def run_serve(args: argparse.Namespace) -> int:
     launcher = LocalLauncher(ready_timeout_s=args.ready_timeout, env=env)
     specs = []
     tp_of = {"both": args.tp, "prefill": args.prefill_tp, "decode": args.decode_tp}
+    actions = worker_flag_actions()
     for role, count in pools:
         connector = [] if role == "both" else ["--kv-connector", args.connector]
-        connector += ["--tp", str(tp_of[role])]
+        connector += ["--tp", str(tp_of[role]), *engine_argv(forwarded_engine(args, role), actions)]
         # Workers are internal: loopback whatever --host says (the router, beside them, is the
         # only client-facing port of `serve`).
         specs += [WorkerSpec(f"{role}-{i}", ["--role", role, "--host", "127.0.0.1", "--port", "0", "--model", model,

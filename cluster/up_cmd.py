@@ -64,6 +64,7 @@ def add_up_commands(sub: argparse._SubParsersAction) -> None:
                         "--router-host (it has no TLS or API key under `up` yet)")
     p.add_argument("--demo-request", action="store_true",
                    help="once ready, stream one demo request through the router (the README's main job)")
+    add_engine_overrides(p)
     p.set_defaults(func=run_up)
     s = sub.add_parser("status", help="instances, nodes, health and load of a cluster started by `up`")
     _add_namespace(s)
@@ -80,6 +81,15 @@ def _add_namespace(p: argparse.ArgumentParser) -> None:
     p.add_argument("--namespace", default=None, help="Ray namespace of the cluster (default: pdcluster)")
 
 
+def add_engine_overrides(p: argparse.ArgumentParser) -> None:
+    """vLLM's engine flags on `up`: every pool's `engine` section, or one pool's (--prefill-FLAG,
+    --decode-FLAG); and the router's --served-model-name."""
+    from pdcluster.cluster.worker_flags import add_forwarded_engine_flags
+
+    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: the model path)")
+    add_forwarded_engine_flags(p)
+
+
 _OVERRIDES = ("model", "prefill", "decode", "workers", "tp", "connector", "grpc_port", "http_port", "router_host",
               "policy", "key_dir", "log_dir", "max_restarts", "ready_timeout_s", "num_cpus", "namespace", "dashboard",
               "disagg_min_uncached_tokens", "max_migrations")
@@ -89,7 +99,27 @@ def build_config(args: argparse.Namespace) -> Any:
     from pdcluster.cluster.config import ClusterConfig, load_yaml
 
     raw = load_yaml(args.config) if args.config else {}
-    return ClusterConfig.from_dict(apply_overrides(raw, {k: getattr(args, k) for k in _OVERRIDES}))
+    out = apply_overrides(raw, {k: getattr(args, k) for k in _OVERRIDES})
+    return ClusterConfig.from_dict(apply_engine_overrides(out, args))
+
+
+def apply_engine_overrides(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The engine flags given on the command line over each pool's `engine` section."""
+    from pdcluster.cluster.worker_flags import forwarded_engine
+
+    pools = raw.get("pools") if raw.get("pools") is not None else {"both": {}}
+    if isinstance(pools, Mapping):
+        merged = {}
+        for role, pool in pools.items():
+            engine = forwarded_engine(args, role)
+            if engine and isinstance(pool, Mapping | None):
+                pool = dict(pool or {})
+                pool["engine"] = _merge(pool.get("engine"), **engine)
+            merged[role] = pool
+        raw = {**raw, "pools": merged}
+    if getattr(args, "served_model_name", None) is not None:
+        raw = {**raw, "router": _merge(raw.get("router"), served_model_name=args.served_model_name)}
+    return raw
 
 
 def apply_overrides(raw: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:

@@ -28,6 +28,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from pdcluster.cluster.worker_flags import add_engine_flags, engine_kwargs
+
 READY_PREFIX = "PDCLUSTER_READY"
 ENV_KV_OPTIONS = "PDCLUSTER_KV_CONNECTOR_OPTIONS"
 # The role names serve-worker offers (pdcluster.worker.role_registry.BUILTIN_ROLES), spelled out
@@ -64,19 +66,10 @@ def add_worker_flags(p: argparse.ArgumentParser, role: str | None = None) -> Non
     g.add_argument("--tls-cert", default=None)
     g.add_argument("--tls-key", default=None)
     g.add_argument("--tls-ca", default=None, help="CA of client certificates: turns on mutual TLS")
-    e = p.add_argument_group("engine")
-    e.add_argument("--dtype", default="auto")
-    e.add_argument("--device", default="auto")
-    e.add_argument("--block-size", type=int, default=16)
-    e.add_argument("--max-model-len", type=int, default=None)
-    e.add_argument("--max-num-seqs", type=int, default=64)
-    e.add_argument("--max-num-batched-tokens", type=int, default=None)
-    e.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    e.add_argument("--num-kv-blocks", type=int, default=None)
-    e.add_argument("--seed", type=int, default=0)
+    e = p.add_argument_group("engine (vLLM's flag names)")
+    add_engine_flags(e)
     e.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
                    help="tensor-parallel ranks (one process each; rank 0 serves, the others are its children)")
-    e.add_argument("--no-prefix-caching", action="store_true")
     c = p.add_argument_group("kv connector (disaggregated roles)")
     c.add_argument("--kv-connector", default=None,
                    help="p2p | store | an entry-point name | pkg.module:Class (prefill/decode roles need one)")
@@ -122,11 +115,7 @@ def worker_config(args: argparse.Namespace) -> Any:
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca, kv_connector=args.kv_connector,
         metrics_host=args.metrics_host, metrics_port=None if args.metrics_port < 0 else args.metrics_port,
         kv_connector_options=_kv_connector_options(args), engine=dict(
-            model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-            max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-            num_kv_blocks=args.num_kv_blocks, seed=args.seed, enable_prefix_caching=not args.no_prefix_caching,
-            tensor_parallel_size=args.tp))
+            model=args.model, **engine_kwargs(args), tensor_parallel_size=args.tp))
 
 
 def _kv_connector_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -49,3 +49,83 @@ def engine_argv(engine: Mapping[str, Any], actions: Mapping[str, argparse.Action
         elif value is not None:
             argv += [flag, str(value)]
     return argv
+
+
+# -- engine flags, by vLLM's names ------------------------------------------------------------------
+# (flag, serve-worker dest, type): what serve-worker takes and `serve`/`up` forward to their pools.
+# Booleans: enable_prefix_caching (--enable-prefix-caching / --no-enable-prefix-caching) and
+# enforce_eager (accepted: this engine never captures CUDA graphs, so it always runs eagerly).
+ENGINE_FLAGS: tuple[tuple[str, str, Any], ...] = (
+    ("--dtype", "dtype", str), ("--kv-cache-dtype", "kv_cache_dtype", str), ("--device", "device", str),
+    ("--block-size", "block_size", int), ("--max-model-len", "max_model_len", int),
+    ("--max-num-seqs", "max_num_seqs", int), ("--max-num-batched-tokens", "max_num_batched_tokens", int),
+    ("--kv-cache-memory-bytes", "kv_cache_memory_bytes", int), ("--num-kv-blocks", "num_kv_blocks", int),
+    ("--seed", "seed", int), ("--enable-prefix-caching", "enable_prefix_caching", bool),
+    ("--enforce-eager", "enforce_eager", bool),
+)
+ENGINE_DEFAULTS = {"dtype": "auto", "kv_cache_dtype": "auto", "device": "auto", "block_size": 16, "max_num_seqs": 64,
+                   "seed": 0}
+ENGINE_HELP = {
+    "kv_cache_memory_bytes": "KV cache budget in bytes (default: from free memory); --num-kv-blocks overrides it",
+    "max_model_len": "context length (default: the model's)",
+    "enforce_eager": "accepted for vLLM compatibility: this engine never captures CUDA graphs",
+}
+POOL_PREFIXES = ("prefill", "decode")
+
+
+def add_engine_flags(group: Any) -> None:
+    """serve-worker's engine flags. Prefix caching keeps its dest `no_prefix_caching` (YAML pool
+    engines name it so); --enable-prefix-caching is defined first so that the dest's last action
+    (what worker_flag_actions keeps) is the store_true one."""
+    for flag, dest, kind in ENGINE_FLAGS:
+        if dest == "enable_prefix_caching":
+            group.add_argument("--enable-prefix-caching", dest="no_prefix_caching", action="store_false",
+                               help="on by default")
+            group.add_argument("--no-enable-prefix-caching", "--no-prefix-caching", dest="no_prefix_caching",
+                               action="store_true", default=False)
+        elif kind is bool:
+            group.add_argument(flag, dest=dest, action="store_true", help=ENGINE_HELP.get(dest))
+        else:
+            group.add_argument(flag, dest=dest, type=kind, default=ENGINE_DEFAULTS.get(dest), help=ENGINE_HELP.get(dest))
+
+
+def engine_kwargs(args: Any) -> dict[str, Any]:
+    """serve-worker's engine flags as EngineArgs fields."""
+    out = {dest: getattr(args, dest) for _, dest, kind in ENGINE_FLAGS if kind is not bool}
+    out["enable_prefix_caching"] = not args.no_prefix_caching
+    return out
+
+
+def add_forwarded_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """`serve`/`up`: the engine flags for every pool, and --prefill-FLAG / --decode-FLAG for one
+    pool (help suppressed: one line per flag and pool would bury the rest)."""
+    g = parser.add_argument_group("engine (vLLM's flags, forwarded to every worker; --prefill-FLAG and "
+                                  "--decode-FLAG set one pool, e.g. --decode-max-num-seqs 256)")
+    for prefix in ("", *POOL_PREFIXES):
+        for flag, dest, kind in ENGINE_FLAGS:
+            name = flag if not prefix else f"--{prefix}-{flag[2:]}"
+            d = f"engine_{prefix + '_' if prefix else ''}{dest}"
+            hidden = argparse.SUPPRESS if prefix else ENGINE_HELP.get(dest)
+            if dest == "enable_prefix_caching":
+                g.add_argument(name, dest=d, action=argparse.BooleanOptionalAction, default=None, help=hidden)
+            elif kind is bool:
+                g.add_argument(name, dest=d, action="store_const", const=True, default=None, help=hidden)
+            else:
+                g.add_argument(name, dest=d, type=kind, default=None, help=hidden, metavar=dest.upper())
+
+
+def forwarded_engine(args: Any, pool: str) -> dict[str, Any]:
+    """The engine flags given for `pool` ("both", "prefill" or "decode"), by serve-worker dest
+    (a YAML pool's `engine` section): the every-pool value, then the pool's own over it."""
+    out: dict[str, Any] = {}
+    prefixes = ["", pool] if pool in POOL_PREFIXES else [""]
+    for prefix in prefixes:
+        for _, dest, _ in ENGINE_FLAGS:
+            value = getattr(args, f"engine_{prefix + '_' if prefix else ''}{dest}", None)
+            if value is None:
+                continue
+            if dest == "enable_prefix_caching":
+                out["no_prefix_caching"] = not value
+            else:
+                out[dest] = value
+    return out
