@@ -11,6 +11,8 @@ context_lens[b] tokens already in the paged cache (chunked prefill, prefix-cache
 
 Keys of new token j: cached positions [0, ctx) read through the block table (dequantised when the
 cache is float8), then new tokens [0, j] read straight from k and v (contiguous, full precision).
+With sliding_window w, only positions (ctx + j - w, ctx + j]: key tiles wholly before a program's
+first visible key are skipped, the others masked (WINDOWED, so full-context calls pay nothing).
 
 Tiling. A program owns one KV head and BLOCK_Q consecutive new tokens of one request, and stacks
 the G = Hq / Hk query heads sharing that KV head into the rows of one tile, so each key tile feeds
@@ -58,6 +60,7 @@ def extend_attention_torch(
     scale: float,
     k_scale: torch.Tensor | float | None = None,
     v_scale: torch.Tensor | float | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Reference: per request, cached prefix (dequantised) + new keys, causal, float32."""
     out = torch.zeros_like(q)
@@ -68,7 +71,13 @@ def extend_attention_torch(
             continue
         keys = torch.cat((gather_kv_torch(k_cache, block_tables[b], ctx, k_scale), k[s:e].float()))
         values = torch.cat((gather_kv_torch(v_cache, block_tables[b], ctx, v_scale), v[s:e].float()))
-        out[s:e] = causal_attention_torch(q[s:e].float(), keys, values, scale, ctx).to(q.dtype)
+        if sliding_window is None:
+            out[s:e] = causal_attention_torch(q[s:e].float(), keys, values, scale, ctx).to(q.dtype)
+            continue
+        for j in range(e - s):  # each token: its own last `sliding_window` keys
+            lo = max(0, ctx + j + 1 - sliding_window)
+            out[s + j] = causal_attention_torch(q[s + j : s + j + 1].float(), keys[lo : ctx + j + 1],
+                                                values[lo : ctx + j + 1], scale, ctx + j - lo)[0].to(q.dtype)
     return out
 
 
@@ -91,7 +100,8 @@ def _find_request(qsl_ptr, num_reqs, pid, BLOCK_Q: tl.constexpr):
 
 @lazy_jit
 def _new_token_tile(q, k_ptr, v_ptr, stride_kt, stride_vt, n0, kv_end, tok, d, d_mask,
-                    m_i, l_i, acc, qk_scale, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr):
+                    m_i, l_i, acc, qk_scale, window, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
+                    BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr):
     """Keys n0 .. n0+BLOCK_N of the request's new tokens (k_ptr/v_ptr: its first row, this head)."""
     n = n0 + tl.arange(0, BLOCK_N)
     n_mask = n < kv_end
@@ -101,6 +111,8 @@ def _new_token_tile(q, k_ptr, v_ptr, stride_kt, stride_vt, n0, kv_end, tok, d, d
     mask = n_mask[None, :]
     if CAUSAL:
         mask = mask & (n[None, :] <= tok[:, None])
+    if WINDOWED:
+        mask = mask & (n[None, :] > tok[:, None] - window)
     return online_softmax_step(q, k.to(q.dtype), v.to(q.dtype), m_i, l_i, acc, qk_scale, 1.0, mask, DOT_F32)
 
 
@@ -108,13 +120,13 @@ def _new_token_tile(q, k_ptr, v_ptr, stride_kt, stride_vt, n0, kv_end, tok, d, d
 def _extend_kernel(
     q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     qsl_ptr, context_lens_ptr, block_tables_ptr, k_scale_ptr, v_scale_ptr,
-    qk_scale, scale_stride, num_reqs,
+    qk_scale, scale_stride, num_reqs, window,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
     stride_bt, stride_ot, stride_oh,
     G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_SCALE: tl.constexpr, DOT_F32: tl.constexpr,
+    HAS_SCALE: tl.constexpr, DOT_F32: tl.constexpr, WINDOWED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -142,14 +154,17 @@ def _extend_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    # 1) cached prefix: every key is visible to every row
+    # 1) cached prefix: every key is visible to every row (without a window)
     prefix_qk_scale = qk_scale
     v_scale = 1.0
     if HAS_SCALE:
         prefix_qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head * scale_stride)
         v_scale = tl.load(v_scale_ptr + kv_head * scale_stride)
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
-    for n0 in range(0, ctx, BLOCK_N):
+    first = 0
+    if WINDOWED:  # the tile's first token (position ctx + q_tile * BLOCK_Q) sees nothing earlier
+        first = (tl.maximum(ctx + q_tile * BLOCK_Q - window + 1, 0) // BLOCK_N) * BLOCK_N
+    for n0 in range(first, ctx, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         n_mask = pos < ctx
         blk, off = paged_slots(bt_row, pos, n_mask, BLOCK_SIZE)
@@ -157,20 +172,26 @@ def _extend_kernel(
         v_rows = blk * stride_vcb + off * stride_vct + kv_head * stride_vch
         k = tl.load(k_cache_ptr + k_rows[None, :] + d[:, None], mask=d_mask[:, None] & n_mask[None, :], other=0.0)
         v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        mask = n_mask[None, :]
+        if WINDOWED:
+            mask = mask & (pos[None, :] > (ctx + tok)[:, None] - window)
         m_i, l_i, acc = online_softmax_step(q, k.to(q.dtype), v.to(q.dtype), m_i, l_i, acc, prefix_qk_scale,
-                                            v_scale, n_mask[None, :], DOT_F32)
+                                            v_scale, mask, DOT_F32)
 
     # 2) new tokens: keys before this tile's first token need no causal mask, the rest do
     k_base = k_ptr + q_start.to(tl.int64) * stride_kt + kv_head * stride_kh
     v_base = v_ptr + q_start.to(tl.int64) * stride_vt + kv_head * stride_vh
     kv_end = tl.minimum(q_len, (q_tile + 1) * BLOCK_Q)
     diag_start = (q_tile * BLOCK_Q // BLOCK_N) * BLOCK_N
-    for n0 in range(0, diag_start, BLOCK_N):
+    first = 0
+    if WINDOWED:
+        first = (tl.maximum(q_tile * BLOCK_Q - window + 1, 0) // BLOCK_N) * BLOCK_N
+    for n0 in range(first, diag_start, BLOCK_N):
         m_i, l_i, acc = _new_token_tile(q, k_base, v_base, stride_kt, stride_vt, n0, kv_end, tok, d, d_mask,
-                                        m_i, l_i, acc, qk_scale, False, BLOCK_N, DOT_F32)
-    for n0 in range(diag_start, kv_end, BLOCK_N):
+                                        m_i, l_i, acc, qk_scale, window, False, WINDOWED, BLOCK_N, DOT_F32)
+    for n0 in range(tl.maximum(diag_start, first), kv_end, BLOCK_N):
         m_i, l_i, acc = _new_token_tile(q, k_base, v_base, stride_kt, stride_vt, n0, kv_end, tok, d, d_mask,
-                                        m_i, l_i, acc, qk_scale, True, BLOCK_N, DOT_F32)
+                                        m_i, l_i, acc, qk_scale, window, True, WINDOWED, BLOCK_N, DOT_F32)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -198,9 +219,12 @@ def extend_attention_triton(
     v_scale: torch.Tensor | float | None = None,
     *,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Extend attention (see the module docstring). Rows of out past query_start_loc[-1] (padding
     tokens) are left untouched. No device sync."""
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     num_tokens, num_q_heads, head_dim = q.shape
     dev = q.device
@@ -232,13 +256,13 @@ def extend_attention_triton(
     _extend_kernel[grid](
         q, k, v, k_cache, v_cache, out, qsl, ctx, block_tables,
         ks if has_scale else ctx, vs if has_scale else ctx,
-        float(scale) * LOG2E, scale_stride, num_reqs,
+        float(scale) * LOG2E, scale_stride, num_reqs, sliding_window or 0,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         G=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
         BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n, HAS_SCALE=has_scale, DOT_F32=dot_f32,
-        num_warps=num_warps, num_stages=num_stages,
+        WINDOWED=sliding_window is not None, num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -6,6 +6,8 @@
     seq_lens     (B,) int32                       keys of request b: positions [0, seq_lens[b])
     -> out       (B, Hq, D) in q's dtype, softmax and accumulation in float32
 
+sliding_window w (optional): only the last w keys, positions [seq_len - w, seq_len), are read.
+
 GQA with any ratio G = Hq / Hk: one program serves the G query heads that share a KV head, so each
 key and value is read once per KV head, not once per query head. float8 caches are dequantised
 with k_scale / v_scale, per tensor or per KV head.
@@ -42,6 +44,7 @@ if TYPE_CHECKING:
 
 _BLOCK_N = 64  # keys per tile: 64 rows of a 128-dim bf16 head = 16 KiB in flight per tile
 _MIN_TOKENS_PER_SPLIT = 256  # shorter splits cost more in the reduction than they win
+_NO_WINDOW = 2**30  # "window" of a full-context call: seq_len - it is below 0
 
 
 def paged_decode_attention_torch(
@@ -53,15 +56,17 @@ def paged_decode_attention_torch(
     scale: float,
     k_scale: torch.Tensor | float | None = None,
     v_scale: torch.Tensor | float | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Reference: gathers each request's keys and values and attends in float32."""
     out = torch.zeros_like(q)
     for b, n in enumerate(seq_lens.tolist()):
         if n == 0:
             continue
-        k = gather_kv_torch(k_cache, block_tables[b], n, k_scale)
-        v = gather_kv_torch(v_cache, block_tables[b], n, v_scale)
-        out[b] = causal_attention_torch(q[b : b + 1].float(), k, v, scale, n - 1)[0].to(q.dtype)
+        lo = max(0, n - sliding_window) if sliding_window else 0
+        k = gather_kv_torch(k_cache, block_tables[b], n, k_scale)[lo:]
+        v = gather_kv_torch(v_cache, block_tables[b], n, v_scale)[lo:]
+        out[b] = causal_attention_torch(q[b : b + 1].float(), k, v, scale, n - 1 - lo)[0].to(q.dtype)
     return out
 
 
@@ -73,7 +78,7 @@ def paged_decode_attention_torch(
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
-    qk_scale, scale_stride, tokens_per_split,
+    qk_scale, scale_stride, tokens_per_split, window,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_bt, stride_ob, stride_oh,
     G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -86,6 +91,8 @@ def _decode_kernel(
     seq_len = tl.load(seq_lens_ptr + b)
     start = split * tokens_per_split
     end = tl.minimum(seq_len, start + tokens_per_split)
+    # sliding window: keys before seq_len - window are never read (a split wholly before it is empty)
+    start = tl.maximum(start, seq_len - window)
 
     g = tl.arange(0, BLOCK_G)  # query heads of this KV head, padded to >= 16 rows for tl.dot
     d = tl.arange(0, BLOCK_D)
@@ -179,10 +186,12 @@ def paged_decode_attention_triton(
     max_seq_len: int | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Decode attention (see the module docstring for shapes). max_seq_len (an upper bound of
     seq_lens, e.g. AttentionMetadata.max_seq_len) sizes the split-KV grid without a device sync;
-    num_splits overrides the automatic choice; out (B, Hq, D) receives the result if given."""
+    num_splits overrides the automatic choice; out (B, Hq, D) receives the result if given;
+    sliding_window (tokens, None = whole context) limits the keys to the last ones."""
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     batch, num_q_heads, head_dim = q.shape
     dev = q.device
@@ -202,6 +211,8 @@ def paged_decode_attention_triton(
     check_tensor("out", out, shape=tuple(q.shape), dtypes=(q.dtype,), device=dev)
     if batch == 0:
         return out
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max().item())  # one device sync; pass max_seq_len to avoid it
     if num_splits is None:
@@ -220,7 +231,7 @@ def paged_decode_attention_triton(
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, ks if has_scale else seq_lens, vs if has_scale else seq_lens,
         out, part_out, part_lse,
-        float(scale) * LOG2E, scale_stride, tokens_per_split,
+        float(scale) * LOG2E, scale_stride, tokens_per_split, sliding_window or _NO_WINDOW,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),

@@ -105,10 +105,6 @@ class DecoderForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, ops_backend: str = "torch",
                  tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
-        if attn_backend.name == "triton" and config.layer_windows:
-            from pdcluster.models.layers.triton_attention import check_windows
-
-            check_windows(list(config.layer_windows), config.max_model_len)
         self.config = config
         ops = get_ops(ops_backend)
         dtype = torch_dtype(config.dtype)

@@ -1,6 +1,6 @@
-"""MoE and NoPE models on the Triton backend (CPU interpreter here, compiled on CUDA) give the torch
-backend's greedy tokens: the router and grouped-GEMM kernels run, and NoPE layers never launch the
-rotary kernel (a rotary dimension of 0 never reaches it)."""
+"""MoE, NoPE and sliding-window models on the Triton backend (CPU interpreter here, compiled on
+CUDA) give the torch backend's greedy tokens: the router and grouped-GEMM kernels run, NoPE layers
+never launch the rotary kernel, and windows narrower than the sequences are masked by the kernels."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pdcluster import LLM, SamplingParams
 @pytest.mark.parametrize(("arch", "overrides"), [
     ("qwen2_moe", {"num_hidden_layers": 2, "num_experts": 5, "num_experts_per_tok": 3}),
     ("smollm3", {"num_hidden_layers": 2, "no_rope_layers": [0, 1]}),
+    ("mixtral", {"num_hidden_layers": 2, "sliding_window": 5}),  # 9-token prompt, 5 outputs > window
 ])
 def test_triton_backend_equals_torch_backend(tmp_path, arch: str, overrides: dict) -> None:
     from models.tiny_archs import make_checkpoint

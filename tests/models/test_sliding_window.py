@@ -1,6 +1,7 @@
 """Sliding windows: which layers slide and how wide, as transformers computes it (Mistral, Mixtral,
 Qwen2 max_window_layers, Qwen2-MoE, Qwen3-MoE, SmolLM3), token-exact vs transformers with prompts
-and outputs longer than the window; max_model_len is not capped; triton refuses what it can't mask."""
+and outputs longer than the window; max_model_len is not capped. (The Triton kernels' windows:
+tests/kernels/test_sliding_window_kernels.py and test_moe_nope_engine_triton.py.)"""
 
 from __future__ import annotations
 
@@ -17,8 +18,6 @@ from models.tiny_archs import make_checkpoint
 from pdcluster.engine.model_runner import ModelRunner
 from pdcluster.models.hf_config import load_model_config
 from pdcluster.models.layers.torch_attention import TorchAttentionBackend
-from pdcluster.models.layers.triton_attention import TritonAttentionBackend
-from pdcluster.models.loader import load_model
 
 PROMPTS = make_prompts(384, lens=(7, 19, 33, 1))
 MAX_TOKENS = 24
@@ -72,13 +71,6 @@ def test_the_window_changes_the_output(checkpoints: dict[str, str]) -> None:
     config = engine_config(path)
     full = dataclasses.replace(config, model=dataclasses.replace(config.model, layer_windows=()))
     assert run_greedy(ModelRunner(full), PROMPTS, max_tokens=MAX_TOKENS) != hf_greedy(path, PROMPTS, MAX_TOKENS)
-
-
-def test_triton_backend_refuses_sequences_longer_than_a_window(checkpoints: dict[str, str]) -> None:
-    path = checkpoints["qwen2-w6-from1"]
-    with pytest.raises(ValueError, match=r"sliding_window=6.*attention_backend='torch'"):
-        load_model(load_model_config(path), TritonAttentionBackend())
-    load_model(load_model_config(path, max_model_len=6), TritonAttentionBackend())  # never longer: allowed
 
 
 @pytest.mark.parametrize("window", [1, 3, 8])

@@ -5,9 +5,7 @@ Per step: write the new K/V into the paged cache (reshape_and_cache_triton), the
 - anything else (prefill, chunked prefill, prefix-cache hits, mixed prefill + decode): extend
   attention, which reads the cached prefix through the block table and the new tokens directly.
 
-The kernels have no sliding-window mask yet: a windowed layer is accepted only while no sequence is
-longer than its window (then full causal attention is the same thing); `check_windows` refuses a
-model whose max_model_len exceeds a window when it is built, and forward refuses a longer sequence.
+A layer's sliding window goes to both kernels (they skip key tiles before it and mask the rest).
 
 Imported lazily by the model runner for attention_backend="triton"; importing this module does not
 import triton (the kernels compile on first use).
@@ -21,19 +19,6 @@ from pdcluster.kernels.cache_write import reshape_and_cache_triton
 from pdcluster.kernels.extend_attention import extend_attention_triton
 from pdcluster.kernels.paged_attention import paged_decode_attention_triton
 from pdcluster.models.layers.attention_backend import AttentionBackend, AttentionMetadata
-
-
-def window_refusal(window: int, length: int) -> str:
-    return (f"attention_backend='triton' does not implement sliding windows: a sequence of {length} tokens "
-            f"is longer than a layer's sliding_window={window}; use attention_backend='torch' or "
-            f"max_model_len <= {window}")
-
-
-def check_windows(windows: list[int], max_model_len: int) -> None:
-    """ValueError (at model build) when a sequence could outgrow a sliding window (see the module doc)."""
-    narrow = [w for w in windows if w and w < max_model_len]
-    if narrow:
-        raise ValueError(window_refusal(min(narrow), max_model_len))
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -66,8 +51,6 @@ class TritonAttentionBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
     ) -> torch.Tensor:
-        if sliding_window is not None and meta.max_seq_len > sliding_window:
-            raise NotImplementedError(window_refusal(sliding_window, meta.max_seq_len))
         k_scale, v_scale = self._scales_for(k_cache)
         reshape_and_cache_triton(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         num_reqs = meta.num_reqs
@@ -77,10 +60,10 @@ class TritonAttentionBackend(AttentionBackend):
             out = torch.zeros_like(q) if q.shape[0] > num_reqs else torch.empty_like(q)
             paged_decode_attention_triton(
                 q[:num_reqs], k_cache, v_cache, block_tables, meta.seq_lens[:num_reqs], scale,
-                k_scale, v_scale, max_seq_len=meta.max_seq_len, out=out[:num_reqs])
+                k_scale, v_scale, max_seq_len=meta.max_seq_len, out=out[:num_reqs], sliding_window=sliding_window)
             return out
         # The kernel leaves rows past the last request's tokens alone; zero them if there are any.
         out = torch.zeros_like(q) if q.shape[0] > sum(meta.query_lens_cpu) else torch.empty_like(q)
         return extend_attention_triton(
             q, k, v, k_cache, v_cache, meta.query_start_loc[: num_reqs + 1], meta.context_lens[:num_reqs],
-            block_tables, scale, k_scale, v_scale, out=out)
+            block_tables, scale, k_scale, v_scale, out=out, sliding_window=sliding_window)
