@@ -6,7 +6,8 @@
     seq_lens     (B,) int32                       keys of request b: positions [0, seq_lens[b])
     -> out       (B, Hq, D) in q's dtype, softmax and accumulation in float32
 
-sliding_window w (optional): only the last w keys, positions [seq_len - w, seq_len), are read.
+sliding_window w (optional): only the last w keys, positions [seq_len - w, seq_len), are read;
+the splits then tile those w keys, not the whole context.
 
 GQA with any ratio G = Hq / Hk: one program serves the G query heads that share a KV head, so each
 key and value is read once per KV head, not once per query head. float8 caches are dequantised
@@ -89,10 +90,9 @@ def _decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    start = split * tokens_per_split
+    # Splits tile the visible keys [seq_len - window, seq_len) (the whole context without a window).
+    start = tl.maximum(seq_len - window, 0) + split * tokens_per_split
     end = tl.minimum(seq_len, start + tokens_per_split)
-    # sliding window: keys before seq_len - window are never read (a split wholly before it is empty)
-    start = tl.maximum(start, seq_len - window)
 
     g = tl.arange(0, BLOCK_G)  # query heads of this KV head, padded to >= 16 rows for tl.dot
     d = tl.arange(0, BLOCK_D)
@@ -215,10 +215,11 @@ def paged_decode_attention_triton(
         raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max().item())  # one device sync; pass max_seq_len to avoid it
+    span = min(max_seq_len, sliding_window or max_seq_len)  # most keys any request reads
     if num_splits is None:
-        num_splits = _choose_num_splits(batch, num_kv_heads, max_seq_len, dev)
-    tokens_per_split = cdiv(cdiv(max(max_seq_len, 1), num_splits), _BLOCK_N) * _BLOCK_N
-    num_splits = max(1, cdiv(max_seq_len, tokens_per_split))  # drop splits that would all be empty
+        num_splits = _choose_num_splits(batch, num_kv_heads, span, dev)
+    tokens_per_split = cdiv(cdiv(max(span, 1), num_splits), _BLOCK_N) * _BLOCK_N
+    num_splits = max(1, cdiv(span, tokens_per_split))  # drop splits that would all be empty
 
     group = num_q_heads // num_kv_heads
     block_d = next_power_of_2(head_dim)
