@@ -198,7 +198,9 @@ class HttpFrontend:
                                      "type": "InternalServerError", "param": None, "code": 500}}
                     await _event(resp, err)
                     break
-                await _event(resp, builder.delta_chunk(delta))
+                chunk = builder.delta_chunk(delta)
+                if chunk is not None:  # None: a chat with tools holds its text until the end
+                    await _event(resp, chunk)
                 if delta.finished:
                     if opts.include_usage:
                         await _event(resp, builder.usage_chunk())

@@ -179,7 +179,9 @@ class FanOut:
                     break
                 else:
                     g.builder.account(delta)
-                    await _event(resp, g.builder.delta_chunk(delta))
+                    chunk = g.builder.delta_chunk(delta)
+                    if chunk is not None:
+                        await _event(resp, chunk)
                 item = await self._queue.get()
             if remaining == 0 and self.opts.include_usage:
                 await _event(resp, self.head.usage_chunk(self._usage()))

@@ -3,13 +3,14 @@
 Only JSON shapes and types are checked here, each failure naming its field; ranges and
 cross-field rules are checked once for both frontends by SamplingParams in the Preprocessor.
 Every accepted field is honoured; any other field, and features this server does not have
-(tools, suffix, prompt_logprobs, ...), are refused by name rather than silently ignored.
+(suffix, prompt_logprobs, tools outside chat, ...), are refused by name rather than silently ignored.
 `n`, `best_of`, `echo` and batched prompts are the HTTP frontend's (openai_fanout.py): each
 GenerateRequest here is one prompt, sampled once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,7 @@ from pdcluster.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_STR
 from .errors import invalid
 from .openai_structured import FIELDS as STRUCTURED_FIELDS
 from .openai_structured import parse_structured
+from .openai_tools import ToolMode, chat_message_tool_fields, parse_tools
 
 # JSON field -> (proto SamplingParams field, kind). The vLLM extras are honoured like the rest.
 _SAMPLING_FIELDS: dict[str, tuple[str, str]] = {
@@ -68,6 +70,7 @@ class OpenAIOptions:
     best_of: int = 1       # generations per prompt (>= n); the n with the highest cumulative logprob win
     echo: bool = False     # completions: the prompt's text before each choice's text
     structured_field: str | None = None  # the structured-output field the client used
+    tools: ToolMode | None = None  # chat with tools: how to read tool calls out of the answer
 
 
 def parse_completion(body: Any, default_model: str) -> tuple[router_pb2.GenerateRequest, OpenAIOptions]:
@@ -141,6 +144,7 @@ def parse_chat(body: Any, default_model: str) -> tuple[router_pb2.GenerateReques
             if not isinstance(name, str):
                 raise invalid("messages", f"messages[{i}].name must be a string")
             msg.name = name
+        chat_message_tool_fields(m, i, msg)
     req.chat.add_generation_prompt = _bool(body, "add_generation_prompt", True)
     logprobs = None
     if _bool(body, "logprobs", False):
@@ -155,6 +159,9 @@ def parse_chat(body: Any, default_model: str) -> tuple[router_pb2.GenerateReques
     if body.get("max_completion_tokens") is not None:
         body = {**body, "max_tokens": body["max_completion_tokens"]}
     opts = _common(body, req, default_model, chat=True, logprobs=logprobs)
+    tools = parse_tools(body, req.chat, req.sampling_params, opts.structured_field)
+    if tools is not None:
+        opts = dataclasses.replace(opts, tools=tools)
     return req, opts
 
 
@@ -171,6 +178,8 @@ def _common(body: dict, req: router_pb2.GenerateRequest, default_model: str, *, 
         raise invalid("model", "must be a string")
     req.model = model or ""
     for name, ok in _UNSUPPORTED.items():
+        if chat and name in ("tools", "tool_choice"):
+            continue  # chat serves them (openai_tools.py)
         value = body.get(name)
         if value is not None and value != ok and value != {} and value != []:
             raise invalid(name, f"{name}={value!r} is not supported by this server")

@@ -9,6 +9,7 @@ from typing import Any
 from pdcluster._proto import common_pb2, worker_pb2
 
 from .openai_protocol import OpenAIOptions
+from .openai_tools import extract_tool_calls
 
 FINISH_REASONS = {
     common_pb2.FINISH_REASON_STOP: "stop",
@@ -30,6 +31,7 @@ class ResponseBuilder:
         self.id = ("chatcmpl-" if opts.chat else "cmpl-") + request_id
         self.index = index
         self._echo = echo
+        self._held: list[str] = []  # chat with tools: the text until the answer is complete
         self.opts = opts
         self.created = int(time.time())
         self.num_prompt_tokens = num_prompt_tokens
@@ -85,7 +87,14 @@ class ResponseBuilder:
                stop_reason: int | str | None) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": self.index, "logprobs": self.logprobs(logprobs),
                                   "finish_reason": FINISH_REASONS.get(finish), "stop_reason": stop_reason}
-        if self.opts.chat:
+        if self.opts.chat and self.opts.tools is not None:
+            content, calls = extract_tool_calls(text, self.opts.tools)
+            choice["message"] = {"role": "assistant", "content": content}
+            if calls:
+                choice["message"]["tool_calls"] = calls
+                if choice["finish_reason"] == "stop":
+                    choice["finish_reason"] = "tool_calls"
+        elif self.opts.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = self._echo + text
@@ -106,7 +115,10 @@ class ResponseBuilder:
         return self._chunk({"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None})
 
-    def delta_chunk(self, delta: worker_pb2.WorkerGenerateResponse) -> dict[str, Any]:
+    def delta_chunk(self, delta: worker_pb2.WorkerGenerateResponse) -> dict[str, Any] | None:
+        """The chunk for one delta; None while a chat with tools holds its text back."""
+        if self.opts.chat and self.opts.tools is not None:
+            return self._tool_chunk(delta)
         finish = FINISH_REASONS.get(delta.finish_reason) if delta.finished else None
         choice: dict[str, Any] = {"index": self.index, "logprobs": self.logprobs(delta.logprobs),
                                   "finish_reason": finish}
@@ -117,6 +129,21 @@ class ResponseBuilder:
             self._echo = ""
         if delta.finished:
             choice["stop_reason"] = stop_reason(delta)
+        return self._chunk(choice)
+
+    def _tool_chunk(self, delta: worker_pb2.WorkerGenerateResponse) -> dict[str, Any] | None:
+        self._held.append(delta.text)
+        if not delta.finished:
+            return None
+        choice = self.choice("".join(self._held), delta.finish_reason, [], stop_reason(delta))
+        message = choice.pop("message")
+        out: dict[str, Any] = {}
+        if message.get("content"):
+            out["content"] = message["content"]
+        if message.get("tool_calls"):
+            out["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
+        choice["delta"] = out
+        choice["logprobs"] = None
         return self._chunk(choice)
 
     def usage_chunk(self, usage: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -9,6 +9,8 @@ serve.
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import secrets
 import time
 from collections.abc import Collection, Sequence
@@ -170,13 +172,18 @@ class Preprocessor:
         for i, m in enumerate(chat.messages):
             if m.role not in CHAT_ROLES:
                 raise invalid("messages", f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {m.role!r}")
-            msg = {"role": m.role, "content": m.content}
+            msg: dict = {"role": m.role, "content": m.content}
             if m.HasField("name"):
                 msg["name"] = m.name
+            if m.HasField("tool_call_id"):
+                msg["tool_call_id"] = m.tool_call_id
+            if m.tool_calls_json:
+                msg["tool_calls"] = _json_field(m.tool_calls_json, f"messages[{i}].tool_calls_json")
             messages.append(msg)
+        tools = _json_field(chat.tools_json, "tools_json") if chat.tools_json else None
         try:
-            render = self.tokenizer.apply_chat_template
-            if sum(len(m["content"]) for m in messages) > _OFFLOAD_CHARS:
+            render = functools.partial(self.tokenizer.apply_chat_template, tools=tools)
+            if sum(len(m["content"]) for m in messages) + len(chat.tools_json) > _OFFLOAD_CHARS:
                 ids = await asyncio.to_thread(render, messages, chat.add_generation_prompt, True)
             else:
                 ids = render(messages, chat.add_generation_prompt, True)
@@ -198,6 +205,13 @@ class Preprocessor:
         if prompt_len + max_tokens > limit:
             raise invalid("max_tokens", f"max_tokens={max_tokens} + {prompt_len} prompt tokens exceeds this model's "
                           f"maximum context length of {limit}")
+
+
+def _json_field(text: str, name: str) -> object:
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise invalid("messages", f"{name} is not valid JSON: {e}") from None
 
 
 def _check_request_id(rid: str) -> str:

@@ -108,8 +108,14 @@ def test_bad_structured_output_is_400_naming_the_field(cluster, extra, param):
 UNKNOWN = [({"prompt": "x", "frobnicate": 1}, "/v1/completions", "frobnicate"),
            ({"messages": MSGS, "audio": {}}, "/v1/chat/completions", "audio"),
            ({"prompt": "x", "suffix": "y"}, "/v1/completions", "suffix"),
-           ({"messages": MSGS, "tools": [{"type": "function", "function": {"name": "f"}}]},
+           ({"messages": MSGS, "tools": [{"type": "function", "function": {"name": "bad name"}}]},
             "/v1/chat/completions", "tools"),
+           ({"messages": MSGS, "tools": [{"type": "function", "function": {"name": "f"}}],
+             "tool_choice": {"type": "function", "function": {"name": "g"}}}, "/v1/chat/completions", "tool_choice"),
+           ({"messages": MSGS, "tool_choice": "required"}, "/v1/chat/completions", "tool_choice"),
+           ({"messages": MSGS, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+             "response_format": {"type": "json_object"}}, "/v1/chat/completions", "tool_choice"),
+           ({"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}, "/v1/completions", "tools"),
            ({"messages": MSGS, "top_logprobs": 2}, "/v1/chat/completions", "top_logprobs"),
            ({"prompt": "x", "echo": True, "logprobs": 1}, "/v1/completions", "echo"),
            ({"prompt": "x", "n": 17}, "/v1/completions", "n"),
@@ -216,3 +222,72 @@ def test_tokenize_and_detokenize(cluster):
         assert code in (400, 404) and err["error"]["param"] == param, err
     with pytest.raises(openai.BadRequestError):
         client(c).completions.create(model=_model(c), prompt="x", max_tokens=2, extra_body={"nonsense": 1})
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
+                                            "unit": {"type": "string", "enum": ["C", "F"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"],
+        "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+
+
+def _check_calls(calls) -> None:
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_tool_calls(cluster):
+    c = cluster(1)
+    oa = client(c)
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    r = oa.chat.completions.create(model=_model(c), messages=msgs, tools=TOOLS, max_tokens=80, temperature=0,
+                                   tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+    _check_calls(r.choices[0].message.tool_calls)
+    assert [t.function.name for t in r.choices[0].message.tool_calls] == ["get_weather"]
+    r = oa.chat.completions.create(model=_model(c), messages=msgs, tools=TOOLS, max_tokens=120, temperature=0.8,
+                                   seed=1, tool_choice="required", parallel_tool_calls=False)
+    assert r.choices[0].finish_reason == "tool_calls"
+    _check_calls(r.choices[0].message.tool_calls)
+    assert len(r.choices[0].message.tool_calls) == 1
+    # Streamed: the client assembles the calls from the deltas.
+    chunks = list(oa.chat.completions.create(model=_model(c), messages=msgs, tools=TOOLS, max_tokens=120,
+                                             temperature=0, tool_choice="required", stream=True))
+    calls: dict[int, dict] = {}
+    for ch in chunks:
+        for tc in (ch.choices[0].delta.tool_calls or []) if ch.choices else []:
+            entry = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+            entry["name"] += tc.function.name or ""
+            entry["arguments"] += tc.function.arguments or ""
+    assert calls and chunks[-1].choices[0].finish_reason == "tool_calls"
+    for entry in calls.values():
+        jsonschema.validate(json.loads(entry["arguments"]), SCHEMAS[entry["name"]])
+    # auto: the model may answer in text; a multi-turn conversation with a tool result renders.
+    history = msgs + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                          "arguments": '{"city": "Paris", "unit": "C"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 C, sunny"}]
+    r = oa.chat.completions.create(model=_model(c), messages=history, tools=TOOLS, max_tokens=5, temperature=0)
+    assert r.choices[0].finish_reason in ("length", "stop", "tool_calls")
+    r = oa.chat.completions.create(model=_model(c), messages=msgs, tools=TOOLS, tool_choice="none", max_tokens=3,
+                                   temperature=0)
+    assert r.choices[0].message.tool_calls is None
+
+
+def test_hermes_tool_call_parsing():
+    from pdcluster.router.openai_tools import ToolMode, extract_tool_calls
+
+    mode = ToolMode("auto", ("get_weather",))
+    text = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "unit": "F"}}\n</tool_call>'
+    content, calls = extract_tool_calls(text, mode)
+    assert content == "Let me look." and len(calls) == 1
+    assert calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Rome", "unit": "F"}'}
+    assert extract_tool_calls("plain answer", mode) == ("plain answer", [])
+    # Unknown functions and broken JSON stay text.
+    assert extract_tool_calls('<tool_call>{"name": "rm", "arguments": {}}</tool_call>', mode)[1] == []
+    assert extract_tool_calls("<tool_call>{nope}</tool_call>", mode)[1] == []
