@@ -58,6 +58,9 @@ def add_worker_flags(p: argparse.ArgumentParser, role: str | None = None) -> Non
     p.add_argument("--metrics-host", default="127.0.0.1", help="bind address of the Prometheus endpoint (default loopback)")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="Prometheus endpoint port; 0 picks a free one (its URL is in the ready line), -1 turns it off")
+    p.add_argument("--drain-timeout", type=float, default=10.0,
+                   help="SIGTERM: seconds running requests may finish (new ones are refused) before the rest "
+                        "end with UNAVAILABLE so a router resumes them on another worker")
     g = p.add_argument_group("security")
     g.add_argument("--key-dir", default=None, help="keys made by `pdcluster keys init DIR` (enables KV events); "
                    "or set PDCLUSTER_WORKER_KEY and PDCLUSTER_KV_EVENTS_ALLOWED")
@@ -111,6 +114,7 @@ def worker_config(args: argparse.Namespace) -> Any:
     return WorkerConfig(
         role=args.role, host=args.host, port=args.port, advertise_host=args.advertise_host,
         worker_id=args.worker_id, max_message_bytes=args.max_message_bytes, key_dir=args.key_dir,
+        drain_timeout_s=args.drain_timeout,
         key_name=args.key_name, kv_events_allow=tuple(n.strip() for n in args.kv_events_allow.split(",") if n.strip()),
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca, kv_connector=args.kv_connector,
         metrics_host=args.metrics_host, metrics_port=None if args.metrics_port < 0 else args.metrics_port,

@@ -7,6 +7,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class DrainRequest(_message.Message):
+    __slots__ = ("timeout_s",)
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    timeout_s: float
+    def __init__(self, timeout_s: _Optional[float] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("num_finished", "num_moved")
+    NUM_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    NUM_MOVED_FIELD_NUMBER: _ClassVar[int]
+    num_finished: int
+    num_moved: int
+    def __init__(self, num_finished: _Optional[int] = ..., num_moved: _Optional[int] = ...) -> None: ...
+
 class WorkerGenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "kv_transfer_params", "stream", "eos_token_ids", "prefill_output_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -61,6 +61,11 @@ class WorkerStub:
                 request_serializer=pdcluster_dot_v1_dot_worker__pb2.GetInfoRequest.SerializeToString,
                 response_deserializer=pdcluster_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/pdcluster.v1.Worker/Drain',
+                request_serializer=pdcluster_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
+                response_deserializer=pdcluster_dot_v1_dot_worker__pb2.DrainResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -106,6 +111,16 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Graceful drain (what SIGTERM does before exiting): health NOT_SERVING and new requests
+        refused with UNAVAILABLE from now on; running requests may finish until timeout_s, the rest
+        end with UNAVAILABLE (a router resumes them elsewhere). Returns once nothing runs here; the
+        worker keeps refusing until it is stopped.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -133,6 +148,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=pdcluster_dot_v1_dot_worker__pb2.GetInfoRequest.FromString,
                     response_serializer=pdcluster_dot_v1_dot_worker__pb2.WorkerInfo.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=pdcluster_dot_v1_dot_worker__pb2.DrainRequest.FromString,
+                    response_serializer=pdcluster_dot_v1_dot_worker__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -271,6 +291,33 @@ class Worker:
             '/pdcluster.v1.Worker/GetInfo',
             pdcluster_dot_v1_dot_worker__pb2.GetInfoRequest.SerializeToString,
             pdcluster_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdcluster.v1.Worker/Drain',
+            pdcluster_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
+            pdcluster_dot_v1_dot_worker__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -9,7 +9,9 @@
         -> start_worker_server()                 WorkerServicer + RequestTable + health + KV events
         -> start_metrics()                       Prometheus on --metrics-host:--metrics-port
         -> on_ready(server, port, metrics_url)   the caller announces it (the READY line)
-        SIGTERM / SIGINT -> server.stop(): NOT_SERVING, abort every request, close the sockets
+        SIGTERM / SIGINT -> server.drain(drain_timeout_s): NOT_SERVING, refuse new requests, let
+                            running ones finish, end the rest with UNAVAILABLE (routers resume
+                            them elsewhere) -> server.stop(): close the sockets
 
 Nothing here parses flags, and nothing is imported until it is needed (the CLI imports this
 module to build its parser quickly).
@@ -57,6 +59,7 @@ class WorkerConfig:
     engine: Mapping[str, Any] = field(default_factory=dict)  # EngineArgs keywords (not the connector's)
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = 0  # 0: a free port; None: no metrics endpoint
+    drain_timeout_s: float = 10.0  # SIGTERM: how long running requests may finish before they move
 
 
 def advertise_host(config: WorkerConfig) -> str:
@@ -150,10 +153,12 @@ async def _serve(config: WorkerConfig, role: WorkerRole, engine: AsyncEngine, ha
     server, port = await start_worker_server(
         engine, handler, config.host, config.port, tls, worker_id=config.worker_id, kv_events=kv_events,
         max_message_bytes=config.max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES)
+    server.servicer.drain_timeout_s = config.drain_timeout_s
     metrics = start_metrics(config, role, engine, server)
     on_ready(server, port, metrics.url if metrics is not None else "")
     log.info("worker %s (%s) serving on %s", server.worker_id, role.name, server.address)
     await stop.wait()
+    await server.drain(config.drain_timeout_s)
     log.info("shutting down; %s stats: %s", role.name, role.role_metrics(engine.get_stats()))
     await server.stop(grace=2.0)
     if metrics is not None:

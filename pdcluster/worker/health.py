@@ -1,5 +1,5 @@
 """grpc.health.v1 for a worker: SERVING while the engine thread is alive, NOT_SERVING after it
-died or once shutdown began (so routers stop sending before the port closes).
+died, once a drain or shutdown began (so routers stop sending before the port closes).
 
 Both the overall status ("") and the service name "pdcluster.v1.Worker" are reported.
 """
@@ -32,15 +32,16 @@ class EngineHealth:
         self.servicer = health.aio.HealthServicer()
         self._status: int | None = None
         self._task: asyncio.Task | None = None
+        self._draining = False
 
     async def start(self) -> None:
         await self._refresh()
         self._task = asyncio.get_running_loop().create_task(self._watch(), name="pdcluster-health")
 
     async def _refresh(self) -> None:
-        status = SERVING if self.engine.is_healthy else NOT_SERVING
+        status = SERVING if self.engine.is_healthy and not self._draining else NOT_SERVING
         if status != self._status:
-            if status == NOT_SERVING and self._status is not None:
+            if status == NOT_SERVING and self._status is not None and not self._draining:
                 log.error("engine is not healthy; health status -> NOT_SERVING")
             self._status = status
             for name in ("", self.service_name):
@@ -50,6 +51,11 @@ class EngineHealth:
         while True:
             await asyncio.sleep(self.interval_s)
             await self._refresh()
+
+    async def drain(self) -> None:
+        """NOT_SERVING from now on (routers stop sending); Check calls are still answered."""
+        self._draining = True
+        await self._refresh()
 
     async def shutdown(self) -> None:
         """NOT_SERVING from now on, for every service, also for later Check calls."""

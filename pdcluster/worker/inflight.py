@@ -26,3 +26,6 @@ class Inflight:
     num_prompt_tokens: int = 0
     # GenerateStream: ends the request with finish_reason ABORT (Generate's queue gets request_table.ABORTED instead).
     on_abort: Callable[[], None] | None = None
+    # Where an item for the request goes besides the pump's outputs (request_table.MOVED at a
+    # drain's end); None: the queue (Generate).
+    deliver: Callable[[object], object] | None = None

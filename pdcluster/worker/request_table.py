@@ -7,6 +7,8 @@ GenerateStream session alike.
     refusal_for()  the status an engine item ends a request with, if any
     response()     one engine item as a WorkerGenerateResponse (ABORTED: abort_response)
     abort()        cancel the pump (the engine frees the blocks) and end the request with ABORT
+    draining       set: new requests are refused with UNAVAILABLE; move_all() ends the running
+                   ones with UNAVAILABLE (a router resumes them on another worker)
 
 The gRPC adapters (worker_servicer.py, worker_stream.py) own the transport: deadlines, status
 codes on the wire, batching. Everything a request is, and every way it ends, lives here.
@@ -35,6 +37,7 @@ from pdcluster.worker.roles import KvTransferRejected, RoleHandler
 log = logging.getLogger(__name__)
 
 ABORTED = object()  # queued by abort() for a request without on_abort: end it with finish_reason ABORT
+MOVED = object()  # delivered by move(): end the request with UNAVAILABLE (the worker is draining)
 
 # A pumped item: (arrival time, engine output), the exception that ended the request, or ABORTED.
 Sink = Callable[[Any], "bool | None"]
@@ -54,6 +57,7 @@ class RequestTable:
         self._eos = frozenset(engine.eos_token_ids)
         self._inflight: dict[str, Inflight] = {}
         self._pumps: dict[str, asyncio.Task] = {}  # request id -> its pump task, until that ends
+        self.draining = False
 
     def __len__(self) -> int:
         return len(self._inflight)
@@ -82,6 +86,8 @@ class RequestTable:
             raise Refusal(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already running here")
         if not self.engine.is_healthy:
             raise Refusal(grpc.StatusCode.UNAVAILABLE, "engine is not running")
+        if self.draining:
+            raise Refusal(grpc.StatusCode.UNAVAILABLE, "worker is draining; send the request to another worker")
         return params, kv
 
     def track(self, request_id: str, inflight: Inflight) -> None:
@@ -131,6 +137,9 @@ class RequestTable:
         """The status a pumped item ends the request with, if any: an exception from the engine,
         or an error output before anything was sent while the engine is down (the router then
         retries elsewhere). None: send the item as a delta."""
+        if item is MOVED:
+            return Refusal(grpc.StatusCode.UNAVAILABLE, "worker is draining: the request was ended here so that it "
+                           "continues on another worker")
         if isinstance(item, BaseException):
             if isinstance(item, ValueError):
                 return Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(item))
@@ -171,3 +180,12 @@ class RequestTable:
 
     def abort_all(self) -> int:
         return sum(self.abort(request_id) for request_id in list(self._inflight))
+
+    def move_all(self) -> int:
+        """End every running request with UNAVAILABLE (the end of a drain); their blocks are freed."""
+        moved = list(self._inflight.values())
+        for inflight in moved:
+            if inflight.task is not None:
+                inflight.task.cancel()
+            (inflight.deliver or inflight.queue.put_nowait)(MOVED)
+        return len(moved)

@@ -49,6 +49,11 @@ class WorkerServer:
     def worker_id(self) -> str:
         return self.servicer.worker_id
 
+    async def drain(self, timeout_s: float | None = None) -> tuple[int, int]:
+        """Stop admitting, report NOT_SERVING, let running requests finish until timeout_s (default
+        the servicer's drain_timeout_s), end the rest with UNAVAILABLE; then stop() closes."""
+        return await self.servicer.drain(timeout_s)
+
     async def stop(self, grace: float | None = 5.0) -> None:
         if self._stopped:
             return
@@ -119,6 +124,7 @@ async def start_worker_server(
     try:
         servicer = WorkerServicer(engine, handler, worker_id=worker_id, epoch=epoch, kv_events=publisher)
         health = EngineHealth(engine)
+        servicer.health = health
         worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
         from grpc_health.v1 import health_pb2_grpc
 

@@ -15,11 +15,16 @@ with finish_reason ERROR.
 
 GenerateStream (the router's path) runs many requests over one call with the same per-request
 rules and the same table; see worker_stream.py.
+
+Drain (the RPC, and SIGTERM through WorkerServer.drain): NOT_SERVING, new requests refused with
+UNAVAILABLE, running ones may finish until the timeout, the rest end with UNAVAILABLE so a
+router resumes them elsewhere (router/migration.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +41,12 @@ from pdcluster.worker.worker_stats import HitRateWindow, KVEventsInfo, build_inf
 from pdcluster.worker.worker_stream import StreamSession
 
 if TYPE_CHECKING:
+    from pdcluster.worker.health import EngineHealth
     from pdcluster.worker.kv_events import KVEventService  # zmq: only when publishing
+
+log = logging.getLogger(__name__)
+DEFAULT_DRAIN_TIMEOUT_S = 10.0
+_DRAIN_POLL_S = 0.05
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -53,6 +63,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.requests = RequestTable(engine, role)
         self._sessions: set[StreamSession] = set()
         self._hit_rate = HitRateWindow()
+        self.health: EngineHealth | None = None  # set by start_worker_server (a drain reports NOT_SERVING)
+        self.drain_timeout_s = DEFAULT_DRAIN_TIMEOUT_S
 
     @property
     def num_inflight(self) -> int:
@@ -125,6 +137,27 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 # under a transfer lease): abort there too; unknown ids are ignored.
                 await self.engine.abort(request_id)
         return common_pb2.AbortResponse(aborted_request_ids=aborted)
+
+    async def drain(self, timeout_s: float | None = None) -> tuple[int, int]:
+        """(requests that finished while draining, requests moved at the timeout)."""
+        timeout_s = self.drain_timeout_s if timeout_s is None else timeout_s
+        self.requests.draining = True
+        if self.health is not None:
+            await self.health.drain()
+        running = len(self.requests)
+        log.info("draining: %d request(s) running, waiting up to %.1fs", running, timeout_s)
+        end = time.monotonic() + max(0.0, timeout_s)
+        while len(self.requests) and time.monotonic() < end:
+            await asyncio.sleep(_DRAIN_POLL_S)
+        moved = self.requests.move_all()
+        if moved:
+            log.warning("drain timeout: %d request(s) ended with UNAVAILABLE to continue on another worker", moved)
+        return max(0, running - moved), moved
+
+    async def Drain(self, request: worker_pb2.DrainRequest, context: grpc.aio.ServicerContext) -> worker_pb2.DrainResponse:  # noqa: N802
+        timeout_s = request.timeout_s if request.HasField("timeout_s") else None
+        finished, moved = await self.drain(timeout_s)
+        return worker_pb2.DrainResponse(num_finished=finished, num_moved=moved)
 
     def abort_all(self) -> int:
         """Shutdown: abort every request and end every GenerateStream once its replies are out."""

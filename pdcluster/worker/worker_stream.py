@@ -127,6 +127,7 @@ class StreamSession:
         inflight = Inflight(num_prompt_tokens=len(request.prompt_token_ids))
         run = _Run(tag, request_id, params, request.stream, inflight)
         inflight.on_abort = lambda: self._end_aborted(run)
+        inflight.deliver = lambda item: self._deliver(run, item)
         self._runs[tag] = run
         requests.track(request_id, inflight)
         loop = asyncio.get_running_loop()

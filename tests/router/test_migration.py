@@ -18,53 +18,21 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from real_router_cluster import (
-    WORKER_MAX_MODEL_LEN,
-    WORKER_NUM_KV_BLOCKS,
-    Cluster,
-    LoopThread,
-    WorkerPool,
-    WorkerProc,
-    is_idle,
-    wait_until,
-    worker_stats,
-)
+from chaos.mark_hold_pool import MarkHoldPool
+from real_router_cluster import Cluster, LoopThread, WorkerPool, WorkerProc, is_idle, wait_until, worker_stats
 
 from pdcluster._proto import common_pb2, router_pb2
 
 MARKS = (4, 8)
-MARK_HOLD_CLI = pathlib.Path(__file__).resolve().parents[1] / "chaos" / "mark_hold_cli.py"
 LENGTH, STOP, ERROR = common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_ERROR
 PROMPT = [11, 12, 13, 14]
 CHANNELS = pytest.mark.parametrize("channel", ["stream", "call"])
 
 
-class MarkHoldWorker(WorkerProc):
-    cli = MARK_HOLD_CLI
-
-
-class MarkHoldPool(WorkerPool):
-    """Three `serve-worker --role both` processes that hold "mig-" requests at MARKS."""
-
-    def __init__(self, model: str, key_dir: str, log_dir: pathlib.Path, size: int = 3) -> None:
-        self.args = ["--role", "both", "--model", model, "--max-model-len", str(WORKER_MAX_MODEL_LEN),
-                     "--num-kv-blocks", str(WORKER_NUM_KV_BLOCKS), "--key-dir", key_dir, "--log-level", "WARNING"]
-        self.log_dir = log_dir
-        self.workers = []
-        env = {"PDCLUSTER_TEST_HOLD_MARKS": ",".join(map(str, MARKS))}
-        try:
-            for i in range(size):
-                self.workers.append(MarkHoldWorker(f"m{i}", self.args, log_dir, env=env))
-            for w in self.workers:
-                w.wait_ready()
-        except BaseException:
-            self.close()
-            raise
-
-
 @pytest.fixture(scope="module")
 def mark_pool(demo_model: str, key_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerPool]:
-    pool = MarkHoldPool(demo_model, str(key_dir), tmp_path_factory.mktemp("migration-logs"))
+    pool = MarkHoldPool(demo_model, str(key_dir), tmp_path_factory.mktemp("migration-logs"),
+                        [(f"m{i}", "both") for i in range(3)], MARKS)
     try:
         yield pool
     finally:

@@ -21,63 +21,24 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from real_router_cluster import (
-    WORKER_MAX_MODEL_LEN,
-    WORKER_NUM_KV_BLOCKS,
-    Cluster,
-    LoopThread,
-    WorkerPool,
-    WorkerProc,
-    is_idle,
-    wait_until,
-    worker_stats,
-)
+from chaos.mark_hold_pool import MarkHoldPool
+from real_router_cluster import Cluster, LoopThread, WorkerProc, is_idle, wait_until, worker_stats
 
 from pdcluster._proto import common_pb2, router_pb2
 
 MARK = 4
-MARK_HOLD_CLI = pathlib.Path(__file__).resolve().parents[1] / "chaos" / "mark_hold_cli.py"
 LENGTH = common_pb2.FINISH_REASON_LENGTH
 PROMPT = [21, 22, 23, 24, 25]
 MODES = "pdcluster_router_disaggregated_requests_total"
 
 
-class MarkHoldWorker(WorkerProc):
-    cli = MARK_HOLD_CLI
-
-
-class DisaggPool(WorkerPool):
-    """p0, p1 (prefill) and d0, d1 (decode, holding "mig-" requests at MARK), one P2P secret."""
-
-    def __init__(self, model: str, key_dir: str, log_dir: pathlib.Path) -> None:
-        common = ["--model", model, "--max-model-len", str(WORKER_MAX_MODEL_LEN), "--num-kv-blocks",
-                  str(WORKER_NUM_KV_BLOCKS), "--key-dir", key_dir, "--kv-connector", "p2p", "--log-level", "WARNING"]
-        self.args = common
-        self.log_dir = log_dir
-        self.workers = []
-        env = {"PDCLUSTER_KV_CONNECTOR_OPTIONS": json.dumps({"params_secret": secrets.token_hex(32)}),
-               "PDCLUSTER_TEST_HOLD_MARKS": str(MARK)}
-        try:
-            for name, role in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"), ("d1", "decode")):
-                self.workers.append(MarkHoldWorker(name, ["--role", role, *common], log_dir, env=env))
-            for w in self.workers:
-                w.wait_ready()
-        except BaseException:
-            self.close()
-            raise
-
-    def take_roles(self, names: tuple[str, ...]) -> list[WorkerProc]:
-        self.revive()
-        chosen = [w for w in self.workers if w.name in names]
-        for w in chosen:
-            w.wait_ready()
-            assert wait_until(lambda w=w: is_idle(w.address), 30), f"{w.name} is not idle: {worker_stats(w.address)}"
-        return chosen
-
-
 @pytest.fixture(scope="module")
-def disagg_pool(demo_model: str, key_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DisaggPool]:
-    pool = DisaggPool(demo_model, str(key_dir), tmp_path_factory.mktemp("disagg-logs"))
+def disagg_pool(demo_model: str, key_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[MarkHoldPool]:
+    """p0, p1 (prefill) and d0, d1 (decode, holding "mig-" requests at MARK), one P2P secret."""
+    pool = MarkHoldPool(demo_model, str(key_dir), tmp_path_factory.mktemp("disagg-logs"),
+                        [("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"), ("d1", "decode")], (MARK,),
+                        extra_args=["--kv-connector", "p2p"],
+                        env={"PDCLUSTER_KV_CONNECTOR_OPTIONS": json.dumps({"params_secret": secrets.token_hex(32)})})
     try:
         yield pool
     finally:
@@ -85,7 +46,7 @@ def disagg_pool(demo_model: str, key_dir: pathlib.Path, tmp_path_factory: pytest
 
 
 @pytest.fixture
-def make(loop_thread: LoopThread, disagg_pool: DisaggPool, demo_model: str,
+def make(loop_thread: LoopThread, disagg_pool: MarkHoldPool, demo_model: str,
          key_dir: pathlib.Path) -> Iterator[Callable[..., Cluster]]:
     from pdcluster.router.app import Router
     from pdcluster.router.config import RouterConfig
@@ -93,7 +54,7 @@ def make(loop_thread: LoopThread, disagg_pool: DisaggPool, demo_model: str,
     made: list[Cluster] = []
 
     def make(names: tuple[str, ...] = ("p0", "d0", "d1"), **overrides: Any) -> Cluster:
-        workers = disagg_pool.take_roles(names)
+        workers = disagg_pool.take_named(names)
         config = RouterConfig(**{
             "workers": tuple(w.address for w in workers), "model": demo_model, "grpc_port": 0, "http_port": 0,
             "health_interval_s": 0.1, "health_timeout_s": 1.0, "request_timeout_s": 120.0, "policy": "round_robin",
