@@ -97,3 +97,22 @@ def test_logprobs_and_refusals_disaggregated(served, offline):
     with pytest.raises(urllib.error.HTTPError) as http_err:
         urllib.request.urlopen(req, timeout=30)
     assert http_err.value.code == 400 and json.loads(http_err.value.read())["error"]["param"] == "unknown_thing"
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
+                                            "unit": {"type": "string", "enum": ["C", "F"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+
+
+def test_required_tool_call_disaggregated(served):
+    oa = _client(served)
+    model = _model(oa)
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        r = oa.chat.completions.create(model=model, messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS,
+                                       tool_choice=choice, max_tokens=80, temperature=0.7, seed=4)
+        assert r.choices[0].finish_reason == "tool_calls"
+        calls = r.choices[0].message.tool_calls
+        assert calls and all(c.function.name == "get_weather" for c in calls)
+        for c in calls:
+            jsonschema.validate(json.loads(c.function.arguments), WEATHER)
