@@ -312,7 +312,12 @@ def _connector_env(args: argparse.Namespace, pools: list[tuple[str, int]],
         log.info("kvstore master %s (logs: %s)", master, stores.workdir)
         # Every instance sharing this store is one of ours: name their TP sizes so blocks are cut
         # into as few shards as they need (the connector's default assumes TP 1, 2, 4 and 8).
-        options = {"master": master, "tp_sizes": sorted({args.prefill_tp, args.decode_tp})}
+        import secrets
+
+        # object_key: the workers' store key; each object is MACed under it at put and checked at
+        # every get (kvstore/object_mac.py). Only the workers get it, never the master or the node.
+        options = {"master": master, "tp_sizes": sorted({args.prefill_tp, args.decode_tp}),
+                   "object_key": secrets.token_hex(32)}
         return {"PDCLUSTER_KV_CONNECTOR_OPTIONS": json.dumps(options)}, stores, {"kvstore_master": master}
     return {}, None, {}  # a plugin: its options come from --worker-args / the environment
 

@@ -10,6 +10,10 @@ publishes. If any replica write fails the put is revoked, so a partial object is
 Gets take a lease (the master keeps the bytes until it expires) and read one replica, trying the
 next on failure. Small same-host puts take one RPC per batch instead (client_arena.py); how bytes
 reach a replica (shared memory or TCP) is replica_io.py; the master connection is master_rpc.py.
+
+Integrity: with an `object_key` (the store key the workers share, object_mac.py) every put MACs
+its object and the master records the MAC with it; every get checks the bytes it read against
+the recorded MAC and reports a mismatch (or a missing MAC) as a failed read, never as data.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pdcluster.transfer import TransferError, as_byte_view
 from .client_arena import WriteArenas
 from .entities import Status
 from .master_rpc import KVStoreError, MasterRPC
+from .object_mac import check_store_key, mac_matches, object_mac
 from .replica_io import Hit, ReplicaIO
 
 
@@ -34,16 +39,21 @@ class PendingPut:
     size: int
     replicas: list[pb.KVReplica]  # each with its WRITE token
     token_expiry_ms: int
+    mac: bytes = b""  # set by write_put when the client has an object key
 
 
 class KVStoreClient:
     def __init__(self, master_addr: str, *, num_streams: int = 4, use_shm: bool = True, rpc_timeout_s: float = 10.0,
                  max_parallel: int = 8, tls_ca: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None, arena_bytes: int = 8 << 20, arena_max_object: int = 256 << 10) -> None:
+                 tls_key: str | None = None, arena_bytes: int = 8 << 20, arena_max_object: int = 256 << 10,
+                 object_key: bytes | str | None = None) -> None:
+        self._object_key = check_store_key(object_key)
         self._master = MasterRPC(master_addr, timeout_s=rpc_timeout_s, tls_ca=tls_ca, tls_cert=tls_cert,
                                  tls_key=tls_key)
         self._replica_io = ReplicaIO(num_streams=num_streams, use_shm=use_shm, max_parallel=max_parallel)
-        self._arenas = WriteArenas(self._master, self._replica_io, arena_bytes=arena_bytes, max_object=arena_max_object)
+        self._arenas = WriteArenas(self._master, self._replica_io, arena_bytes=arena_bytes, max_object=arena_max_object,
+                                   object_key=self._object_key)
+        self.counters = {"mac_mismatches": 0}
 
     def close(self) -> None:
         self._arenas.close()
@@ -124,11 +134,13 @@ class KVStoreClient:
         view = as_byte_view(src, writable=False)
         if view.nbytes != put.size:
             raise ValueError(f"{put.key}: source has {view.nbytes} bytes, put was started for {put.size}")
+        if self._object_key is not None:
+            put.mac = object_mac(self._object_key, put.key, view)
         for replica in put.replicas:
             self._replica_io.write(replica, view, put.token_expiry_ms)
 
     def end_puts(self, puts: Sequence[PendingPut]) -> list[Status]:
-        request = pb.KVPutEndRequest(puts=[pb.KVPutRef(key=put.key, put_id=put.put_id) for put in puts])
+        request = pb.KVPutEndRequest(puts=[pb.KVPutRef(key=put.key, put_id=put.put_id, mac=put.mac) for put in puts])
         return [Status(s) for s in self._master.call("PutEnd", request).statuses]
 
     def revoke_puts(self, puts: Sequence[PendingPut]) -> list[Status]:
@@ -153,6 +165,8 @@ class KVStoreClient:
             return None
         buf = bytearray(result.size)
         self._read(result, memoryview(buf))
+        if not self._verified(result, memoryview(buf)):
+            raise KVStoreError(f"{key}: object MAC mismatch (the bytes read are not the bytes written)")
         return bytes(buf)
 
     def batch_get(self, keys: Sequence[str], dests: Sequence[Any]) -> list[int | None]:
@@ -184,6 +198,11 @@ class KVStoreClient:
                 out[i] = size
             else:
                 failed.append(result.key)
+        if self._object_key is not None:
+            for i, result, size in hits:
+                if out[i] is not None and not self._verified(result, views[i][:size]):
+                    out[i] = None
+                    failed.append(result.key)
         if failed:
             raise KVStoreError(f"could not read {len(failed)} object(s), e.g. {failed[0]}", out, failed)
         return out
@@ -198,6 +217,13 @@ class KVStoreClient:
             if fresh.status == Status.OK and fresh.size == result.size:
                 return self._read(fresh, view, ask_tokens=False)
         raise KVStoreError(f"{result.key}: every replica failed: {error}")
+
+    def _verified(self, result: pb.KVGetReplicasResult, view: memoryview) -> bool:
+        """The bytes read match the MAC the master recorded (always true without an object key)."""
+        if self._object_key is None or mac_matches(self._object_key, result.key, view, result.mac):
+            return True
+        self.counters["mac_mismatches"] += 1
+        return False
 
     # -- metadata ----------------------------------------------------------------------------
     def exists(self, key: str) -> bool:

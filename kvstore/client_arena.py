@@ -22,6 +22,7 @@ from pdcluster.transfer import now_ms
 
 from .entities import Status
 from .master_rpc import KVStoreError, MasterRPC
+from .object_mac import object_mac
 from .replica_io import ReplicaIO
 
 ARENA_RETRY_MS = 5000  # after an arena could not be used (no room, remote replicas): two-phase for a while
@@ -66,7 +67,8 @@ class WriteArenas:
     """This client's arenas, one per replica_num; arena_bytes=0 turns them off."""
 
     def __init__(self, master: MasterRPC, replica_io: ReplicaIO, *, arena_bytes: int = 8 << 20,
-                 max_object: int = 256 << 10) -> None:
+                 max_object: int = 256 << 10, object_key: bytes | None = None) -> None:
+        self._object_key = object_key  # MAC each object under it (object_mac.py)
         self._master = master
         self._replica_io = replica_io
         self._arena_bytes = arena_bytes
@@ -103,7 +105,11 @@ class WriteArenas:
             request = pb.KVCommitArenaRequest(arena_id=arena.arena_id, pinned=pinned)
             add = request.items.add  # cheaper than building each item from keyword arguments
             for i, offset in written:
-                add(key=keys[i], offset=offset, size=views[i].nbytes)
+                if self._object_key is None:
+                    add(key=keys[i], offset=offset, size=views[i].nbytes)
+                else:
+                    add(key=keys[i], offset=offset, size=views[i].nbytes,
+                        mac=object_mac(self._object_key, keys[i], views[i]))
             response = self._master.call("CommitArena", request)
             if response.status != Status.OK:  # expired, or lost with a node (or a master without it)
                 self._drop(arena, replica_num)

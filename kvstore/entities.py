@@ -98,3 +98,4 @@ class Obj:
     pinned: bool
     write_expiry_ms: int  # write tokens for this object die here
     lease_until_ms: int = 0  # read tokens die here; nothing frees the bytes before it (+ grace)
+    mac: bytes = b""  # the writer's object MAC (object_mac.py), recorded at publish, checked by readers

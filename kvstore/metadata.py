@@ -35,6 +35,9 @@ from .entities import PENDING, PUBLISHED, MasterConfig, Node, Obj, Placement, Se
 from .quarantine import Quarantine
 from .segments import SegmentTable, SegSpec
 
+# An arena commit item: (key, offset, size) or, with the writer's object MAC, (key, offset, size, mac).
+ArenaItem = tuple[str, int, int] | tuple[str, int, int, bytes]
+
 
 class MetadataStore:
     def __init__(self, config: MasterConfig, log: Callable[[dict[str, Any]], None] | None = None) -> None:
@@ -107,14 +110,14 @@ class MetadataStore:
             placements = self.table.place(size, replica_num)
         return placements
 
-    def put_end(self, key: str, put_id: str, now: int) -> Status:
+    def put_end(self, key: str, put_id: str, now: int, mac: bytes = b"") -> Status:
         obj = self.objects.get(key)
         if obj is None or obj.put_id != put_id:
             return Status.NOT_FOUND  # revoked, timed out, lost its node, or another client's put
         if obj.state == PUBLISHED:
             return Status.OK  # idempotent retry
-        self._do_publish(key)
-        self._emit({"op": "put", "key": key})
+        self._do_publish(key, mac)
+        self._emit({"op": "put", "key": key, "mac": mac})
         self.counters["puts_completed"] += 1
         self.evict_to_watermark(now)
         return Status.OK
@@ -148,7 +151,7 @@ class MetadataStore:
         self.counters["arenas_reserved"] += 1
         return Status.OK, self.arenas[arena_id]
 
-    def arena_commit(self, arena_id: str, items: Sequence[tuple[str, int, int]], pinned: bool,
+    def arena_commit(self, arena_id: str, items: Sequence[ArenaItem], pinned: bool,
                      now: int) -> tuple[Status, list[Status]]:
         """Publish each (key, offset, size) written into the arena. NOT_FOUND (for the call and
         every item) once the arena is gone or its write tokens expired."""
@@ -156,14 +159,15 @@ class MetadataStore:
         if arena is None or now > arena.write_expiry_ms:
             return Status.NOT_FOUND, [Status.NOT_FOUND] * len(items)
         statuses, done = [], []
-        for key, off, size in items:
+        for item in items:
+            key, off, size, mac = _item(item)
             if not self._valid_key(key) or not 0 < size or not arena.fits(off, self._round(size), self.cfg.align):
                 statuses.append(Status.INVALID)
             elif (status := self._key_taken(key)) is not None:
                 statuses.append(status)
             else:  # applied one by one so a later item overlapping this one is INVALID
-                self._do_arena_commit(arena_id, [(key, off, size)], pinned)
-                done.append([key, off, size])
+                self._do_arena_commit(arena_id, [(key, off, size, mac)], pinned)
+                done.append([key, off, size, mac])
                 statuses.append(Status.OK)
         if done:
             self._emit({"op": "acommit", "id": arena_id, "pinned": pinned, "items": done})
@@ -270,23 +274,25 @@ class MetadataStore:
                   placements: list[Placement]) -> None:
         self.objects[key] = Obj(key, size, placements, PENDING, put_id, pinned, wexp)
 
-    def _do_publish(self, key: str) -> None:
+    def _do_publish(self, key: str, mac: bytes = b"") -> None:
         obj = self.objects[key]
         obj.state = PUBLISHED
+        obj.mac = mac
         self.lru[key] = None
         self.published_bytes += obj.size
 
     def _do_arena_reserve(self, arena_id: str, wexp: int, placements: list[Placement]) -> None:
         self.arenas[arena_id] = Arena(arena_id, placements[0].alloc_size, placements, wexp)
 
-    def _do_arena_commit(self, arena_id: str, items: Sequence[tuple[str, int, int]], pinned: bool) -> None:
+    def _do_arena_commit(self, arena_id: str, items: Sequence[ArenaItem], pinned: bool) -> None:
         arena = self.arenas[arena_id]
-        for key, off, size in items:
+        for item in items:
+            key, off, size, mac = _item(item)
             n = self._round(size)
             arena.take(off, n)  # from here on the object owns (and eventually frees) this range
             self.objects[key] = Obj(key, size, arena.sub_placements(off, n), PENDING, arena_id, pinned,
                                     arena.write_expiry_ms)
-            self._do_publish(key)
+            self._do_publish(key, mac)
 
     def _do_arena_release(self, arena_id: str, free_at: int, now: int) -> None:
         arena = self.arenas.pop(arena_id)
@@ -356,6 +362,11 @@ class MetadataStore:
             "evictions": self.counters["evictions"], **{k: v for k, v in self.counters.items()
                                                         if k not in ("hits", "misses", "evictions")},
         }
+
+
+def _item(item: ArenaItem) -> tuple[str, int, int, bytes]:
+    """(key, offset, size[, mac]) -> with the object MAC (b"" when the writer sent none)."""
+    return (item[0], item[1], item[2], item[3] if len(item) > 3 else b"")  # type: ignore[misc]
 
 
 def encode_placement(p: Placement) -> list[Any]:

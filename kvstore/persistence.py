@@ -55,14 +55,16 @@ def apply_record(store: MetadataStore, rec: dict[str, Any], now: int) -> None:
             placements = _placements(store, rec["pl"], size)
             store._do_start(str(rec["key"]), size, str(rec["put_id"]), bool(rec["pinned"]), int(rec["wexp"]), placements)
         elif operation == "put":
-            store._do_publish(str(rec["key"]))
+            store._do_publish(str(rec["key"]), bytes(rec.get("mac") or b""))
         elif operation == "arena":
             placements = _placements(store, rec["pl"], None, [int(e[4]) for e in rec["pl"]])
             store._do_arena_reserve(str(rec["id"]), int(rec["wexp"]), placements)
         elif operation == "acommit":
             if rec["id"] not in store.arenas:
                 raise OpLogCorrupt(f"commit into unknown arena {rec['id']!r}")
-            items = [(str(k), int(off), int(size)) for k, off, size in rec["items"]]
+            # [key, offset, size] before object MACs, [key, offset, size, mac] since
+            items = [(str(it[0]), int(it[1]), int(it[2]), bytes(it[3]) if len(it) > 3 else b"")
+                     for it in rec["items"]]
             store._do_arena_commit(str(rec["id"]), items, bool(rec["pinned"]))
         elif operation == "arel":
             if rec["id"] in store.arenas:  # may already be gone with its segment
@@ -88,7 +90,7 @@ def snapshot_state(store: MetadataStore) -> dict[str, Any]:
     for key in order:
         o = store.objects[key]
         objects.append([o.key, o.size, o.state, o.put_id, o.pinned, o.write_expiry_ms,
-                        [encode_placement(p) for p in o.placements]])
+                        [encode_placement(p) for p in o.placements], o.mac])
     quarantine = [[free_at, [encode_placement(p) + [p.alloc_size] for p in ext if store.table.live(p)]]
                   for free_at, _, ext in store.quarantine.heap]
     arenas = [[a.arena_id, a.write_expiry_ms, [encode_placement(p) + [p.alloc_size] for p in a.placements],
@@ -104,11 +106,11 @@ def load_snapshot(store: MetadataStore, snap: dict[str, Any], now: int) -> None:
         for node_id, host, port, host_id, segs in snap["nodes"]:
             specs = [(int(s[0]), int(s[1]), str(s[2]), int(s[3])) for s in segs]
             store._do_mount(str(node_id), str(host), int(port), str(host_id), specs, now)
-        for key, size, state, put_id, pinned, wexp, placements in snap["objects"]:
+        for key, size, state, put_id, pinned, wexp, placements, *rest in snap["objects"]:  # rest: [mac]
             store._do_start(str(key), int(size), str(put_id), bool(pinned), int(wexp),
                             _placements(store, placements, int(size)))
             if state == PUBLISHED:
-                store._do_publish(str(key))
+                store._do_publish(str(key), bytes(rest[0]) if rest else b"")
         for free_at, ext in snap["quarantine"]:
             placements = _placements(store, ext, None, [int(e[4]) for e in ext])
             store._retire(placements, int(free_at), now)

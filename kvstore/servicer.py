@@ -18,6 +18,7 @@ from pdcluster.transfer import OP_READ, OP_WRITE
 
 from .core import MasterCore
 from .entities import Node, Placement, Segment, Status
+from .object_mac import MAX_MAC_LEN
 
 
 class MasterServicer(pb_grpc.KVStoreMasterServicer):
@@ -81,7 +82,9 @@ class MasterServicer(pb_grpc.KVStoreMasterServicer):
         self._check_batch(len(req.puts), ctx)
         with self.core.lock:
             now = self.core.clock()
-            return pb.KVPutEndResponse(statuses=[int(self.store.put_end(p.key, p.put_id, now)) for p in req.puts])
+            return pb.KVPutEndResponse(statuses=[
+                int(self.store.put_end(p.key, p.put_id, now, p.mac)) if len(p.mac) <= MAX_MAC_LEN
+                else int(Status.INVALID) for p in req.puts])
 
     def PutRevoke(self, req: pb.KVPutRevokeRequest, ctx: grpc.ServicerContext) -> pb.KVPutRevokeResponse:
         self._check_batch(len(req.puts), ctx)
@@ -102,7 +105,8 @@ class MasterServicer(pb_grpc.KVStoreMasterServicer):
 
     def CommitArena(self, req: pb.KVCommitArenaRequest, ctx: grpc.ServicerContext) -> pb.KVCommitArenaResponse:
         self._check_batch(len(req.items), ctx)
-        items = [(item.key, item.offset, item.size) for item in req.items]
+        items = [(item.key, item.offset, item.size if len(item.mac) <= MAX_MAC_LEN else 0, item.mac)
+                 for item in req.items]  # size 0: INVALID
         with self.core.lock:
             status, statuses = self.store.arena_commit(req.arena_id, items, req.pinned, self.core.clock())
         return pb.KVCommitArenaResponse(status=int(status), statuses=[int(s) for s in statuses])
@@ -125,6 +129,8 @@ class MasterServicer(pb_grpc.KVStoreMasterServicer):
                     continue
                 res.size = obj.size
                 res.lease_expiry_ms = obj.lease_until_ms
+                if obj.mac:
+                    res.mac = obj.mac
                 # The token dies with the lease the store just granted.
                 self._add_replicas(res.replicas, obj.placements, obj.size, OP_READ, obj.lease_until_ms,
                                    req.shm_host_id)

@@ -11,6 +11,7 @@ from typing import Any
 
 from pdcluster.kvstore.client import KVStoreClient, KVStoreError
 from pdcluster.kvstore.entities import Status
+from pdcluster.kvstore.object_mac import store_key_from_env
 
 from .backend import PutResult, StoreBackend, StoreBackendError
 
@@ -28,9 +29,11 @@ class KVStoreBackend(StoreBackend):
 
     def __init__(self, master: str, *, replica_num: int = 1, num_streams: int = 4, use_shm: bool = True,
                  rpc_timeout_s: float = 10.0, max_parallel: int = 8, tls_ca: str | None = None,
-                 tls_cert: str | None = None, tls_key: str | None = None) -> None:
+                 tls_cert: str | None = None, tls_key: str | None = None, object_key: str | bytes | None = None) -> None:
+        # object_key: the workers' store key (hex), given by the launcher; objects are MACed under it
         self._client = KVStoreClient(master, num_streams=num_streams, use_shm=use_shm, rpc_timeout_s=rpc_timeout_s,
-                                     max_parallel=max_parallel, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
+                                     max_parallel=max_parallel, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
+                                     object_key=object_key if object_key is not None else store_key_from_env())
         self._replica_num = replica_num
         self._closed = False
 
@@ -40,7 +43,7 @@ class KVStoreBackend(StoreBackend):
         return cls(str(get("master", "127.0.0.1:50070")), replica_num=int(get("replica_num", 1)),
                    num_streams=int(get("num_streams", 4)), use_shm=bool(get("use_shm", True)),
                    rpc_timeout_s=float(get("rpc_timeout_s", 10.0)), tls_ca=get("tls_ca"),
-                   tls_cert=get("tls_cert"), tls_key=get("tls_key"))
+                   tls_cert=get("tls_cert"), tls_key=get("tls_key"), object_key=get("object_key"))
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         out: list[bool] = []

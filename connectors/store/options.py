@@ -41,6 +41,7 @@ from .backend_factory import BACKENDS
 from .layout import LAYOUTS, StoreLayout, default_store_tp_size
 
 BACKEND_KEYS = {"master", "replica_num", "num_streams", "use_shm", "rpc_timeout_s", "tls_ca", "tls_cert", "tls_key",
+                "object_key",  # the workers' store key (hex): kvstore objects are MACed under it
                 "mooncake_master", "mooncake_metadata_server", "mooncake_protocol", "mooncake_rdma_devices",
                 "mooncake_local_hostname", "mooncake_segment_bytes", "mooncake_buffer_bytes"}
 _FLOATS = ("wait_for_producer_s", "event_poll_s", "retry_after_error_s", "save_wait_s")

@@ -89,12 +89,14 @@ class KVPutStartResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[KVPutStartResult, _Mapping]]] = ...) -> None: ...
 
 class KVPutRef(_message.Message):
-    __slots__ = ("key", "put_id")
+    __slots__ = ("key", "put_id", "mac")
     KEY_FIELD_NUMBER: _ClassVar[int]
     PUT_ID_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
     key: str
     put_id: str
-    def __init__(self, key: _Optional[str] = ..., put_id: _Optional[str] = ...) -> None: ...
+    mac: bytes
+    def __init__(self, key: _Optional[str] = ..., put_id: _Optional[str] = ..., mac: _Optional[bytes] = ...) -> None: ...
 
 class KVPutEndRequest(_message.Message):
     __slots__ = ("puts",)
@@ -145,14 +147,16 @@ class KVReserveArenaResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[KVStatus, str]] = ..., arena_id: _Optional[str] = ..., size: _Optional[int] = ..., align: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[KVReplica, _Mapping]]] = ..., token_expiry_ms: _Optional[int] = ...) -> None: ...
 
 class KVArenaItem(_message.Message):
-    __slots__ = ("key", "offset", "size")
+    __slots__ = ("key", "offset", "size", "mac")
     KEY_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
     key: str
     offset: int
     size: int
-    def __init__(self, key: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
+    mac: bytes
+    def __init__(self, key: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., mac: _Optional[bytes] = ...) -> None: ...
 
 class KVCommitArenaRequest(_message.Message):
     __slots__ = ("arena_id", "items", "pinned")
@@ -193,18 +197,20 @@ class KVGetReplicasRequest(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[str]] = ..., shm_host_id: _Optional[str] = ...) -> None: ...
 
 class KVGetReplicasResult(_message.Message):
-    __slots__ = ("key", "status", "size", "replicas", "lease_expiry_ms")
+    __slots__ = ("key", "status", "size", "replicas", "lease_expiry_ms", "mac")
     KEY_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRY_MS_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
     key: str
     status: KVStatus
     size: int
     replicas: _containers.RepeatedCompositeFieldContainer[KVReplica]
     lease_expiry_ms: int
-    def __init__(self, key: _Optional[str] = ..., status: _Optional[_Union[KVStatus, str]] = ..., size: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[KVReplica, _Mapping]]] = ..., lease_expiry_ms: _Optional[int] = ...) -> None: ...
+    mac: bytes
+    def __init__(self, key: _Optional[str] = ..., status: _Optional[_Union[KVStatus, str]] = ..., size: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[KVReplica, _Mapping]]] = ..., lease_expiry_ms: _Optional[int] = ..., mac: _Optional[bytes] = ...) -> None: ...
 
 class KVGetReplicasResponse(_message.Message):
     __slots__ = ("results",)
