@@ -7,7 +7,9 @@ the consumer worker: for each block size it leases N scattered blocks on the pro
 them with the connector's Loader (handshake cached, open, multi-stream scatter READ or
 shared-memory copy, done), and times, on the same bytes:
 
-    p2p_tcp   connector over TCP (num_streams streams, straight into scattered blocks)
+    p2p_tcp   connector over TCP (num_streams streams, straight into scattered blocks), every
+              window checked against its payload MAC (the default, issue 16 item 6)
+    p2p_tcp_nomac  the same with the MAC off (data_mac=False): the cost of integrity
     raw_tcp   one connection, sendall / recv_into of the same blocks, no protocol
     p2p_shm   connector, same host: memcpy from the producer's shared-memory cache
     memcpy    numpy copyto of the same blocks inside one process
@@ -45,13 +47,15 @@ def add_transfer_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-json", default=None, help="write the results here")
 
 
-def _opts(role: str, pairs: dict[str, Any], num_streams: int, transport: str, peers: dict[str, Any]) -> Any:
+def _opts(role: str, pairs: dict[str, Any], num_streams: int, transport: str, peers: dict[str, Any],
+          data_mac: bool = True) -> Any:
     from pdcluster.connectors.p2p.options import P2POptions
 
     allowed = {n: kp.public for n, kp in pairs.items()}
     return P2POptions(engine_id=f"bench-{role}", kv_role=role, keypair=pairs[role], allowed_keys=allowed,
                       peers=peers, transport=transport, lease_ttl_s=300.0, io_timeout_s=120.0,
-                      request_timeout_s=30.0, num_streams=num_streams, min_stream_bytes=1 << 20, open_retry_s=0.0)
+                      request_timeout_s=30.0, num_streams=num_streams, min_stream_bytes=1 << 20, open_retry_s=0.0,
+                      data_mac=data_mac)
 
 
 # -- the producer worker process -------------------------------------------------------------------
@@ -154,6 +158,7 @@ def _bench_block(block_bytes: int, total: int, args: argparse.Namespace, pairs: 
     from pdcluster.connectors.p2p.blocks import CacheGeometry
     from pdcluster.connectors.p2p.loader import Loader
     from pdcluster.connectors.p2p.options import PeerEntry
+    from pdcluster.engine.kv_connector import KVTransferParams
     from pdcluster.transfer.protocol import recv_exact
 
     num_blocks = max(2, total // (2 * block_bytes))  # K and V per block: 2 ranges each
@@ -167,13 +172,15 @@ def _bench_block(block_bytes: int, total: int, args: argparse.Namespace, pairs: 
         peers = {"bench-producer": PeerEntry(producer.info["endpoint"], pairs["producer"].public)}
         loaders = {t: Loader(_opts("consumer", pairs, args.num_streams, t, peers), _FP, geo, memoryview(dst))
                    for t in ("tcp", "shm")}
+        loaders["tcp_nomac"] = Loader(_opts("consumer", pairs, args.num_streams, "tcp", peers, data_mac=False),
+                                      _FP, geo, memoryview(dst))
         counter = iter(range(1 << 30))
 
         def pull(transport: str) -> None:
             src_ids, dst_ids = rng.sample(range(num_blocks), num_blocks), rng.sample(range(num_blocks), num_blocks)
             rid = f"bench-{next(counter)}"
             ids = producer.lease(rid, src_ids)
-            params = {"producer_id": "bench-producer", "engine_epoch": producer.info["epoch"], **ids}
+            params = KVTransferParams(producer_id="bench-producer", engine_epoch=producer.info["epoch"], **ids)
             loader = loaders[transport]
             loader.submit(rid, dst_ids, 0, params)
             while rid not in loader.take_finished():
@@ -197,6 +204,7 @@ def _bench_block(block_bytes: int, total: int, args: argparse.Namespace, pairs: 
 
         row = {"block_bytes": block_bytes, "num_ranges": 2 * num_blocks, "bytes": nbytes,
                "p2p_tcp": _best(lambda: pull("tcp"), nbytes, args.repeats),
+               "p2p_tcp_nomac": _best(lambda: pull("tcp_nomac"), nbytes, args.repeats),
                "raw_tcp": _best(raw_tcp, nbytes, args.repeats),
                "p2p_shm": _best(lambda: pull("shm"), nbytes, args.repeats),
                "memcpy": _best(memcpy, nbytes, args.repeats)}
@@ -207,15 +215,18 @@ def _bench_block(block_bytes: int, total: int, args: argparse.Namespace, pairs: 
     finally:
         producer.stop()
     row["tcp_ratio"] = row["p2p_tcp"] / row["raw_tcp"]
+    row["mac_ratio"] = row["p2p_tcp"] / row["p2p_tcp_nomac"]
     row["shm_ratio"] = row["p2p_shm"] / row["memcpy"]
     return row
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    head = f"{'block':>8} {'p2p_tcp':>8} {'raw_tcp':>8} {'ratio':>6} {'p2p_shm':>8} {'memcpy':>8} {'ratio':>6}   (GB/s)"
+    head = (f"{'block':>8} {'p2p_tcp':>8} {'raw_tcp':>8} {'ratio':>6} {'no_mac':>8} {'mac':>6} "
+            f"{'p2p_shm':>8} {'memcpy':>8} {'ratio':>6}   (GB/s)")
     lines = [head]
     for r in rows:
         lines.append(f"{r['block_bytes'] >> 10:>5}KiB {r['p2p_tcp']:8.2f} {r['raw_tcp']:8.2f} {r['tcp_ratio']:6.2f} "
+                     f"{r['p2p_tcp_nomac']:8.2f} {r['mac_ratio']:6.2f} "
                      f"{r['p2p_shm']:8.2f} {r['memcpy']:8.2f} {r['shm_ratio']:6.2f}")
     return "\n".join(lines)
 
