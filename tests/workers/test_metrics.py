@@ -83,3 +83,27 @@ def test_curve_refusal_is_counted(worker, key_dir) -> None:
     finally:
         sock.close(linger=0)
         ctx.term()
+
+
+def test_explicit_port_and_drain_gauge(demo_model, tmp_path) -> None:
+    """--metrics-port N serves on N; the Drain RPC turns pdcluster_worker_draining to 1."""
+    import socket
+
+    import grpc
+    from workers.worker_process import start_worker
+
+    from pdcluster._proto import worker_pb2_grpc
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    wp = start_worker(["--role", "both", "--model", demo_model, "--max-model-len", "256", "--metrics-port", str(port)],
+                      tmp_path)
+    try:
+        assert wp.ready["metrics"] == f"http://127.0.0.1:{port}/metrics"
+        assert value(scrape(wp.ready["metrics"]), "pdcluster_worker_draining") == 0
+        with grpc.insecure_channel(wp.address) as ch:
+            worker_pb2_grpc.WorkerStub(ch).Drain(worker_pb2.DrainRequest(timeout_s=1.0), timeout=30)
+        assert value(scrape(wp.ready["metrics"]), "pdcluster_worker_draining") == 1
+    finally:
+        wp.stop()
