@@ -3,6 +3,10 @@
 The engine counts prefix-cache queries and hits since it started; routers want the recent hit
 rate (a worker that warmed up an hour ago says little about now), so `HitRateWindow` keeps
 samples of the cumulative counters and reports the rate over the last `window_s` seconds.
+
+WorkerStats carries what routing needs; the rest of the engine's stats (the connector's counters,
+CURVE refusals, token and step-time counters) is exported by the worker's Prometheus endpoint
+(metrics_collector.py), read from the same snapshot.
 """
 
 from __future__ import annotations
