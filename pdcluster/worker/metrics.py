@@ -57,7 +57,10 @@ def start_metrics_server(*collectors: Collector, host: str = DEFAULT_METRICS_HOS
     registry = CollectorRegistry(auto_describe=False)
     for collector in collectors:
         registry.register(collector)
-    httpd, thread = start_http_server(port, addr=host, registry=registry)
+    try:
+        httpd, thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as e:
+        raise OSError(f"could not bind the metrics endpoint to {host}:{port} (--metrics-host/--metrics-port): {e}") from e
     thread.name = "pdcluster-metrics"
     bound = int(httpd.server_port)
     shown = advertise_host or (socket.gethostname() if host in ("0.0.0.0", "::", "") else host)

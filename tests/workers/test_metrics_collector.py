@@ -103,3 +103,13 @@ def test_servers_have_registries_of_their_own() -> None:
     finally:
         for server in servers:
             server.stop()
+
+
+def test_a_taken_port_is_a_clear_error() -> None:
+    first = start_metrics_server(WorkerCollector(FakeEngine({}), AGGREGATED, worker_id="w", connector=None))
+    try:
+        with pytest.raises(OSError, match="could not bind the metrics endpoint"):
+            start_metrics_server(WorkerCollector(FakeEngine({}), AGGREGATED, worker_id="w", connector=None),
+                                 port=first.port)
+    finally:
+        first.stop()
