@@ -46,6 +46,16 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class MultiModalConfig:
+    """Limits on a request's images (ValueError naming the limit) and the encoder cache budget."""
+
+    max_images_per_request: int = 8
+    max_image_bytes: int = 20 << 20  # an encoded image (bytes, data URL)
+    max_image_pixels: int = 4096 * 4096  # width * height, checked before decoding the pixels
+    encoder_cache_bytes: int = 256 << 20  # engine-local LRU of encoder outputs (0: no cache)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -62,6 +72,7 @@ class EngineConfig:
     kv_connector: str | None = None
     kv_connector_options: dict[str, Any] = field(default_factory=dict)
     kv_role: str = "both"
+    mm: MultiModalConfig = field(default_factory=MultiModalConfig)
 
 
 @dataclass
@@ -93,6 +104,11 @@ class EngineArgs:
     kv_connector: str | None = None
     kv_connector_options: dict[str, Any] | None = None
     kv_role: str = "both"  # "producer" | "consumer" | "both"
+    # Multimodal checkpoints (LLaVA): see MultiModalConfig.
+    max_images_per_request: int = MultiModalConfig.max_images_per_request
+    max_image_bytes: int = MultiModalConfig.max_image_bytes
+    max_image_pixels: int = MultiModalConfig.max_image_pixels
+    encoder_cache_bytes: int = MultiModalConfig.encoder_cache_bytes
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -135,6 +151,10 @@ class EngineArgs:
         if kv_dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"kv_cache_dtype must be 'auto' or one of {SUPPORTED_DTYPES}, got {kv_dtype!r}")
         _check_tp_shapes(model_cfg, tp)
+        if model_cfg.architecture == "LlavaForConditionalGeneration" and tp > 1:
+            raise ValueError(f"tensor_parallel_size={tp}: LlavaForConditionalGeneration runs with "
+                             "tensor_parallel_size=1 only (the vision tower is not sharded yet)")
+        mm_cfg = _check_mm(self)
         cache_cfg = _resolve_cache(self, model_cfg, kv_dtype, device, tp)
         for name in ("attention_backend", "ops_backend"):
             if getattr(self, name) not in BACKENDS:
@@ -155,7 +175,19 @@ class EngineArgs:
             kv_connector=kv_connector,
             kv_connector_options=kv_options,
             kv_role=self.kv_role,
+            mm=mm_cfg,
         )
+
+
+def _check_mm(args: EngineArgs) -> MultiModalConfig:
+    for name in ("max_images_per_request", "max_image_bytes", "max_image_pixels"):
+        v = getattr(args, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    v = args.encoder_cache_bytes
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError(f"encoder_cache_bytes must be an integer >= 0, got {v!r}")
+    return MultiModalConfig(args.max_images_per_request, args.max_image_bytes, args.max_image_pixels, v)
 
 
 def _check_kv_connector(args: EngineArgs) -> tuple[str | None, dict[str, Any]]:
@@ -272,5 +304,5 @@ def engine_args_from_dict(d: dict[str, Any]) -> EngineArgs:
 
 
 __all__ = [
-    "CacheConfig", "EngineArgs", "EngineConfig", "ParallelConfig", "SchedulerConfig", "kv_bytes_per_block",
+    "CacheConfig", "EngineArgs", "EngineConfig", "MultiModalConfig", "ParallelConfig", "SchedulerConfig", "kv_bytes_per_block",
 ]

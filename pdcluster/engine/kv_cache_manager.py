@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from pdcluster.engine.block_hash import hash_block_tokens
 from pdcluster.engine.block_pool import BlockPool, KVCacheBlock, KVEvent
+from pdcluster.engine.mm_inputs import block_extra_keys
 from pdcluster.engine.request import Request
 
 
@@ -99,10 +100,13 @@ class KVCacheManager:
 
     def update_block_hashes(self, request: Request) -> None:
         """Extend request.block_hashes to cover every full block of its tokens (incremental)."""
-        block_size, hashes = self.block_size, request.block_hashes
+        block_size, hashes, mm = self.block_size, request.block_hashes, request.mm_features
         for i in range(len(hashes), request.num_tokens // block_size):
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, token_range(request, i * block_size, (i + 1) * block_size)))
+            start, end = i * block_size, (i + 1) * block_size
+            # A block covering an image's placeholders is keyed by that image too (mm_inputs.py).
+            extra = block_extra_keys(mm, start, end) if mm else None
+            hashes.append(hash_block_tokens(parent, token_range(request, start, end), extra))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest run of cached full blocks from the start of the request's tokens.

@@ -10,7 +10,8 @@ from pdcluster.engine.llm_engine import LLMEngine
 from pdcluster.engine.outputs import RequestOutput
 from pdcluster.sampling_params import SamplingParams
 
-PromptType = str | Sequence[int]
+# A text prompt, token ids, or vLLM's dict {"prompt": str, "multi_modal_data": {"image": ...}}.
+PromptType = str | Sequence[int] | dict[str, Any]
 
 
 class LLM:
@@ -45,8 +46,10 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (strings or lists of token ids); outputs in prompt order.
-        Every prompt is validated before any is scheduled, so a bad one rejects the batch early."""
+        """Generate for every prompt (strings, lists of token ids, or dicts with "prompt" or
+        "prompt_token_ids" and optional "multi_modal_data": {"image": PIL image or a list});
+        outputs in prompt order. Every prompt is validated before any is scheduled, so a bad one
+        rejects the batch early."""
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompt_list)
@@ -54,7 +57,7 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):
                 raise ValueError(f"sampling_params has {len(params_list)} entries for {len(prompt_list)} prompts")
-        prepared = [self.engine.prepare_request(p, sp) for p, sp in zip(prompt_list, params_list)]
+        prepared = [self._prepare(p, sp) for p, sp in zip(prompt_list, params_list)]
         for req, text in prepared:
             self.engine.add_prepared(req, text)
         ids = [req.request_id for req, _ in prepared]
@@ -65,14 +68,31 @@ class LLM:
                     pending.discard(out.request_id)
         return [self.engine.get_final(request_id) for request_id in ids]
 
+    def _prepare(self, prompt: PromptType, params: SamplingParams) -> Any:
+        if isinstance(prompt, dict):
+            text_or_ids, mm_data = _unpack(prompt)
+            return self.engine.prepare_request(text_or_ids, params, multi_modal_data=mm_data)
+        return self.engine.prepare_request(prompt, params)
+
     def chat(self, messages: list[dict[str, str]], sampling_params: SamplingParams | None = None) -> RequestOutput:
         prompt = self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         ids = self.engine.tokenizer.encode(prompt, add_special_tokens=False)
         return self.generate([ids], sampling_params)[0]
 
 
+def _unpack(prompt: dict[str, Any]) -> tuple[Any, Any]:
+    """vLLM's prompt dict -> (prompt, multi_modal_data); the caller passes them on by keyword."""
+    unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"})
+    if unknown:
+        raise ValueError(f"prompt dict: unknown key(s) {unknown}; "
+                         "known: ['multi_modal_data', 'prompt', 'prompt_token_ids']")
+    if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise ValueError("prompt dict needs exactly one of 'prompt' and 'prompt_token_ids'")
+    return prompt.get("prompt", prompt.get("prompt_token_ids")), prompt.get("multi_modal_data")
+
+
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, dict)):
         return [prompts]
     if isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts):
         return [list(prompts)]  # one prompt given as token ids

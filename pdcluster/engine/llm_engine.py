@@ -13,6 +13,7 @@ from pdcluster.engine.engine_core import ConnectorArg, EngineCore
 from pdcluster.engine.executor import ExecutorFactory, default_executor
 from pdcluster.engine.input_processor import process_prompt, validate_request_id
 from pdcluster.engine.kv_transfer_params import KVTransferParams
+from pdcluster.engine.mm_inputs import make_mm_processor
 from pdcluster.engine.outputs import EngineCoreOutput, RequestOutput
 from pdcluster.engine.request import Request
 from pdcluster.sampling_params import SamplingParams
@@ -34,6 +35,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self._grammar_cache: Any = None  # only when the executor has none (structured output)
+        self.mm_processor = make_mm_processor(config)  # None for a text-only model
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, connector: ConnectorArg = None,
@@ -60,6 +62,7 @@ class LLMEngine:
         request_id: str | None = None,
         kv_transfer_params: KVTransferParams | None = None,
         prefill_output_token_ids: Sequence[int] | None = None,
+        multi_modal_data: dict[str, Any] | None = None,
     ) -> tuple[Request, str | None]:
         """Validate and tokenize (thread-safe, touches no engine state). Raises ValueError.
 
@@ -68,11 +71,22 @@ class LLMEngine:
         the prefill leg sampled. The request starts with them as output (they count against
         max_tokens, are detokenization context, and are not emitted again), so the KV of the
         prompt is loaded, the first token's KV is computed here and sampling continues at output
-        position 1: the same tokens as an aggregated run, greedy or seeded."""
+        position 1: the same tokens as an aggregated run, greedy or seeded.
+
+        multi_modal_data ({"image": PIL image(s)}): each `<image>` in the text prompt is expanded
+        to the image's placeholder tokens (engine/mm_inputs.py)."""
         params = params if params is not None else SamplingParams()
         request_id = validate_request_id(request_id if request_id is not None else self.new_request_id())
-        text, ids = process_prompt(prompt, params, self.tokenizer, self.config.model.vocab_size,
-                                   self.config.scheduler.max_model_len)
+        pixels = None
+        if multi_modal_data is not None:
+            if self.mm_processor is None:
+                raise ValueError(f"multi_modal_data: model {self.config.model.architecture} takes no images")
+            expanded, pixels = self.mm_processor.preprocess(prompt, multi_modal_data)  # type: ignore[arg-type]
+        text, ids = process_prompt(expanded if pixels is not None else prompt, params, self.tokenizer,
+                                   self.config.model.vocab_size, self.config.scheduler.max_model_len)
+        mm_features = self.mm_processor.features(ids, pixels) if pixels is not None and self.mm_processor else None
+        if pixels is not None:
+            text = prompt  # type: ignore[assignment]  # the user's prompt, not the expansion
         prior = _check_prior_tokens(prefill_output_token_ids, params, len(ids), self.config)
         if params.logit_bias and params.logit_bias[-1][0] >= self.config.model.vocab_size:
             raise ValueError(f"logit_bias: token id {params.logit_bias[-1][0]} is outside the vocabulary "
@@ -80,7 +94,7 @@ class LLMEngine:
         if params.structured_outputs is not None:
             self._check_grammar(params)
         req = Request(request_id, ids, params, eos_token_ids=self.eos_token_ids,
-                      kv_transfer_params=kv_transfer_params, output_token_ids=prior)
+                      kv_transfer_params=kv_transfer_params, output_token_ids=prior, mm_features=mm_features)
         return req, text
 
     def _check_grammar(self, params: SamplingParams) -> None:

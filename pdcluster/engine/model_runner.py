@@ -75,6 +75,11 @@ class ModelRunner:
         self.sampler: Any = None  # built on first use (pdcluster.engine.sampler)
         self._grammar_cache: Any = None  # built on first structured-output request
         self.connector_hooks: ConnectorHooks | None = None
+        self.mm: Any = None  # mm_embedder.MultiModalEmbedder for a multimodal model (LLaVA)
+        if getattr(self.model, "is_multimodal", False):
+            from pdcluster.engine.mm_embedder import MultiModalEmbedder
+
+            self.mm = MultiModalEmbedder(self.model, self.device, config.mm.encoder_cache_bytes)
         if connector is not None:
             self.connector_hooks = ConnectorHooks(connector, rank, config.parallel.tensor_parallel_size)
             self.connector_hooks.register(self.kv_caches, self.kv_cache_layout(), self.model)
@@ -138,6 +143,8 @@ class ModelRunner:
 
     # -- state ------------------------------------------------------------------------------------
     def update_states(self, scheduler_output: SchedulerOutput) -> None:
+        if self.mm is not None:
+            self.mm.update(scheduler_output)
         for request_id in scheduler_output.finished_request_ids:
             self.requests.pop(request_id, None)
         for new in scheduler_output.scheduled_new_reqs:
@@ -183,7 +190,12 @@ class ModelRunner:
         do_sample = [r.num_computed_tokens + n == len(r.token_ids) for r, n in zip(reqs, query_lens)]
         last_token = [e - 1 for e, ok in zip(itertools.accumulate(query_lens), do_sample) if ok]
         with torch.inference_mode():
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)  # (T, H)
+            embeds = None if self.mm is None else self.mm.inputs_embeds(
+                [r.request_id for r in reqs], [r.num_computed_tokens for r in reqs], query_lens, input_ids)
+            if embeds is None:
+                hidden = self.model(input_ids, positions, self.kv_caches, meta)  # (T, H)
+            else:  # image features scattered into the placeholders' embeddings
+                hidden = self.model(input_ids, positions, self.kv_caches, meta, inputs_embeds=embeds)
             sampled: list[int] = []
             logprobs: list[Any] = []
             if last_token:

@@ -28,6 +28,8 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     eos_token_ids: tuple[int, ...] = ()
+    # The prompt's images (mm_inputs.MultiModalFeature: pixels, placeholder range, mm_hash).
+    mm_features: list[Any] = field(default_factory=list)
 
 
 @dataclass

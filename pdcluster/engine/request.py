@@ -30,6 +30,7 @@ import enum
 import time
 
 from pdcluster.engine.kv_transfer_params import KVTransferParams
+from pdcluster.engine.mm_inputs import MultiModalFeature
 from pdcluster.sampling_params import SamplingParams
 
 
@@ -77,9 +78,11 @@ class Request:
         arrival_time: float | None = None,
         kv_transfer_params: KVTransferParams | None = None,
         output_token_ids: list[int] | None = None,
+        mm_features: list[MultiModalFeature] | None = None,
     ) -> None:
         """output_token_ids: tokens already generated elsewhere (a decode leg starts with the
-        prefill leg's sampled token); they count against max_tokens and are never re-emitted."""
+        prefill leg's sampled token); they count against max_tokens and are never re-emitted.
+        mm_features: the prompt's images (engine/mm_inputs.py), in placeholder order."""
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -95,6 +98,7 @@ class Request:
         # Chained hashes of the request's full blocks (filled by the KV cache manager).
         self.block_hashes: list[bytes] = []
         self.kv_transfer_params = kv_transfer_params
+        self.mm_features: list[MultiModalFeature] = list(mm_features or ())
         self.stop_reason: int | str | None = None
         self.error: str | None = None
         self.first_token_time: float | None = None

@@ -222,7 +222,7 @@ class Scheduler:
         self.running.append(req)
         step.new_reqs.append(NewRequestData(
             req.request_id, req.prompt_token_ids, list(req.output_token_ids), req.sampling_params,
-            block_ids, num_computed, req.eos_token_ids))
+            block_ids, num_computed, req.eos_token_ids, req.mm_features))
         step.add(req, num_new)
         return AdmitOutcome.ADMITTED
 

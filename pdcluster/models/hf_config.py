@@ -17,6 +17,7 @@ from typing import Any
 
 from pdcluster.dtypes import SUPPORTED_DTYPES
 from pdcluster.models.hf_layers import layer_use_rope, layer_windows, moe_fields
+from pdcluster.models.llava_config import LLAVA_ARCHITECTURE, is_llava, text_config_of
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +115,9 @@ def load_model_config(path: str, dtype: str = "auto", max_model_len: int | None 
         raise FileNotFoundError(f"config.json not found in model directory {str(root)!r}")
     raw: dict[str, Any] = json.loads(cfg_file.read_text())
     check_weights_exist(root)
+    outer_arch = None
+    if is_llava(raw):  # a LLaVA wrapper: the decoder is its text_config (llava_config.py)
+        outer_arch, raw = LLAVA_ARCHITECTURE, text_config_of(raw)
     arch = _architecture(raw)
     model_type, force_qkv_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
     num_layers = _required_int(raw, "num_hidden_layers")
@@ -132,7 +136,7 @@ def load_model_config(path: str, dtype: str = "auto", max_model_len: int | None 
     qkv_bias = bool(raw.get("qkv_bias", True)) if model_type == "qwen2_moe" else bool(raw.get("attention_bias"))
     return ModelConfig(
         model_path=str(root),
-        architecture=arch,
+        architecture=outer_arch or arch,
         model_type=model_type,
         dtype=_resolve_dtype(raw, dtype),
         vocab_size=_required_int(raw, "vocab_size"),

@@ -22,6 +22,7 @@ _ARCHITECTURE_PATHS: dict[str, str] = {
     "MixtralForCausalLM": "pdcluster.models.moe:MixtralForCausalLM",
     "Qwen2MoeForCausalLM": "pdcluster.models.moe:Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "pdcluster.models.moe:Qwen3MoeForCausalLM",
+    "LlavaForConditionalGeneration": "pdcluster.models.llava:LlavaForConditionalGeneration",
 }
 
 

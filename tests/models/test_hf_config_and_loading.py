@@ -100,7 +100,7 @@ def test_missing_files_are_named(tmp_path: pathlib.Path) -> None:
 def test_registry() -> None:
     assert set(ARCHITECTURES) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                                   "SmolLM3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
-                                  "Qwen3MoeForCausalLM"}
+                                  "Qwen3MoeForCausalLM", "LlavaForConditionalGeneration"}
     assert get_model_class("MistralForCausalLM") is ARCHITECTURES["LlamaForCausalLM"]
     with pytest.raises(ValueError, match="FooForCausalLM.*Qwen3ForCausalLM"):
         get_model_class("FooForCausalLM")
