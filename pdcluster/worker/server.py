@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from pdcluster._proto import worker_pb2_grpc
+from pdcluster.security.grpc_authz import AioRoleInterceptor, RolePolicy
 from pdcluster.worker.health import EngineHealth
 from pdcluster.worker.options import DEFAULT_MAX_MESSAGE_BYTES, MAX_CONCURRENT_RPCS, server_options
 from pdcluster.worker.roles import AggregatedRole, RoleHandler
@@ -43,6 +44,7 @@ class WorkerServer:
         self.health = health
         self.kv_events = kv_events
         self.address = address
+        self.authz: RolePolicy | None = None
         self._stopped = False
 
     @property
@@ -84,6 +86,14 @@ def _resolve_role(role: RoleHandler | str) -> RoleHandler:
     raise ValueError(f"role must be 'prefill', 'decode', 'both' or a RoleHandler, got {role!r}")
 
 
+ROUTER_ONLY = ("Generate", "GenerateStream", "Abort", "Drain")
+
+
+def worker_policy() -> RolePolicy:
+    """Which roles may call which Worker methods when the server runs mutual TLS."""
+    return RolePolicy({f"/pdcluster.v1.Worker/{name}": {"router"} for name in ROUTER_ONLY})
+
+
 def _format_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
@@ -106,7 +116,12 @@ async def start_worker_server(
     (WorkerInfo.engine_epoch and the KV-event epoch); default: start time in ns."""
     handler = _resolve_role(role)
     epoch = time.time_ns() if epoch is None else epoch
-    server = grpc.aio.server(options=server_options(max_message_bytes), maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
+    # Under mutual TLS the caller's certificate names its role: only the router starts, aborts or
+    # drains requests (pdcluster/security/grpc_authz.py); health and info need only the handshake.
+    policy = worker_policy() if tls is not None and tls.ca is not None else None
+    interceptors = [AioRoleInterceptor(policy)] if policy is not None else []
+    server = grpc.aio.server(options=server_options(max_message_bytes), maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
+                             interceptors=interceptors)
     address = _format_address(host, port)
     try:
         bound = server.add_secure_port(address, server_credentials(tls)) if tls is not None \
@@ -138,4 +153,6 @@ async def start_worker_server(
         if publisher is not None:
             await publisher.close()
         raise
-    return WorkerServer(server, servicer, health, publisher, _format_address(host, bound)), bound
+    worker_server = WorkerServer(server, servicer, health, publisher, _format_address(host, bound))
+    worker_server.authz = policy  # refusals by method and role (None without mTLS)
+    return worker_server, bound

@@ -80,9 +80,11 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     d = tmp_path_factory.mktemp("certs")
     ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
     _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=test-ca", cwd=d)
-    (d / "san.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
-    for name in ("server", "client"):
+    # The identity carries the role (pdcluster/security/pki.py): under mTLS a worker takes
+    # Generate/Abort only from a router's certificate, so the client certificate is a router's.
+    for name, role in (("server", "worker"), ("client", "router")):
+        (d / f"{name}.ext").write_text(f"subjectAltName=DNS:localhost,IP:127.0.0.1,URI:spiffe://pdcluster/{role}/{name}\n")
         _openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
         _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-                 "-out", f"{name}.pem", "-days", "2", "-extfile", "san.ext", cwd=d)
+                 "-out", f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext", cwd=d)
     return d

@@ -1,0 +1,195 @@
+"""The cluster's X.509 identities for its internal gRPC planes (mutual TLS): a private CA and
+one certificate per process instance, whose identity carries its role.
+
+Layout made by `init_pki(DIR)` (`pdcluster keys init DIR` makes it beside the CURVE keys):
+
+    DIR/tls/                    mode 0700
+      ca.pem                    the cluster CA certificate (the trust anchor every process gets)
+      ca.key                    mode 0600: the CA's key; only the launcher that issues needs it
+      NAME/                     mode 0700, one per instance: hand a process only its own folder
+        cert.pem                its certificate, signed by the CA
+        key.pem                 mode 0600
+
+Identity: each certificate has CN=NAME and a SAN URI spiffe://pdcluster/ROLE/NAME (ROLE one of
+ROLES), plus SANs localhost / 127.0.0.1 / the given hosts so it also serves TLS. Servers verify
+clients against ca.pem only (a certificate from another CA fails the handshake), and then read
+the role from the SAN (identity.py) to authorize by role.
+
+Keys are ECDSA P-256 (fast handshakes, small certs), made with `cryptography`; secret files are
+created 0600 with O_EXCL, never written then chmod-ed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import pathlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from .keys import KeyMaterialError, _check_name
+
+ROLES = ("router", "worker", "kvstore-master", "kvstore-node", "client")
+SPIFFE_PREFIX = "spiffe://pdcluster/"
+TLS_DIR = "tls"
+CA_CERT, CA_KEY = "ca.pem", "ca.key"
+CERT, KEY = "cert.pem", "key.pem"
+VALID_DAYS = 365
+
+
+@dataclass(frozen=True)
+class Identity:
+    """One process's TLS identity: paths to hand it (argv/env of the child), never its peers'."""
+
+    role: str
+    name: str
+    cert: str
+    key: str
+    ca: str
+
+    @property
+    def uri(self) -> str:
+        return spiffe_uri(self.role, self.name)
+
+
+def spiffe_uri(role: str, name: str) -> str:
+    return f"{SPIFFE_PREFIX}{role}/{name}"
+
+
+def _write_secret(path: pathlib.Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+def _write_public(path: pathlib.Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+def _private_dir(path: pathlib.Path) -> pathlib.Path:
+    path.mkdir(mode=0o700, parents=False, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path
+
+
+def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+
+
+class ClusterCA:
+    """The CA of one folder (made by init_pki, or loaded); issues instance certificates."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.dir = pathlib.Path(root) / TLS_DIR
+        try:
+            self._cert = x509.load_pem_x509_certificate((self.dir / CA_CERT).read_bytes())
+            self._key = serialization.load_pem_private_key((self.dir / CA_KEY).read_bytes(), None)
+        except (OSError, ValueError) as e:
+            raise KeyMaterialError(f"no usable cluster CA in {self.dir}: {e}") from e
+
+    @property
+    def ca_path(self) -> str:
+        return str(self.dir / CA_CERT)
+
+    def issue(self, role: str, name: str, hosts: Sequence[str] = ()) -> Identity:
+        """Make NAME/{cert,key}.pem for an instance of ROLE (a new name: never overwrites)."""
+        if role not in ROLES:
+            raise KeyMaterialError(f"unknown role {role!r}; roles: {', '.join(ROLES)}")
+        _check_name(name)
+        folder = self.dir / name
+        folder.mkdir(mode=0o700)  # FileExistsError for a name issued already
+        key = ec.generate_private_key(ec.SECP256R1())
+        sans: list[x509.GeneralName] = [x509.UniformResourceIdentifier(spiffe_uri(role, name)),
+                                        x509.DNSName("localhost")]
+        for host in ("127.0.0.1", "::1", *hosts):
+            try:
+                sans.append(x509.IPAddress(ipaddress.ip_address(host)))
+            except ValueError:
+                sans.append(x509.DNSName(host))
+        now = datetime.datetime.now(datetime.timezone.utc)
+        cert = (x509.CertificateBuilder()
+                .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name),
+                                         x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role)]))
+                .issuer_name(self._cert.subject).public_key(key.public_key())
+                .serial_number(x509.random_serial_number())
+                .not_valid_before(now - datetime.timedelta(minutes=5))
+                .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
+                .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+                .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                                      ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+                .sign(self._key, hashes.SHA256()))
+        _write_secret(folder / KEY, _key_pem(key))
+        _write_public(folder / CERT, cert.public_bytes(serialization.Encoding.PEM))
+        return Identity(role, name, str(folder / CERT), str(folder / KEY), self.ca_path)
+
+
+def init_pki(root: str | os.PathLike[str], instances: Iterable[tuple[str, str]] = (),
+             common_name: str = "pdcluster cluster CA") -> ClusterCA:
+    """Make DIR/tls with a fresh CA and a certificate per (role, name) instance."""
+    base = pathlib.Path(root)
+    base.mkdir(mode=0o700, parents=True, exist_ok=True)
+    folder = _private_dir(base / TLS_DIR)
+    if (folder / CA_KEY).exists():
+        raise KeyMaterialError(f"{folder} already has a CA; remove it to start over")
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
+                                         data_encipherment=False, key_agreement=False, key_cert_sign=True,
+                                         crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
+            .sign(key, hashes.SHA256()))
+    _write_secret(folder / CA_KEY, _key_pem(key))
+    _write_public(folder / CA_CERT, cert.public_bytes(serialization.Encoding.PEM))
+    ca = ClusterCA(base)
+    for role, instance in instances:
+        ca.issue(role, instance)
+    return ca
+
+
+def load_identity(root: str | os.PathLike[str], name: str) -> Identity:
+    folder = pathlib.Path(root) / TLS_DIR
+    cert = x509.load_pem_x509_certificate((folder / name / CERT).read_bytes())
+    role = identity_of_cert(cert)[0]
+    return Identity(role, name, str(folder / name / CERT), str(folder / name / KEY), str(folder / CA_CERT))
+
+
+def identity_of_cert(cert: x509.Certificate) -> tuple[str, str]:
+    """(role, name) from the certificate's spiffe://pdcluster/ROLE/NAME SAN; KeyMaterialError if none."""
+    try:
+        uris = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+            x509.UniformResourceIdentifier)
+    except x509.ExtensionNotFound:
+        uris = []
+    for uri in uris:
+        role_name = parse_spiffe(uri)
+        if role_name is not None:
+            return role_name
+    raise KeyMaterialError("certificate has no spiffe://pdcluster/ROLE/NAME identity")
+
+
+def parse_spiffe(uri: str) -> tuple[str, str] | None:
+    if not uri.startswith(SPIFFE_PREFIX):
+        return None
+    role, sep, name = uri[len(SPIFFE_PREFIX):].partition("/")
+    if not sep or role not in ROLES or not name or "/" in name:
+        return None
+    return role, name
