@@ -239,3 +239,30 @@ def test_a_silent_worker_is_left_after_the_stall_timeout(make, reference):
     assert last.route.decode_worker_id != paused.worker_id and last.route.num_migrations >= 2
     assert migrations(c, "stalled") >= 2
     assert_all_idle(c)
+
+
+def test_openai_stream_survives_two_worker_kills(make, reference):
+    """The HTTP frontend streams the same one stream: SSE text equal to the uninterrupted run's."""
+    import openai
+
+    c = make(3)
+    want = reference.generate(PROMPT, max_tokens=40)
+    oa = openai.OpenAI(base_url=c.http_url + "/v1", api_key="x", max_retries=0)
+    chunks = oa.completions.create(
+        model=c.router.preprocessor.model_name, prompt=PROMPT, max_tokens=40, temperature=0, stream=True,
+        logprobs=0, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        extra_headers={"X-Request-Id": f"mig-{uuid.uuid4().hex[:12]}"})
+    text, num_tokens, last = [], 0, None
+    marks = list(MARKS)
+    for chunk in chunks:
+        last = chunk
+        if chunk.choices:
+            text.append(chunk.choices[0].text)
+            num_tokens += len(chunk.choices[0].logprobs.tokens) if chunk.choices[0].logprobs else 0
+        if marks and num_tokens >= marks[0]:
+            marks.pop(0)
+            kill_serving(c)
+    assert not marks
+    assert "".join(text) == want.text
+    assert last is not None and last.usage.completion_tokens == 40
+    assert migrations(c) == 2
