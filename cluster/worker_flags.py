@@ -79,8 +79,9 @@ def add_engine_flags(group: Any) -> None:
     (what worker_flag_actions keeps) is the store_true one."""
     for flag, dest, kind in ENGINE_FLAGS:
         if dest == "enable_prefix_caching":
+            # default=False on both actions: argparse takes the dest's default from the first.
             group.add_argument("--enable-prefix-caching", dest="no_prefix_caching", action="store_false",
-                               help="on by default")
+                               default=False, help="on by default")
             group.add_argument("--no-enable-prefix-caching", "--no-prefix-caching", dest="no_prefix_caching",
                                action="store_true", default=False)
         elif kind is bool:

@@ -28,6 +28,11 @@ def test_serve_worker_takes_vllm_names():
         "max_model_len": 512, "max_num_seqs": 8, "max_num_batched_tokens": 256, "block_size": 32, "dtype": "float32",
         "kv_cache_dtype": "fp8", "seed": 3, "kv_cache_memory_bytes": 1000000, "enable_prefix_caching": False}
     assert worker_config(p.parse_args(["serve-worker", "--enable-prefix-caching"])).engine["enable_prefix_caching"]
+    defaults = worker_config(p.parse_args(["serve-worker"])).engine  # as before the vLLM names
+    assert defaults["enable_prefix_caching"] and p.parse_args(["serve-worker"]).enforce_eager is False
+    assert {k: defaults[k] for k in ("dtype", "kv_cache_dtype", "block_size", "max_num_seqs", "seed", "max_model_len")} \
+        == {"dtype": "auto", "kv_cache_dtype": "auto", "block_size": 16, "max_num_seqs": 64, "seed": 0,
+            "max_model_len": None}
     assert not worker_config(p.parse_args(["serve-worker", "--no-prefix-caching"])).engine["enable_prefix_caching"]
 
 
