@@ -291,3 +291,15 @@ def test_hermes_tool_call_parsing():
     # Unknown functions and broken JSON stay text.
     assert extract_tool_calls('<tool_call>{"name": "rm", "arguments": {}}</tool_call>', mode)[1] == []
     assert extract_tool_calls("<tool_call>{nope}</tool_call>", mode)[1] == []
+
+
+def test_n_siblings_reuse_the_prompts_blocks(cluster):
+    """The siblings start after the first generation's first token: the prompt's full blocks are
+    in the worker's prefix cache by then, so they are counted as cached prompt tokens."""
+    c = cluster(1)
+    prompt = list(range(5, 45))  # 40 tokens: two full blocks of 16
+    r = client(c).completions.create(model=_model(c), prompt=prompt, max_tokens=2, n=3, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert len(r.choices) == 3
+    assert r.usage.prompt_tokens == 40  # the prompt counted once
+    assert r.usage.prompt_tokens_details.cached_tokens >= 2 * 32
