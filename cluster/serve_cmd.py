@@ -62,6 +62,9 @@ def _add_router_flags(p: argparse.ArgumentParser, *, grpc_port: int = 50051, htt
     g.add_argument("--worker-tls-cert", default=None, help="client certificate for workers that require mTLS")
     g.add_argument("--worker-tls-key", default=None)
     g.add_argument("--worker-tls-server-name", default=None)
+    g.add_argument("--insecure-internal", action="store_true",
+                   help="serve: plaintext gRPC between the router and its loopback workers instead of mutual TLS "
+                        "under a CA made for the run (the default when no --worker-tls-* is given)")
     p.add_argument("--disagg-threshold", type=int, default=0,
                    help="conditional disaggregation: prompts whose uncached part is at most this many tokens "
                         "are served entirely by a decode worker (0: always disaggregate when both pools exist)")
@@ -253,6 +256,9 @@ def run_serve(args: argparse.Namespace) -> int:
         key_dir = init_keys(f"{workdir}/keys", ("router", "worker", "client")).root.as_posix()
     extra = shlex.split(args.worker_args)
     pools = _pools(args)
+    # No worker certificates given: mutual TLS with a CA made for this run (cluster/internal_tls.py).
+    given_tls = bool(args.worker_tls_ca or args.worker_tls_cert or args.worker_tls_key)
+    internal_ca = None if given_tls or getattr(args, "insecure_internal", False) else _internal_ca(workdir)
     try:
         env, stores, ready_extra = _connector_env(args, pools, workdir)
     except (RuntimeError, OSError) as e:
@@ -269,7 +275,8 @@ def run_serve(args: argparse.Namespace) -> int:
         # Workers are internal: loopback whatever --host says (the router, beside them, is the
         # only client-facing port of `serve`).
         specs += [WorkerSpec(f"{role}-{i}", ["--role", role, "--host", "127.0.0.1", "--port", "0", "--model", model,
-                                             "--worker-id", f"{role}-{i}", "--key-dir", key_dir, *connector, *extra])
+                                             "--worker-id", f"{role}-{i}", "--key-dir", key_dir, *connector,
+                                             *_worker_tls_argv(internal_ca, f"{role}-{i}"), *extra])
                   for i in range(count)]
     try:
         try:
@@ -279,6 +286,12 @@ def run_serve(args: argparse.Namespace) -> int:
             return 1
         addresses = tuple(p.address for p in workers)
         config = _router_config(args, addresses, key_dir, model)
+        if internal_ca is not None:
+            import dataclasses
+
+            from pdcluster.cluster.internal_tls import client_tls
+
+            config = dataclasses.replace(config, worker_tls=client_tls(internal_ca.issue("router", "router")))
         return _run_router_foreground(config, wait_for_workers=len(addresses), launcher=launcher,
                                       send_demo=args.demo_request, ready_extra=ready_extra)
     finally:
@@ -286,6 +299,20 @@ def run_serve(args: argparse.Namespace) -> int:
         if stores is not None:
             stores.stop()  # after the workers: they flush nothing more into it
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _internal_ca(workdir: str) -> Any:
+    from pdcluster.cluster.internal_tls import make_internal_pki
+
+    return make_internal_pki(workdir)
+
+
+def _worker_tls_argv(ca: Any, name: str) -> list[str]:
+    if ca is None:
+        return []
+    from pdcluster.cluster.internal_tls import server_argv
+
+    return server_argv(ca.issue("worker", name))
 
 
 def _connector_env(args: argparse.Namespace, pools: list[tuple[str, int]],

@@ -72,7 +72,8 @@ def test_serve_workers_get_the_flags(tmp_path):
     model = str(ensure_demo_model(tmp_path / "model"))
     proc, ready = start_serve(["--model", model, "--prefill", "1", "--decode", "1", "--max-model-len", "200",
                                "--block-size", "32", "--prefill-num-kv-blocks", "40", "--decode-num-kv-blocks", "50",
-                               "--served-model-name", "svc"])
+                               "--served-model-name", "svc",
+                               "--insecure-internal"])  # _info reads the workers' GetInfo in plaintext
     try:
         got = sorted((i.role, i.max_model_len, i.block_size, i.num_kv_blocks_total)
                      for i in (_info(a) for a in ready["workers"]))

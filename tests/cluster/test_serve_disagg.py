@@ -32,7 +32,8 @@ def _start_cluster(model: str, transport: str | None, connector: str = "p2p"):
     opts = f" --kv-connector-options '{json.dumps({'transport': transport})}'" if transport else ""
     return start_serve(["--model", model, "--prefill", "1", "--decode", "1", "--policy", "round_robin",
                         "--connector", connector, "--kvstore-node-size", "64M",
-                        "--worker-args", f"--max-model-len 256{opts}"])
+                        "--worker-args", f"--max-model-len 256{opts}",
+                        "--insecure-internal"])  # _blocks_used reads the workers' Stats in plaintext
 
 
 def _blocks_used(address: str) -> int:
