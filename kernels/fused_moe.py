@@ -81,7 +81,7 @@ def fused_moe_torch(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
 # The sorted (token, slot) pairs are laid out in row blocks of BLOCK_M that never mix experts
 # (each expert's group padded up to a multiple of BLOCK_M with -1 entries):
 #
-#     block_pairs  = [ e0 pairs .. -1 -1 | e1 pairs ... -1 | e3 pairs ...]     block_expert = [0, 1, 3]
+#     block_pairs  = [ e0 pairs .. -1 -1 | e1 pairs ... -1 | e3 pairs ... | -1 ...]  block_expert = [0, 1, 3, -1]
 #
 # Program (m, n) multiplies its row block by expert block_expert[m]'s weight tile n:
 #     launch 1:  inter[pair]  = hidden[pair // k] @ w13[e].T            (then silu_and_mul)
@@ -101,6 +101,8 @@ def _expert_gemm_kernel(
     pair = tl.load(pairs_ptr + rows).to(tl.int64)
     valid = pair >= 0
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert < 0:  # a surplus block of the sync-free layout
+        return
     a_row = tl.where(valid, pair // A_ROW_DIV, 0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n_out
@@ -123,7 +125,9 @@ def _expert_gemm_kernel(
 
 def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (block_pairs (num_blocks * block_m,) int32 with -1 padding, block_expert (num_blocks,) int32),
-    on topk_ids' device without a loop (one host sync: the number of blocks)."""
+    on topk_ids' device, without a loop or a host sync: num_blocks is the bound cdiv(T*k, block_m) +
+    min(E, T*k) (each used expert adds at most one partly filled block); the blocks past the used
+    ones hold only -1 pairs and expert -1, and their programs exit at once."""
     flat = topk_ids.reshape(-1).long()
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=num_experts)
@@ -132,12 +136,13 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
     group_start = torch.cumsum(counts, 0) - counts
     padded_start = (torch.cumsum(blocks, 0) - blocks) * block_m
     rank = torch.arange(flat.numel(), device=flat.device) - group_start[sorted_expert]
-    num_blocks = int(blocks.sum())
+    num_blocks = cdiv(flat.numel(), block_m) + min(num_experts, flat.numel())
     block_pairs = torch.full((num_blocks * block_m,), -1, dtype=torch.int32, device=flat.device)
     block_pairs[padded_start[sorted_expert] + rank] = order.to(torch.int32)
-    experts = torch.arange(num_experts, device=flat.device)
-    block_expert = torch.repeat_interleave(experts, blocks, output_size=num_blocks).to(torch.int32)
-    return block_pairs, block_expert
+    # block j belongs to the first expert whose cumulative block count exceeds j (num_experts: none)
+    block_ends = torch.cumsum(blocks, 0)
+    block_expert = torch.searchsorted(block_ends, torch.arange(num_blocks, device=flat.device), right=True)
+    return block_pairs, torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
 
 
 def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, weights: torch.Tensor | None,

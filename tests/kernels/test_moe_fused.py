@@ -63,10 +63,13 @@ def test_align_pairs_blocks_never_mix_experts():
     ids = torch.tensor([[3, 0], [0, 1], [3, 0], [2, 3]], dtype=torch.int32)
     pairs, experts = fm.align_pairs(ids, num_experts=5, block_m=2)
     flat = ids.flatten().tolist()
-    assert experts.tolist() == [0, 0, 1, 2, 3, 3]  # expert 0: 3 pairs -> 2 blocks; 4 unused: none
+    # expert 0: 3 pairs -> 2 blocks; 4 unused: none; then surplus blocks (expert -1, no pairs) up to
+    # the sync-free bound cdiv(8, 2) + min(5, 8) = 9
+    assert experts.tolist() == [0, 0, 1, 2, 3, 3, -1, -1, -1]
     blocks = pairs.view(-1, 2).tolist()
     for expert, block in zip(experts.tolist(), blocks):
         assert all(flat[p] == expert for p in block if p >= 0)
+        assert expert >= 0 or block == [-1, -1]
     assert sorted(p for p in pairs.tolist() if p >= 0) == list(range(8))
 
 
