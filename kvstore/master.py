@@ -19,7 +19,9 @@ from concurrent import futures
 import grpc
 
 from pdcluster._proto import kvstore_pb2_grpc as pb_grpc
+from pdcluster.security.grpc_authz import RoleInterceptor, RolePolicy
 
+from .authz import kvstore_policy
 from .core import MasterCore
 from .entities import MasterConfig
 from .metrics import serve_metrics
@@ -35,7 +37,9 @@ class MasterServer:
     def __init__(self, config: MasterConfig, secret: bytes, *, host: str = "127.0.0.1", port: int = 0,
                  data_dir: str | None = None, fsync: str = "interval", snapshot_interval_s: float = 300.0,
                  metrics_port: int | None = None, credentials: grpc.ServerCredentials | None = None,
-                 tick_s: float = 0.2, max_workers: int = 8) -> None:
+                 tick_s: float = 0.2, max_workers: int = 8, role_policy: RolePolicy | None = None) -> None:
+        # role_policy: with mutual TLS, which certificate roles may call what (kvstore/authz.py)
+        self.role_policy = role_policy
         self.core = MasterCore(config, secret, data_dir, fsync=fsync, snapshot_interval_s=snapshot_interval_s)
         self.servicer = MasterServicer(self.core)
         self._host, self._port = host, port
@@ -56,7 +60,8 @@ class MasterServer:
 
     def start(self) -> MasterServer:
         self.core.recover()  # before serving: no request may see a half-recovered store
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=self._max_workers))
+        interceptors = [RoleInterceptor(self.role_policy)] if self.role_policy is not None else []
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=self._max_workers), interceptors=interceptors)
         pb_grpc.add_KVStoreMasterServicer_to_server(self.servicer, server)
         bind = f"{self._host}:{self._port}"
         self.port = server.add_secure_port(bind, self._creds) if self._creds else server.add_insecure_port(bind)
@@ -123,7 +128,8 @@ def build_master(args: argparse.Namespace) -> MasterServer:
     creds = server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
     return MasterServer(config, load_secret(args.secret_file, create=True), host=args.host, port=args.port,
                         data_dir=args.data_dir, fsync=args.fsync, snapshot_interval_s=args.snapshot_interval_s,
-                        metrics_port=args.metrics_port, credentials=creds)
+                        metrics_port=args.metrics_port, credentials=creds,
+                        role_policy=kvstore_policy() if args.tls_cert and args.tls_client_ca else None)
 
 
 def run_master(args: argparse.Namespace) -> int:

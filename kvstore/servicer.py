@@ -8,6 +8,7 @@ object's data.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import grpc
@@ -16,9 +17,12 @@ from pdcluster._proto import kvstore_pb2 as pb
 from pdcluster._proto import kvstore_pb2_grpc as pb_grpc
 from pdcluster.transfer import OP_READ, OP_WRITE
 
+from .authz import node_id_refusal
 from .core import MasterCore
 from .entities import Node, Placement, Segment, Status
 from .object_mac import MAX_MAC_LEN
+
+log = logging.getLogger(__name__)
 
 
 class MasterServicer(pb_grpc.KVStoreMasterServicer):
@@ -27,6 +31,17 @@ class MasterServicer(pb_grpc.KVStoreMasterServicer):
         self.store = core.store
         self.cfg = core.config
         self._templates: dict[int, tuple[Segment, tuple[str, int, str], pb.KVReplica]] = {}
+        self.refusals: dict[str, int] = {}  # node-identity refusals by reason (kvstore/authz.py)
+
+    def _refuse_node(self, ctx: grpc.ServicerContext, reason: str, why: str) -> None:
+        self.refusals[reason] = self.refusals.get(reason, 0) + 1
+        log.warning("kvstore master refused %s from %s: %s", reason, ctx.peer(), why)
+        ctx.abort(grpc.StatusCode.PERMISSION_DENIED, why)
+
+    def _check_node(self, ctx: grpc.ServicerContext, node_id: str) -> None:
+        why = node_id_refusal(ctx, node_id)
+        if why is not None:
+            self._refuse_node(ctx, "wrong_node_id", why)
 
     def _check_batch(self, n: int, ctx: grpc.ServicerContext) -> None:
         if n > self.cfg.max_batch:
@@ -157,18 +172,27 @@ class MasterServicer(pb_grpc.KVStoreMasterServicer):
                or len(req.segments) > 1024 or any(s.size == 0 or s.segment_id == 0 for s in req.segments))
         if bad:
             return pb.KVMountSegmentResponse(status=int(Status.INVALID))
+        self._check_node(ctx, req.node_id)
         segs = [(s.segment_id, s.size, s.shm_name, s.incarnation) for s in req.segments]
         with self.core.lock:
+            live = self.store.nodes.get(req.node_id)
+            moved = live is not None and (live.data_host, live.data_port, live.host_id) != (
+                req.data_host, req.data_port, req.host_id)
+            if moved and self.core.clock() - live.last_seen_ms < self.cfg.node_timeout_s * 1000:
+                self._refuse_node(ctx, "live_node_moved", f"node {req.node_id!r} is live at "
+                                  f"{live.data_host}:{live.data_port}: its address cannot change")
             self.store.mount(req.node_id, req.data_host, req.data_port, req.host_id, segs, self.core.clock())
         return pb.KVMountSegmentResponse(status=int(Status.OK))
 
     def UnmountSegment(self, req: pb.KVUnmountSegmentRequest,
                        ctx: grpc.ServicerContext) -> pb.KVUnmountSegmentResponse:
+        self._check_node(ctx, req.node_id)
         with self.core.lock:
             status = self.store.unmount(req.node_id, list(req.segment_ids) or None, self.core.clock())
         return pb.KVUnmountSegmentResponse(status=int(status))
 
     def Heartbeat(self, req: pb.KVHeartbeatRequest, ctx: grpc.ServicerContext) -> pb.KVHeartbeatResponse:
+        self._check_node(ctx, req.node_id)
         segs = [(s.segment_id, s.incarnation) for s in req.segments]
         with self.core.lock:
             status = self.store.heartbeat(req.node_id, segs, self.core.clock())
@@ -182,4 +206,4 @@ class MasterServicer(pb_grpc.KVStoreMasterServicer):
 
     def stats(self) -> dict[str, float]:
         with self.core.lock:
-            return self.store.stats()
+            return self.store.stats() | {f"refused_{k}": v for k, v in self.refusals.items()}
