@@ -77,16 +77,17 @@ class LLMEngine:
         to the image's placeholder tokens (engine/mm_inputs.py)."""
         params = params if params is not None else SamplingParams()
         request_id = validate_request_id(request_id if request_id is not None else self.new_request_id())
-        pixels = None
+        mm_prompt, pixels = None, None
         if multi_modal_data is not None:
             if self.mm_processor is None:
                 raise ValueError(f"multi_modal_data: model {self.config.model.architecture} takes no images")
-            expanded, pixels = self.mm_processor.preprocess(prompt, multi_modal_data)  # type: ignore[arg-type]
-        text, ids = process_prompt(expanded if pixels is not None else prompt, params, self.tokenizer,
+            mm_prompt, pixels = self.mm_processor.preprocess(prompt, multi_modal_data)
+        text, ids = process_prompt(prompt if mm_prompt is None else mm_prompt, params, self.tokenizer,
                                    self.config.model.vocab_size, self.config.scheduler.max_model_len)
-        mm_features = self.mm_processor.features(ids, pixels) if pixels is not None and self.mm_processor else None
-        if pixels is not None:
-            text = prompt  # type: ignore[assignment]  # the user's prompt, not the expansion
+        mm_features = None
+        if self.mm_processor is not None and pixels is not None:
+            mm_features = self.mm_processor.features(ids, pixels)
+            text = prompt if isinstance(prompt, str) else text  # the user's prompt, not the expansion
         prior = _check_prior_tokens(prefill_output_token_ids, params, len(ids), self.config)
         if params.logit_bias and params.logit_bias[-1][0] >= self.config.model.vocab_size:
             raise ValueError(f"logit_bias: token id {params.logit_bias[-1][0]} is outside the vocabulary "

@@ -118,12 +118,14 @@ class MultiModalInputProcessor:
                              f"max_images_per_request is {self.limits.max_images_per_request}")
         return images
 
-    def preprocess(self, prompt: str, multi_modal_data: Any) -> tuple[str, list[np.ndarray]]:
-        """-> (prompt with each `<image>` expanded to its placeholder count, pixels per image)."""
-        if not isinstance(prompt, str):
-            raise ValueError("prompt: multi_modal_data needs a text prompt with one '<image>' per image")
+    def preprocess(self, prompt: Any, multi_modal_data: Any) -> tuple[Any, list[np.ndarray]]:
+        """-> (the prompt with each `<image>` expanded to its placeholder count, pixels per image).
+        A token-id prompt is returned as given: it must hold every image's placeholders already
+        (what a router that tokenized the expanded text sends); features() checks the count."""
         images = self.images_of(multi_modal_data)
         pixels = [self.image_processor.preprocess(load_image(im, self.limits, i)) for i, im in enumerate(images)]
+        if not isinstance(prompt, str):
+            return prompt, pixels
         parts = prompt.split(self.image_token)
         if len(parts) - 1 != len(pixels):
             raise ValueError(f"prompt has {len(parts) - 1} {self.image_token!r} placeholders for {len(pixels)} images")

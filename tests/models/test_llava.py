@@ -174,3 +174,13 @@ def test_encoder_output_matches_transformers(llava_path: str) -> None:
             pixels, vision_feature_layer=-2, vision_feature_select_strategy="default").pooler_output)
         got = ours.encode_images(pixels)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_token_id_prompt_with_expanded_placeholders(llm: LLM, llava_path: str) -> None:
+    images = [random_image(61), random_image(62, 45, 32)]
+    prompt = "t2 <image> t3 <image>"
+    ids = hf_processor(llava_path)(text=prompt, images=images, return_tensors="pt")["input_ids"][0].tolist()
+    out = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": images}}], GREEDY)[0]
+    assert out.outputs[0].token_ids == _ours(llm, prompt, images)
+    with pytest.raises(ValueError, match="image placeholder tokens"):
+        llm.generate([{"prompt_token_ids": ids[:-3], "multi_modal_data": {"image": images}}], GREEDY)
