@@ -20,6 +20,7 @@ xgrammar (and torch) are imported only here: the router never imports this modul
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 from collections import OrderedDict
@@ -29,6 +30,8 @@ import torch
 import xgrammar as xgr
 
 from pdcluster.structured_spec import StructuredOutputs
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_CACHED_GRAMMARS = 128
 # xgrammar's messages start with "[time] /path/file.cc:line: ": the client needs only the rest.
@@ -113,6 +116,10 @@ class GrammarState:
             if self.rejected or self._matcher.is_terminated():
                 return
             if not self._matcher.accept_token(int(t)):
+                # Only a token the mask did not allow gets here (a prior output from elsewhere
+                # that does not match the grammar): said aloud, never silently.
+                logger.warning("structured output: token %d does not match the grammar; the rest of the "
+                               "request is unconstrained", int(t))
                 self.rejected = True
 
     @property
