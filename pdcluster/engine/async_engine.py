@@ -112,18 +112,20 @@ class AsyncEngine:
         request_id: str | None = None,
         kv_transfer_params: KVTransferParams | None = None,
         prefill_output_token_ids: Sequence[int] | None = None,
+        multi_modal_data: dict[str, Any] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield RequestOutput deltas until one with finished=True. ValueError for bad input;
         cancelling the iteration (or the task consuming it) aborts the request and frees its blocks.
         Decode leg: kv_transfer_params from the prefill leg (do_remote_prefill=True) and
-        prefill_output_token_ids = the prefill leg's tokens (see LLMEngine.prepare_request)."""
+        prefill_output_token_ids = the prefill leg's tokens (see LLMEngine.prepare_request).
+        multi_modal_data: {"image": PIL images or encoded bytes} (multimodal models)."""
         if self._dead is not None:
             raise EngineDeadError(f"engine is not running: {self._dead!r}")
         runner_error = self.engine.core.health_error()  # e.g. a tensor-parallel rank died while idle
         if runner_error is not None:
             raise EngineDeadError(f"engine is not running: {runner_error}")
         request, text = self.engine.prepare_request(prompt, sampling_params, request_id, kv_transfer_params,
-                                                prefill_output_token_ids)
+                                                prefill_output_token_ids, multi_modal_data=multi_modal_data)
         request_id = request.request_id
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:

@@ -146,7 +146,14 @@ class LLMEngine:
         return self.output_processor.get_final(request_id)
 
     def get_stats(self) -> dict[str, Any]:
-        return self.core.get_stats()
+        stats = self.core.get_stats()
+        mm = getattr(self.core.runner, "mm", None)  # a multimodal model's embedder (mm_embedder.py)
+        if mm is not None:
+            s = mm.encoder_cache.stats
+            stats.update({"mm_items_computed": s.num_encoded, "mm_items_local_cache": s.hits,
+                          "encoder_cache_entries": s.num_entries, "encoder_cache_bytes": s.nbytes,
+                          "encoder_cache_evictions": s.evictions})
+        return stats
 
     def shutdown(self) -> None:
         """Release the KV connector's resources (transfer agents, shared memory). Idempotent."""

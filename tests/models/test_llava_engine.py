@@ -114,3 +114,30 @@ def test_prefix_hit_ending_inside_an_image(llava_path: str) -> None:
         assert out == hf_greedy(llava_path, longer, [image], MAX_NEW)
     finally:
         llm.shutdown()
+
+
+def test_async_engine_takes_images_and_counts_them(llava_path: str) -> None:
+    import asyncio
+
+    from pdcluster.config import EngineArgs
+    from pdcluster.engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine.from_engine_args(EngineArgs(model=llava_path, num_kv_blocks=64, block_size=4))
+    try:
+        image = random_image(9, 40, 48)
+
+        async def run(rid: str, prompt: str) -> list[int]:
+            toks: list[int] = []
+            async for out in engine.generate(prompt, GREEDY, request_id=rid,
+                                             multi_modal_data={"image": image}):
+                toks += out.outputs[0].token_ids
+            return toks
+
+        assert asyncio.run(run("a", "t4 <image> t5")) == hf_greedy(llava_path, "t4 <image> t5", [image], MAX_NEW)
+        # other text first: no prefix hit, but the image's encoding comes from the encoder cache
+        assert asyncio.run(run("b", "t6 <image> t5")) == hf_greedy(llava_path, "t6 <image> t5", [image], MAX_NEW)
+        stats = engine.engine.get_stats()
+        assert stats["mm_items_computed"] == 1 and stats["mm_items_local_cache"] == 1
+        assert stats["encoder_cache_entries"] == 1 and stats["encoder_cache_bytes"] == 16 * 64 * 4
+    finally:
+        engine.shutdown()
