@@ -10,9 +10,8 @@ Why this shape (measured on torch 2.13, AVX512 CPU; see /work/notes/perf.md):
   - For decode (one query token per request) the flash kernel in bfloat16 is slower than float32
     (about 3x), and the padded context gather through a 5-D block-table index is slow. Instead
     the plan built once per step holds a flat slot index (B*S,) and an additive float32 mask; each
-    layer gathers K/V with one index_select and runs two batched matmuls per KV head with the
-    GQA group as the query rows. Scores and softmax are float32; P @ V runs in the cache dtype
-    (as the flash kernel does).
+    layer gathers K/V with one index_select (head-major) and runs two bmm calls with the GQA
+    group as the query rows, in the cache dtype; mask and softmax in float32.
 
 StepPlan is derived from one AttentionMetadata and reused by every layer of that step.
 """
@@ -154,25 +153,26 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, dec: 
             window: int | None) -> torch.Tensor:
     """One new token per request: q (B, Hq, D) -> (B, Hq, D).
 
-    Per KV head h: scores[h] (B, G, S) = q[:, h-group] @ K[:, :, h]^T on strided views of the
-    gathered (B, S, Hk, D) context (no transpose copy), float32; softmax; P @ V[:, :, h] in the
-    cache dtype. Heads lead in scores/out so each bmm writes a contiguous block."""
+    K/V are gathered head-major, (Hk * B, S, D) contiguous, so both products are plain bmm calls
+    over Hk * B matrices with the GQA group (G = Hq / Hk) as the query rows: scores (Hk * B, G, S)
+    = q @ K^T, float32 mask and softmax, P @ V. (bmm copies a strided K view per call in bf16: a
+    head-major copy once is cheaper.) The products run in the cache dtype, like transformers'
+    eager attention: a float32 copy of K costs more than the matmul."""
     b, s = dec.num_reqs, dec.max_seq_len
     hq, d = q.shape[1], q.shape[2]
     hk = k_cache.shape[2]
     group = hq // hk
-    kc = k_cache.view(-1, hk, d).index_select(0, dec.slots).view(b, s, hk, d)
-    vc = v_cache.view(-1, hk, d).index_select(0, dec.slots).view(b, s, hk, d)
-    kf = kc if kc.dtype == torch.float32 else kc.float()
-    qf = (q.float() * scale).view(b, hk, group, d)
-    scores = torch.empty(hk, b, group, s, dtype=torch.float32, device=q.device)
-    for h in range(hk):
-        torch.bmm(qf[:, h], kf[:, :, h].transpose(1, 2), out=scores[h])
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:
+        rows = cache.view(-1, hk, d).index_select(0, dec.slots).view(b, s, hk, d)
+        return rows.permute(2, 0, 1, 3).reshape(hk * b, s, d)
+
+    kc, vc = gather(k_cache), gather(v_cache)
+    qs = q.to(kc.dtype).view(b, hk, group, d).transpose(0, 1).reshape(hk * b, group, d)
+    scores = torch.bmm(qs, kc.transpose(1, 2)).float().mul_(scale).view(hk, b, group, s)
     probs = scores.add_(dec.mask(window)).softmax(dim=-1).to(vc.dtype)  # mask (B, 1, S) broadcasts
-    out = torch.empty(hk, b, group, d, dtype=vc.dtype, device=q.device)
-    for h in range(hk):
-        torch.bmm(probs[h], vc[:, :, h], out=out[h])
-    return out.permute(1, 0, 2, 3).reshape(b, hq, d).to(q.dtype)
+    out = torch.bmm(probs.view(hk * b, group, s), vc)  # (Hk * B, G, D)
+    return out.view(hk, b, group, d).permute(1, 0, 2, 3).reshape(b, hq, d).to(q.dtype)
 
 
 class PlanCache:
