@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from pdcluster.dtypes import ITEMSIZE, SUPPORTED_DTYPES
@@ -18,6 +19,11 @@ from pdcluster.models.hf_config import ModelConfig, load_model_config
 BACKENDS = ("auto", "torch", "triton")
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB
 KV_ROLES = ("producer", "consumer", "both")
+# What an engine KV cache may be stored in: the compute dtypes, or fp8 e4m3 (quantised on write,
+# dequantised on read with per-layer k/v scales; pdcluster/models/layers/kv_quant.py).
+KV_CACHE_DTYPES: tuple[str, ...] = (*SUPPORTED_DTYPES, "float8_e4m3fn")
+# vLLM's spellings of the fp8 cache ("fp8" is e4m3, as in vLLM on CUDA).
+KV_CACHE_DTYPE_ALIASES = MappingProxyType({"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"})
 
 
 @dataclass(frozen=True)
@@ -147,9 +153,7 @@ class EngineArgs:
         if not self.enable_chunked_prefill and mnbt < max_len:
             raise ValueError(
                 f"max_num_batched_tokens ({mnbt}) must be >= max_model_len ({max_len}) without chunked prefill")
-        kv_dtype = model_cfg.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
-        if kv_dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be 'auto' or one of {SUPPORTED_DTYPES}, got {kv_dtype!r}")
+        kv_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, model_cfg.dtype)
         _check_tp_shapes(model_cfg, tp)
         if model_cfg.architecture == "LlavaForConditionalGeneration" and tp > 1:
             raise ValueError(f"tensor_parallel_size={tp}: LlavaForConditionalGeneration runs with "
@@ -221,10 +225,19 @@ def _check_tp_shapes(model: ModelConfig, tp: int) -> None:
                          f"be a multiple of the TP size, or divide it when there are fewer)")
 
 
+def resolve_kv_cache_dtype(name: Any, model_dtype: str) -> str:
+    """"auto" -> the model dtype; "fp8"/"fp8_e4m3" -> "float8_e4m3fn"; ValueError otherwise."""
+    kv_dtype = model_dtype if name == "auto" else KV_CACHE_DTYPE_ALIASES.get(name, name)
+    if kv_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be 'auto', one of {sorted(KV_CACHE_DTYPE_ALIASES)} or one of "
+                         f"{KV_CACHE_DTYPES}, got {name!r}")
+    return kv_dtype
+
+
 def kv_bytes_per_block(model: ModelConfig, block_size: int, kv_dtype: str, tp: int = 1) -> int:
     """Bytes of one KV block on one TP rank (K and V, every layer). KV heads are split across
     ranks, or replicated when there are fewer KV heads than ranks."""
-    if kv_dtype not in SUPPORTED_DTYPES:  # an engine KV cache is never fp8 (KV_LAYOUT_DTYPES)
+    if kv_dtype not in KV_CACHE_DTYPES:
         raise KeyError(kv_dtype)
     itemsize = ITEMSIZE[kv_dtype]
     local_kv_heads = max(1, model.num_key_value_heads // tp)
@@ -305,4 +318,5 @@ def engine_args_from_dict(d: dict[str, Any]) -> EngineArgs:
 
 __all__ = [
     "CacheConfig", "EngineArgs", "EngineConfig", "MultiModalConfig", "ParallelConfig", "SchedulerConfig", "kv_bytes_per_block",
+    "resolve_kv_cache_dtype",
 ]

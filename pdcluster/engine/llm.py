@@ -24,6 +24,12 @@ class LLM:
         self.engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(model=model, **kwargs), connector=connector)
 
     @property
+    def num_kv_blocks(self) -> int:
+        """Blocks in the KV cache (per TP rank): the memory budget over one block's bytes, so an fp8
+        cache holds twice the blocks of a bfloat16 one (four times float32's) in the same budget."""
+        return self.engine.config.cache.num_blocks
+
+    @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 

@@ -71,6 +71,9 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_cache(connector)
         # Per-layer views (2, num_blocks, block_size, Hk, D) into the one tensor.
         self.layer_kv_caches: list[torch.Tensor] = list(self.kv_caches.unbind(0))
+        self.kv_scales: Any = None  # kv_quant.KVScales of an fp8 cache (checkpoint's, or 1.0)
+        if self.kv_caches.dtype == torch.float8_e4m3fn:
+            self._bind_kv_scales()
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler: Any = None  # built on first use (pdcluster.engine.sampler)
         self._grammar_cache: Any = None  # built on first structured-output request
@@ -83,6 +86,15 @@ class ModelRunner:
         if connector is not None:
             self.connector_hooks = ConnectorHooks(connector, rank, config.parallel.tensor_parallel_size)
             self.connector_hooks.register(self.kv_caches, self.kv_cache_layout(), self.model)
+
+    def _bind_kv_scales(self) -> None:
+        from pdcluster.models.layers.kv_quant import load_kv_scales
+
+        m = self.config.model
+        self.kv_scales = load_kv_scales(m.model_path, m.num_hidden_layers, m.num_key_value_heads, self.device,
+                                        self.rank, self.config.parallel.tensor_parallel_size)
+        self.kv_scales.bind(self.layer_kv_caches)
+        self.attn_backend.kv_scales = self.kv_scales  # type: ignore[attr-defined]
 
     def kv_cache_layout(self) -> KVCacheLayout:
         m, c = self.config.model, self.config.cache

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from pdcluster.kernels.cache_write import reshape_and_cache_torch
-from pdcluster.models.layers import cpu_attention
+from pdcluster.models.layers import cpu_attention, kv_quant
 from pdcluster.models.layers.attention_backend import AttentionBackend, AttentionMetadata
 
 
@@ -51,11 +51,34 @@ class TorchAttentionBackend(AttentionBackend):
 
     def __init__(self) -> None:
         self._plans = cpu_attention.PlanCache()  # per-step gather index and masks
+        self.kv_scales = kv_quant.KVScales([], [], "default 1.0")  # set by the runner for an fp8 cache
+        self._dequant = kv_quant.DequantStep()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 sliding_window: int | None = None) -> torch.Tensor:
+        if k_cache.dtype == kv_quant.FP8_DTYPE:
+            return self._forward_fp8(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
         reshape_and_cache_torch(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self._attend(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
+
+    def _forward_fp8(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                     sliding_window: int | None) -> torch.Tensor:
+        """Quantise on write (clamped to +-448); attention then runs on a float32 copy of the blocks
+        this step reads, and on the new tokens as read back from the cache, so every path (fresh
+        prefill, chunk over a prefix, decode) sees exactly dequantize(quantize(kv))."""
+        ks, vs = self.kv_scales.for_cache(k_cache)
+        reshape_and_cache_torch(k, v, k_cache, v_cache, meta.slot_mapping, ks, vs)
+        blocks, meta = self._dequant.get(meta, k_cache.shape[0])
+        kc, vc = kv_quant.dequant_blocks(k_cache, blocks, ks), kv_quant.dequant_blocks(v_cache, blocks, vs)
+        return self._attend(q, kv_quant.fake_quant(k, ks), kv_quant.fake_quant(v, vs), kc, vc, meta, scale,
+                            sliding_window)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                sliding_window: int | None) -> torch.Tensor:
+        """Attention of the new tokens once their K/V are in the cache."""
         if sliding_window is None:  # full attention: the CPU-shaped path (4-D SDPA, batched decode)
             plan = self._plans.get(meta, k_cache.shape[1])
             return cpu_attention.attention(q, k, v, k_cache, v_cache, meta, plan, scale, None)

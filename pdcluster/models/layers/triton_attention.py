@@ -13,6 +13,8 @@ import triton (the kernels compile on first use).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from pdcluster.kernels.cache_write import reshape_and_cache_triton
@@ -30,10 +32,15 @@ class TritonAttentionBackend(AttentionBackend):
     def __init__(self, k_scale: torch.Tensor | float = 1.0, v_scale: torch.Tensor | float = 1.0) -> None:
         self._scales = (k_scale, v_scale)
         self._device_scales: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Per-layer scales (kv_quant.KVScales, on the cache's device), set by the runner for an fp8
+        # cache; a cache it does not know (kernel tests) uses the constructor's scales.
+        self.kv_scales: Any = None
 
     def _scales_for(self, cache: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if cache.dtype != torch.float8_e4m3fn:
             return None, None
+        if self.kv_scales is not None and self.kv_scales.knows(cache):
+            return self.kv_scales.for_cache(cache)
         # One host->device copy per device, not per layer and step.
         if cache.device not in self._device_scales:
             self._device_scales[cache.device] = tuple(  # type: ignore[assignment]
