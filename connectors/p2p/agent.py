@@ -102,8 +102,10 @@ class ProducerAgent:
         with self._guard_lock:
             self.counters[name] += 1
 
-    def handle(self, frames: list[bytes]) -> list[bytes]:
-        """Reply frames (after the ROUTER identity) for one request's frames. Never raises."""
+    def handle(self, frames: list[bytes], sender: str | None = None) -> list[bytes]:
+        """Reply frames (after the ROUTER identity) for one request's frames. Never raises.
+        sender: the authenticated peer (the ZAP User-Id: its CURVE key's name); lease operations
+        are checked against it (the first consumer to use a lease owns it)."""
         if len(frames) != 1:
             return self._error(b"", "malformed", f"expected one frame, got {len(frames)}")
         try:
@@ -121,10 +123,10 @@ class ProducerAgent:
             if kind == "p2p_hs_req":
                 return self._handshake(nonce, body)
             if kind == "p2p_open":
-                return self._open(nonce, body)
+                return self._open(nonce, body, sender)
             if kind == "p2p_heartbeat":
                 alive = [ref["lease_id"] for ref in body["leases"]
-                         if self.leases.renew(ref["lease_id"], ref["transfer_id"])]
+                         if self.leases.renew(ref["lease_id"], ref["transfer_id"], sender)]
                 return self._reply(nonce, alive=alive, ttl_ms=int(self.leases.ttl_s * 1000))
             consumer_tp = body.get("consumer_tp") or 1
             consumer_rank = body.get("consumer_rank") or 0
@@ -135,7 +137,7 @@ class ProducerAgent:
             except ValueError as e:
                 return self._error(nonce, "bad_request", str(e))
             status = self.leases.release(body["lease_id"], body["transfer_id"], body["request_id"],
-                                         consumer_rank, expected)
+                                         consumer_rank, expected, sender)
             if status != "released":
                 self._count(f"refused_done_{status}")
             return self._reply(nonce, ok=status == "released", status=status)
@@ -151,8 +153,8 @@ class ProducerAgent:
             return self._error(nonce, "incompatible", problem)
         return [nonce, encode(FINGERPRINT, self.fingerprint), encode(HS_BODY, self.body())]
 
-    def _open(self, nonce: bytes, body: dict[str, Any]) -> list[bytes]:
-        lease = self.leases.lookup(body["lease_id"], body["transfer_id"], body["request_id"])
+    def _open(self, nonce: bytes, body: dict[str, Any], sender: str | None = None) -> list[bytes]:
+        lease = self.leases.lookup(body["lease_id"], body["transfer_id"], body["request_id"], sender)
         first = body["first_block"]
         if first > len(lease.block_ids):
             return self._error(nonce, "bad_request", f"first_block {first} past the lease's {len(lease.block_ids)} blocks")

@@ -19,6 +19,9 @@ Invariants:
   - expiry does not assume any order: expire() looks at every lease;
   - ended leases are remembered (bounded) so a late reader learns "expired"/"released" rather
     than "unknown";
+  - the first consumer that opens (or ends) a lease owns it: later opens, heartbeats and
+    "done"s from another authenticated sender (its CURVE key name, the ZAP User-Id) are refused
+    ("wrong_owner"), so knowing a lease's ids is not enough to read, renew or end it;
   - a data-plane token dies with its lease: the producer's TransferServer asks transfer_live()
     on every request, so a token of an ended lease is refused although it has not expired.
 """
@@ -51,6 +54,7 @@ class Lease:
     block_ids: list[int]
     expiry: float  # clock() seconds
     notified: set[int] = field(default_factory=set)  # consumer ranks that said done (TP)
+    owner: str | None = None  # the authenticated consumer that first used it (ZAP User-Id)
 
 
 class LeaseTable:
@@ -74,14 +78,18 @@ class LeaseTable:
             self.counts["created"] += 1
             return lease
 
-    def lookup(self, lease_id: str, transfer_id: str, request_id: str | None = None) -> Lease:
-        """The live lease, checked against the transfer (and request) it is bound to."""
+    def lookup(self, lease_id: str, transfer_id: str, request_id: str | None = None,
+               sender: str | None = None) -> Lease:
+        """The live lease, checked against the transfer (and request) it is bound to, and against
+        its owner when the caller names the authenticated `sender` (the first one becomes it)."""
         with self._lock:
             lease = self._live(lease_id)
             if lease.transfer_id != transfer_id:
                 raise LeaseError("wrong_transfer")
             if request_id is not None and lease.request_id != request_id:
                 raise LeaseError("wrong_request")
+            if not self._owned_by(lease, sender):
+                raise LeaseError("wrong_owner")
             return lease
 
     def transfer_live(self, transfer_id: str) -> bool:
@@ -98,19 +106,19 @@ class LeaseTable:
     def remaining_s(self, lease: Lease) -> float:
         return max(0.0, lease.expiry - self._clock())
 
-    def renew(self, lease_id: str, transfer_id: str) -> bool:
+    def renew(self, lease_id: str, transfer_id: str, sender: str | None = None) -> bool:
         with self._lock:
             try:
                 lease = self._live(lease_id)
             except LeaseError:
                 return False
-            if lease.transfer_id != transfer_id:
+            if lease.transfer_id != transfer_id or not self._owned_by(lease, sender):
                 return False
             lease.expiry = self._clock() + self.ttl_s
             return True
 
     def release(self, lease_id: str, transfer_id: str, request_id: str, consumer_rank: int = 0,
-                expected: int = 1) -> str:
+                expected: int = 1, sender: str | None = None) -> str:
         """The consumer's "done": "released", or why not (expired, released, unknown, wrong_*).
         With TP the lease ends only when `expected` distinct consumer ranks said done; each of
         them gets "released" (the lease was alive for every read it made)."""
@@ -123,6 +131,8 @@ class LeaseTable:
                 return "wrong_transfer"
             if lease.request_id != request_id:
                 return "wrong_request"
+            if not self._owned_by(lease, sender):
+                return "wrong_owner"
             lease.notified.add(consumer_rank)
             if len(lease.notified) >= expected:
                 self._end(lease, "released")
@@ -163,6 +173,15 @@ class LeaseTable:
             return len(self._active)
 
     # -- under self._lock ------------------------------------------------------------------------
+    @staticmethod
+    def _owned_by(lease: Lease, sender: str | None) -> bool:
+        """No sender named (in-process callers): not checked. Else the first sender owns it."""
+        if sender is None:
+            return True
+        if lease.owner is None:
+            lease.owner = sender
+        return lease.owner == sender
+
     def _live(self, lease_id: str) -> Lease:
         lease = self._active.get(lease_id)
         if lease is None:

@@ -82,9 +82,15 @@ class SideChannelServer:
                 log.exception("p2p side channel loop error")
 
     def _serve_one(self) -> None:
-        frames = self._sock.recv_multipart(zmq.NOBLOCK)
+        frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
         if len(frames) < 2:
             return  # no identity: nothing to answer
-        identity, payload = frames[0], frames[1:]
-        reply = self.agent.handle(payload)
+        # The ZAP handler's User-Id: the name of the sender's allow-listed CURVE key, set by
+        # libzmq on every frame of an authenticated connection (never by the peer).
+        try:
+            sender = frames[1].get("User-Id")
+        except zmq.ZMQError:  # no User-Id on this connection: nobody to own a lease
+            sender = None
+        identity, payload = frames[0].bytes, [f.bytes for f in frames[1:]]
+        reply = self.agent.handle(payload, sender=sender if isinstance(sender, str) and sender else None)
         self._sock.send_multipart([identity, *reply], zmq.NOBLOCK)
