@@ -75,16 +75,53 @@ def _cmd_keys_init(args: argparse.Namespace) -> int:
         raise ValueError(str(e)) from None
     names = ", ".join(sorted(keys.keypairs))
     print(f"wrote CURVE keys to {args.dir} (secrets mode 0600): {names}")
+    from pdcluster.security.pki import TLS_DIR, init_pki
+
+    if args.overwrite:
+        import shutil
+
+        shutil.rmtree(f"{args.dir}/{TLS_DIR}", ignore_errors=True)
+    try:  # the mTLS identities of the internal gRPC planes: a CA and one certificate per instance
+        init_pki(args.dir, DEFAULT_TLS_INSTANCES)
+    except KeyMaterialError as e:
+        raise ValueError(str(e)) from None
+    print(f"wrote a cluster CA and certificates to {args.dir}/{TLS_DIR} (keys mode 0600): "
+          + ", ".join(f"{name} ({role})" for role, name in DEFAULT_TLS_INSTANCES)
+          + "; more with `pdcluster keys issue DIR ROLE NAME`")
+    return 0
+
+
+# One certificate per default instance; a deployment issues one per process (`keys issue`).
+DEFAULT_TLS_INSTANCES = (("router", "router"), ("worker", "worker"), ("kvstore-master", "kvstore-master"),
+                         ("kvstore-node", "kvstore-node"), ("client", "client"))
+
+
+def _cmd_keys_issue(args: argparse.Namespace) -> int:
+    from pdcluster.security.keys import KeyMaterialError
+    from pdcluster.security.pki import ClusterCA
+
+    try:
+        ident = ClusterCA(args.dir).issue(args.role, args.name, hosts=args.host)
+    except (KeyMaterialError, FileExistsError) as e:
+        raise ValueError(f"cannot issue {args.name!r}: {e}") from None
+    print(f"issued {ident.uri}: {ident.cert} (key {ident.key}, mode 0600)")
     return 0
 
 
 def _add_keys(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("keys", help="cluster key management")
     ks = p.add_subparsers(dest="keys_command", required=True)
-    init = ks.add_parser("init", help="make CURVE key pairs for router, workers, kvstore and clients")
+    init = ks.add_parser("init", help="make CURVE key pairs and a cluster CA with certificates for router, "
+                                      "workers, kvstore and clients")
     init.add_argument("dir")
     init.add_argument("--overwrite", action="store_true", help="replace existing keys")
     init.set_defaults(func=_cmd_keys_init)
+    issue = ks.add_parser("issue", help="issue a certificate for one more instance from DIR's cluster CA")
+    issue.add_argument("dir")
+    issue.add_argument("role", help="router, worker, kvstore-master, kvstore-node or client")
+    issue.add_argument("name", help="the instance's name (e.g. prefill-0): its certificate's identity")
+    issue.add_argument("--host", action="append", default=[], help="an extra DNS name or IP it serves on")
+    issue.set_defaults(func=_cmd_keys_issue)
 
 
 def _add_up(sub: argparse._SubParsersAction) -> None:
