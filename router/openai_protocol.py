@@ -18,6 +18,7 @@ from pdcluster._proto import common_pb2, router_pb2
 from pdcluster.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
 from .errors import invalid
+from .openai_images import ImageLimits, chat_parts
 from .openai_structured import FIELDS as STRUCTURED_FIELDS
 from .openai_structured import parse_structured
 from .openai_tools import ToolMode, chat_message_tool_fields, parse_tools
@@ -271,14 +272,19 @@ def _set(msg: Any, field: str, value: Any, name: str) -> None:
 
 def _content(content: Any, i: int) -> str:
     """Message content: a string, or a list of text parts (joined). Other part types (images,
-    audio) are refused: this server has no multimodal input yet."""
+    audio) are refused: images are not forwarded to workers yet, but an image_url part is
+    checked first (openai_images.py), so a remote http(s) URL gets its own clear refusal."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
         texts = []
-        for part in content:
+        for j, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                chat_parts([part], i, ImageLimits(), start=j)  # 400 for remote URLs, bad data URLs, limits
+                raise invalid("messages", f"messages[{i}].content[{j}]: image inputs are not served over "
+                                          "this API yet; the offline LLM API takes them")
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise invalid("messages", f"messages[{i}].content: only text parts are supported")
             texts.append(part["text"])
