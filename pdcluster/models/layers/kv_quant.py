@@ -91,7 +91,7 @@ def load_kv_scales(model_path: str, num_layers: int, num_kv_heads: int, device: 
         if m is None or int(m.group(1)) >= num_layers:
             continue
         which = m.group(2) or f"{m.group(3)}_scale"
-        value = tensor[:].float().reshape(-1)
+        value = tensor[...].float().reshape(-1)  # [...]: also a 0-d (per-tensor) scale
         for kind in (("k_scale", "v_scale") if which == "kv_scale" else (which,)):
             found.setdefault((int(m.group(1)), kind), value)
     local = max(1, num_kv_heads // tp_size)
