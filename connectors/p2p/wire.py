@@ -114,4 +114,8 @@ def fingerprint_mismatch(ours: dict[str, Any], theirs: dict[str, Any]) -> str | 
     diff = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
     if not diff:
         return None
-    return "incompatible KV caches: " + ", ".join(f"{k} ours={ours.get(k)!r} theirs={theirs.get(k)!r}" for k in diff)
+    problem = "incompatible KV caches: " + ", ".join(f"{k} ours={ours.get(k)!r} theirs={theirs.get(k)!r}" for k in diff)
+    if "kv_dtype" in diff:  # the deployment knob to fix, by its option name
+        problem += " (producer and consumer must run with the same kv_cache_dtype: an fp8 cache's bytes are not " \
+                   "another dtype's)"
+    return problem
