@@ -217,11 +217,12 @@ def test_migration_off_ends_with_the_error(make):
     assert len(c.healthy_ids()) == 1  # the other worker is fine: only the migration was off
 
 
-def test_a_silent_worker_is_left_after_the_stall_timeout(make, reference):
+@CHANNELS
+def test_a_silent_worker_is_left_after_the_stall_timeout(make, reference, channel):
     """A worker that stops answering (SIGSTOP: its connection stays open) and one that holds the
     request without output: after stall_timeout_s of silence each counts as failed and the
     request moves on, continuing token-exact."""
-    c = make(3, stall_timeout_s=1.5, max_migrations=4)
+    c = make(3, stall_timeout_s=1.5, max_migrations=4, worker_channel=channel)
     want = reference.generate(PROMPT, max_tokens=40)
     stream = open_stream(c, sampling(40))
     got: list = []
