@@ -122,3 +122,19 @@ def test_logit_bias_forces_a_token(llm):
     assert list(out.token_ids) == [tok] * 4
     with pytest.raises(ValueError, match="logit_bias"):
         llm.generate(["hello"], SamplingParams(logit_bias={10**6: 1}))
+
+
+def test_tensor_parallel_ranks_follow_the_grammar(llm):
+    """TP: the spec and logit_bias reach rank 1 in the step broadcast (to_dict), each rank builds
+    its own matcher, and the tokens are the single-process engine's."""
+    params = SamplingParams(structured_outputs={"json": SCHEMA}, temperature=0.9, seed=4, max_tokens=60,
+                            logit_bias={5: 3})
+    want = [o.outputs[0].token_ids for o in llm.generate(["hi", "yo"], params)]
+    tp = LLM(llm.engine.config.tokenizer_path, max_model_len=256, tensor_parallel_size=2)
+    try:
+        got = tp.generate(["hi", "yo"], params)
+    finally:
+        tp.shutdown()
+    assert [o.outputs[0].token_ids for o in got] == want
+    for o in got:
+        jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
