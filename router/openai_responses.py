@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -132,6 +133,10 @@ class ResponseBuilder:
         return self._chunk(choice)
 
     def _tool_chunk(self, delta: worker_pb2.WorkerGenerateResponse) -> dict[str, Any] | None:
+        mode = self.opts.tools
+        assert mode is not None
+        if mode.choice == "named":
+            return self._named_tool_chunk(delta, mode.name or "")
         self._held.append(delta.text)
         if not delta.finished:
             return None
@@ -144,6 +149,26 @@ class ResponseBuilder:
             out["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
         choice["delta"] = out
         choice["logprobs"] = None
+        return self._chunk(choice)
+
+    def _named_tool_chunk(self, delta: worker_pb2.WorkerGenerateResponse, name: str) -> dict[str, Any] | None:
+        """A forced function's arguments are the output itself: streamed as argument fragments,
+        the first chunk carrying the call's id and name (what the openai client assembles)."""
+        call: dict[str, Any] = {"index": 0, "function": {"arguments": delta.text}}
+        if not self._held:
+            self._held.append("started")
+            call.update(id=f"call_{secrets.token_hex(12)}", type="function")
+            call["function"]["name"] = name
+        finish = None
+        if delta.finished:
+            finish = FINISH_REASONS.get(delta.finish_reason)
+            finish = "tool_calls" if finish == "stop" else finish
+        if not delta.text and not delta.finished and "id" not in call:
+            return None
+        choice: dict[str, Any] = {"index": self.index, "logprobs": None, "finish_reason": finish,
+                                  "delta": {"tool_calls": [call]} if delta.text or "id" in call else {}}
+        if delta.finished:
+            choice["stop_reason"] = stop_reason(delta)
         return self._chunk(choice)
 
     def usage_chunk(self, usage: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -267,6 +267,14 @@ def test_tool_calls(cluster):
     assert calls and chunks[-1].choices[0].finish_reason == "tool_calls"
     for entry in calls.values():
         jsonschema.validate(json.loads(entry["arguments"]), SCHEMAS[entry["name"]])
+    # A named function's arguments stream as fragments of one call.
+    chunks = list(oa.chat.completions.create(model=_model(c), messages=msgs, tools=TOOLS, max_tokens=80,
+                                             temperature=0, stream=True,
+                                             tool_choice={"type": "function", "function": {"name": "get_time"}}))
+    parts = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
+    assert len(parts) > 1 and parts[0].id.startswith("call_") and parts[0].function.name == "get_time"
+    assert {tc.index for tc in parts} == {0} and chunks[-1].choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads("".join(tc.function.arguments or "" for tc in parts)), TIME)
     # auto: the model may answer in text; a multi-turn conversation with a tool result renders.
     history = msgs + [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "get_weather",
