@@ -10,8 +10,9 @@
                     named: forced to the JSON of that function's parameters. Either way the
                     arguments validate against the function's schema.
 
-Streams with tools hold the text back and send the tool calls (or the text, if there were none)
-in the final chunk: a call is only known once it is complete.
+Streams: a named function's arguments are the output itself, streamed as fragments of one call
+(openai_responses.py); with auto/required the text is held back and the tool calls (or the text,
+if there were none) go in the final chunk: a call is only known once it is complete.
 """
 
 from __future__ import annotations
