@@ -260,7 +260,7 @@ def run_serve(args: argparse.Namespace) -> int:
     given_tls = bool(args.worker_tls_ca or args.worker_tls_cert or args.worker_tls_key)
     internal_ca = None if given_tls or getattr(args, "insecure_internal", False) else _internal_ca(workdir)
     try:
-        env, stores, ready_extra = _connector_env(args, pools, workdir)
+        env, stores, ready_extra = _connector_env(args, pools, workdir, internal_ca)
     except (RuntimeError, OSError) as e:
         print(f"pdcluster serve: error: {e}", file=sys.stderr)
         shutil.rmtree(workdir, ignore_errors=True)
@@ -316,7 +316,7 @@ def _worker_tls_argv(ca: Any, name: str) -> list[str]:
 
 
 def _connector_env(args: argparse.Namespace, pools: list[tuple[str, int]],
-                   workdir: str) -> tuple[dict[str, str], Any, dict[str, Any]]:
+                   workdir: str, ca: Any = None) -> tuple[dict[str, str], Any, dict[str, Any]]:
     """The workers' environment for the pools' KV connector, the store processes started for it
     (or None), and what the ready line adds. Secrets and addresses reach the workers through the
     environment, never a command line."""
@@ -332,7 +332,7 @@ def _connector_env(args: argparse.Namespace, pools: list[tuple[str, int]],
 
         stores = LocalStores(f"{workdir}/kvstore")  # master + one node on 127.0.0.1, logs here
         try:
-            master = stores.kvstore(node_size=args.kvstore_node_size)
+            master = stores.kvstore(node_size=args.kvstore_node_size, ca=ca)  # ca: mutual TLS
         except BaseException:
             stores.stop()
             raise
@@ -345,6 +345,8 @@ def _connector_env(args: argparse.Namespace, pools: list[tuple[str, int]],
         # every get (kvstore/object_mac.py). Only the workers get it, never the master or the node.
         options = {"master": master, "tp_sizes": sorted({args.prefill_tp, args.decode_tp}),
                    "object_key": secrets.token_hex(32)}
+        if ca is not None:  # each worker reaches the master with its own certificate
+            options["tls_identity"] = "worker"
         return {"PDCLUSTER_KV_CONNECTOR_OPTIONS": json.dumps(options)}, stores, {"kvstore_master": master}
     return {}, None, {}  # a plugin: its options come from --worker-args / the environment
 

@@ -78,14 +78,25 @@ class LocalStores:
                 f.write(secrets.token_hex(32))
         return self._secret
 
-    def kvstore(self, node_size: str = "256M", num_nodes: int = 1, master_args: tuple[str, ...] = ()) -> str:
-        """A kvstore master plus storage nodes (through the `pdcluster kvstore` CLI); its address."""
+    def kvstore(self, node_size: str = "256M", num_nodes: int = 1, master_args: tuple[str, ...] = (),
+                ca: Any = None) -> str:
+        """A kvstore master plus storage nodes (through the `pdcluster kvstore` CLI); its address.
+        ca: a pdcluster.security.pki.ClusterCA: mutual TLS, each process with its own certificate."""
         cli = [sys.executable, "-m", "pdcluster.cluster.cli", "kvstore"]
+        tls: list[str] = []
+        if ca is not None:
+            m = ca.issue("kvstore-master", "kvstore-master")
+            tls = ["--tls-cert", m.cert, "--tls-key", m.key, "--tls-client-ca", m.ca]
         ready = self._spawn("kvstore-master", [*cli, "master", "--port", "0", "--secret-file", self._secret_file(),
-                                               *master_args], ready_json=True)
+                                               *tls, *master_args], ready_json=True)
         for i in range(num_nodes):
+            node_id = f"node{i}-{os.getpid()}"
+            node_tls: list[str] = []
+            if ca is not None:
+                n = ca.issue("kvstore-node", node_id)
+                node_tls = ["--tls-ca", n.ca, "--tls-cert", n.cert, "--tls-key", n.key]
             self._spawn("kvstore-node", [*cli, "node", "--master", ready["address"], "--size", node_size,
-                                         "--node-id", f"node{i}-{os.getpid()}", "--secret-file", self._secret],
+                                         "--node-id", node_id, "--secret-file", self._secret, *node_tls],
                         ready_json=True)
         return str(ready["address"])
 

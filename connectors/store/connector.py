@@ -41,6 +41,9 @@ from .worker_side import StoreWorker
 
 class StoreConnector(KVConnectorBase):
     name = "store"
+    # tls_identity="worker": the launcher's request to reach the store with the worker's own
+    # mTLS identity (pdcluster/worker/assembly.py fills tls_cert/tls_key/tls_ca from it).
+    deployment_options = frozenset({"tls_identity"})
 
     def __init__(self, role: KVConnectorRole, engine_config: EngineConfig, options: dict[str, Any],
                  backend: StoreBackend | None = None) -> None:

@@ -110,6 +110,11 @@ def connector_options(config: WorkerConfig, role: WorkerRole) -> dict[str, Any]:
         options.update(keys_dir=config.key_dir, key_name=config.key_name)
     if config.worker_id and "engine_id" in takes and "engine_id" not in options:
         options["engine_id"] = config.worker_id
+    if options.get("tls_identity") == "worker" and "tls_identity" in takes:
+        # The launcher asks the connector to reach its store with this worker's own mTLS identity
+        # (its --tls-cert/--tls-key, and --tls-ca as the store's CA): one identity per process.
+        del options["tls_identity"]
+        options.update(tls_cert=config.tls_cert, tls_key=config.tls_key, tls_ca=config.tls_ca)
     return options
 
 

@@ -63,3 +63,41 @@ def test_workers_take_only_the_runs_router(demo_model: str, tmp_path) -> None:
         assert sorted(keys) == ["decode-0", "prefill-0"]
     finally:
         stop_serve(proc)
+
+
+def test_the_store_plane_is_mutual_tls_too(demo_model: str, tmp_path) -> None:
+    from pdcluster._proto import kvstore_pb2 as pb
+    from pdcluster._proto import kvstore_pb2_grpc as pb_grpc
+
+    proc, ready = start_serve(["--model", demo_model, "--prefill", "1", "--decode", "1", "--connector", "store",
+                               "--kvstore-node-size", "64M"])
+    try:
+        master = ready["kvstore_master"]
+        foreign = init_pki(tmp_path / "other").issue("worker", "prefill-0")
+        with grpc.insecure_channel(master) as ch, pytest.raises(grpc.RpcError) as e:
+            pb_grpc.KVStoreMasterStub(ch).Exists(pb.KVExistsRequest(key="k"), timeout=10)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        creds = channel_credentials(TLSConfig(ca=foreign.ca, cert=foreign.cert, key=foreign.key))
+        with grpc.secure_channel(master, creds) as ch, pytest.raises(grpc.RpcError) as e:
+            pb_grpc.KVStoreMasterStub(ch).Exists(pb.KVExistsRequest(key="k"), timeout=10)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        prompt = list(range(5, 60))
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        with Client(ready["grpc"], timeout=120) as client:  # workers put and get over mTLS
+            first = client.generate(prompt, params).token_ids
+            assert len(first) == 6 and client.generate(prompt, params).token_ids == first
+        # The workers really stored KV over mTLS: ask the master's Stats with a certificate of
+        # the run's CA (found through the master's command line; this test is its owner).
+        import pathlib
+
+        from pdcluster.security.pki import ClusterCA
+
+        master_argv = next(a for a in (_cmdline(p) for p in descendants(proc.pid)) if "--tls-client-ca" in a)
+        tls_dir = pathlib.Path(master_argv[master_argv.index("--tls-client-ca") + 1]).parent
+        probe = ClusterCA(tls_dir.parent).issue("client", "probe")
+        creds = channel_credentials(TLSConfig(ca=probe.ca, cert=probe.cert, key=probe.key))
+        with grpc.secure_channel(master, creds) as ch:
+            stats = pb_grpc.KVStoreMasterStub(ch).Stats(pb.KVStatsRequest(), timeout=10)
+        assert stats.counters["puts_completed"] > 0 and stats.hits > 0, stats
+    finally:
+        stop_serve(proc)
