@@ -59,6 +59,17 @@ def test_stubs_import_and_services_exist():
     assert common_pb2.KvTransferParams.DESCRIPTOR.fields_by_name["extra"].message_type.GetOptions().map_entry
 
 
+def test_kvstore_master_methods():
+    from pdcluster._proto import kvstore_pb2
+
+    master = kvstore_pb2.DESCRIPTOR.services_by_name["KVStoreMaster"]
+    assert {m.name for m in master.methods} == {
+        "PutStart", "PutEnd", "PutRevoke", "ReserveArena", "CommitArena", "ReleaseArena", "GetReplicas", "Exists",
+        "BatchExists", "Remove", "MountSegment", "UnmountSegment", "Heartbeat", "Stats", "FollowOpLog", "AckOpLog",
+        "GetRole"}
+    assert master.methods_by_name["FollowOpLog"].server_streaming  # the standby's op-log feed
+
+
 def test_sampling_params_message_mirrors_dataclass():
     from pdcluster._proto import common_pb2
     from pdcluster.sampling_params import SamplingParams

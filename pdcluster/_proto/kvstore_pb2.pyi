@@ -352,3 +352,61 @@ class KVStatsResponse(_message.Message):
     evictions: int
     counters: _containers.ScalarMap[str, float]
     def __init__(self, objects: _Optional[int] = ..., pending_puts: _Optional[int] = ..., object_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., nodes: _Optional[int] = ..., segments: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., hit_rate: _Optional[float] = ..., evictions: _Optional[int] = ..., counters: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class KVFollowRequest(_message.Message):
+    __slots__ = ("follower_id", "epoch")
+    FOLLOWER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    follower_id: str
+    epoch: int
+    def __init__(self, follower_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class KVOpLogEntry(_message.Message):
+    __slots__ = ("epoch", "seq", "kind", "payload")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        RECORD: _ClassVar[KVOpLogEntry.Kind]
+        SNAPSHOT: _ClassVar[KVOpLogEntry.Kind]
+        HEARTBEAT: _ClassVar[KVOpLogEntry.Kind]
+    RECORD: KVOpLogEntry.Kind
+    SNAPSHOT: KVOpLogEntry.Kind
+    HEARTBEAT: KVOpLogEntry.Kind
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    seq: int
+    kind: KVOpLogEntry.Kind
+    payload: bytes
+    def __init__(self, epoch: _Optional[int] = ..., seq: _Optional[int] = ..., kind: _Optional[_Union[KVOpLogEntry.Kind, str]] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class KVAckRequest(_message.Message):
+    __slots__ = ("follower_id", "seq", "epoch")
+    FOLLOWER_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    follower_id: str
+    seq: int
+    epoch: int
+    def __init__(self, follower_id: _Optional[str] = ..., seq: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class KVAckResponse(_message.Message):
+    __slots__ = ("status",)
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    status: KVStatus
+    def __init__(self, status: _Optional[_Union[KVStatus, str]] = ...) -> None: ...
+
+class KVRoleRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KVRoleResponse(_message.Message):
+    __slots__ = ("primary", "epoch", "primary_address")
+    PRIMARY_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PRIMARY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    primary: bool
+    epoch: int
+    primary_address: str
+    def __init__(self, primary: _Optional[bool] = ..., epoch: _Optional[int] = ..., primary_address: _Optional[str] = ...) -> None: ...

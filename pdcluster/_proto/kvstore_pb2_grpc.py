@@ -104,6 +104,21 @@ class KVStoreMasterStub:
                 request_serializer=pdcluster_dot_v1_dot_kvstore__pb2.KVStatsRequest.SerializeToString,
                 response_deserializer=pdcluster_dot_v1_dot_kvstore__pb2.KVStatsResponse.FromString,
                 _registered_method=True)
+        self.FollowOpLog = channel.unary_stream(
+                '/pdcluster.v1.KVStoreMaster/FollowOpLog',
+                request_serializer=pdcluster_dot_v1_dot_kvstore__pb2.KVFollowRequest.SerializeToString,
+                response_deserializer=pdcluster_dot_v1_dot_kvstore__pb2.KVOpLogEntry.FromString,
+                _registered_method=True)
+        self.AckOpLog = channel.unary_unary(
+                '/pdcluster.v1.KVStoreMaster/AckOpLog',
+                request_serializer=pdcluster_dot_v1_dot_kvstore__pb2.KVAckRequest.SerializeToString,
+                response_deserializer=pdcluster_dot_v1_dot_kvstore__pb2.KVAckResponse.FromString,
+                _registered_method=True)
+        self.GetRole = channel.unary_unary(
+                '/pdcluster.v1.KVStoreMaster/GetRole',
+                request_serializer=pdcluster_dot_v1_dot_kvstore__pb2.KVRoleRequest.SerializeToString,
+                response_deserializer=pdcluster_dot_v1_dot_kvstore__pb2.KVRoleResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreMasterServicer:
@@ -200,6 +215,27 @@ class KVStoreMasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FollowOpLog(self, request, context):
+        """High availability (kvstore/failover.py, kvstore/standby.py): a standby master follows the
+        primary's op log (a snapshot first, then every record, with heartbeats), acknowledges what
+        it applied, and any peer can ask which role and epoch a master holds.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AckOpLog(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetRole(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreMasterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -272,6 +308,21 @@ def add_KVStoreMasterServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=pdcluster_dot_v1_dot_kvstore__pb2.KVStatsRequest.FromString,
                     response_serializer=pdcluster_dot_v1_dot_kvstore__pb2.KVStatsResponse.SerializeToString,
+            ),
+            'FollowOpLog': grpc.unary_stream_rpc_method_handler(
+                    servicer.FollowOpLog,
+                    request_deserializer=pdcluster_dot_v1_dot_kvstore__pb2.KVFollowRequest.FromString,
+                    response_serializer=pdcluster_dot_v1_dot_kvstore__pb2.KVOpLogEntry.SerializeToString,
+            ),
+            'AckOpLog': grpc.unary_unary_rpc_method_handler(
+                    servicer.AckOpLog,
+                    request_deserializer=pdcluster_dot_v1_dot_kvstore__pb2.KVAckRequest.FromString,
+                    response_serializer=pdcluster_dot_v1_dot_kvstore__pb2.KVAckResponse.SerializeToString,
+            ),
+            'GetRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRole,
+                    request_deserializer=pdcluster_dot_v1_dot_kvstore__pb2.KVRoleRequest.FromString,
+                    response_serializer=pdcluster_dot_v1_dot_kvstore__pb2.KVRoleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -652,6 +703,87 @@ class KVStoreMaster:
             '/pdcluster.v1.KVStoreMaster/Stats',
             pdcluster_dot_v1_dot_kvstore__pb2.KVStatsRequest.SerializeToString,
             pdcluster_dot_v1_dot_kvstore__pb2.KVStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FollowOpLog(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdcluster.v1.KVStoreMaster/FollowOpLog',
+            pdcluster_dot_v1_dot_kvstore__pb2.KVFollowRequest.SerializeToString,
+            pdcluster_dot_v1_dot_kvstore__pb2.KVOpLogEntry.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AckOpLog(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdcluster.v1.KVStoreMaster/AckOpLog',
+            pdcluster_dot_v1_dot_kvstore__pb2.KVAckRequest.SerializeToString,
+            pdcluster_dot_v1_dot_kvstore__pb2.KVAckResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdcluster.v1.KVStoreMaster/GetRole',
+            pdcluster_dot_v1_dot_kvstore__pb2.KVRoleRequest.SerializeToString,
+            pdcluster_dot_v1_dot_kvstore__pb2.KVRoleResponse.FromString,
             options,
             channel_credentials,
             insecure,
