@@ -26,9 +26,10 @@ from .core import MasterCore
 from .entities import MasterConfig
 from .metrics import serve_metrics
 from .oplog import FSYNC_POLICIES
-from .rpc import add_tls_server_args, server_credentials
+from .rpc import add_tls_server_args, make_channel, server_credentials
 from .secret import load_secret
 from .servicer import MasterServicer
+from .standby import HAController, HAOptions, build_ha
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,9 @@ class MasterServer:
     def __init__(self, config: MasterConfig, secret: bytes, *, host: str = "127.0.0.1", port: int = 0,
                  data_dir: str | None = None, fsync: str = "interval", snapshot_interval_s: float = 300.0,
                  metrics_port: int | None = None, credentials: grpc.ServerCredentials | None = None,
-                 tick_s: float = 0.2, max_workers: int = 8, role_policy: RolePolicy | None = None) -> None:
+                 tick_s: float = 0.2, max_workers: int = 8, role_policy: RolePolicy | None = None,
+                 ha: HAOptions | None = None) -> None:
+        # ha: a standby / peer master (kvstore/standby.py); None: a lone master, as before
         # role_policy: with mutual TLS, which certificate roles may call what (kvstore/authz.py)
         self.role_policy = role_policy
         self.core = MasterCore(config, secret, data_dir, fsync=fsync, snapshot_interval_s=snapshot_interval_s)
@@ -53,21 +56,32 @@ class MasterServer:
         self._ticker: threading.Thread | None = None
         self.port = 0
         self.metrics_port: int | None = None
+        self.ha: HAController | None = build_ha(self.core, ha, data_dir) if ha is not None else None
+        self.role = "primary"
+        if self.ha is not None:
+            self.servicer = self.ha.servicer
 
     @property
     def address(self) -> str:
         return f"{self._host}:{self.port}"
 
     def start(self) -> MasterServer:
-        self.core.recover()  # before serving: no request may see a half-recovered store
+        if self.ha is None:
+            self.core.recover()  # before serving: no request may see a half-recovered store
         interceptors = [RoleInterceptor(self.role_policy)] if self.role_policy is not None else []
+        if self.ha is not None:
+            interceptors.append(self.ha.gate)  # after the role check: standbys refuse, epochs stamped
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=self._max_workers), interceptors=interceptors)
         pb_grpc.add_KVStoreMasterServicer_to_server(self.servicer, server)
         bind = f"{self._host}:{self._port}"
         self.port = server.add_secure_port(bind, self._creds) if self._creds else server.add_insecure_port(bind)
         if not self.port:
             raise OSError(f"cannot bind gRPC on {bind}")
+        if self.ha is not None:
+            self.role = self.ha.decide(self.address)  # a standby does not recover: its state comes from the primary
         server.start()
+        if self.ha is not None:
+            self.ha.start()
         self._grpc = server
         if self._metrics_port is not None:
             self._httpd, self.metrics_port = serve_metrics(self.servicer.stats, self._host, self._metrics_port)
@@ -77,6 +91,8 @@ class MasterServer:
 
     def _tick_loop(self) -> None:
         while not self._stop.wait(self._tick_s):
+            if self.ha is not None and not self.ha.role.primary:
+                continue  # a standby's state changes only by its primary's records
             try:
                 self.core.tick()
             except Exception:  # maintenance must keep running; the error is logged
@@ -84,6 +100,8 @@ class MasterServer:
 
     def stop(self, grace_s: float = 1.0) -> None:
         self._stop.set()
+        if self.ha is not None:
+            self.ha.stop()
         if self._grpc is not None:
             self._grpc.stop(grace_s).wait()
         if self._ticker is not None:
@@ -117,6 +135,23 @@ def add_master_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arena-max-fraction", type=float, default=d.arena_max_fraction,
                    help="largest write arena, as a fraction of a segment")
     add_tls_server_args(p)
+    p.add_argument("--standby-of", default=None, metavar="ADDR",
+                   help="start as the standby of the primary master at ADDR: follow its op log, take over when it dies")
+    p.add_argument("--peer", default=None, metavar="ADDR",
+                   help="the other master of a pair: start as primary unless ADDR already is one (then follow it)")
+    p.add_argument("--failover-timeout-s", type=float, default=3.0,
+                   help="a standby takes over after its primary was unreachable this long")
+    p.add_argument("--replication-ack-timeout-s", type=float, default=5.0,
+                   help="a write waits this long for the standby's acknowledgement before the standby is dropped")
+
+
+def _ha_options(args: argparse.Namespace) -> HAOptions | None:
+    if not (args.standby_of or args.peer):
+        return None
+    tls = {"tls_ca": args.tls_client_ca, "tls_cert": args.tls_cert, "tls_key": args.tls_key} if args.tls_cert else {}
+    return HAOptions(standby_of=args.standby_of, peer=args.peer or args.standby_of,
+                     failover_timeout_s=args.failover_timeout_s, ack_timeout_s=args.replication_ack_timeout_s,
+                     channel=lambda addr: make_channel(addr, **tls))
 
 
 def build_master(args: argparse.Namespace) -> MasterServer:
@@ -129,7 +164,8 @@ def build_master(args: argparse.Namespace) -> MasterServer:
     return MasterServer(config, load_secret(args.secret_file, create=True), host=args.host, port=args.port,
                         data_dir=args.data_dir, fsync=args.fsync, snapshot_interval_s=args.snapshot_interval_s,
                         metrics_port=args.metrics_port, credentials=creds,
-                        role_policy=kvstore_policy() if args.tls_cert and args.tls_client_ca else None)
+                        role_policy=kvstore_policy() if args.tls_cert and args.tls_client_ca else None,
+                        ha=_ha_options(args))
 
 
 def run_master(args: argparse.Namespace) -> int:
@@ -138,7 +174,7 @@ def run_master(args: argparse.Namespace) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: server._stop.set())
     print(json.dumps({"event": "kvstore_master_ready", "address": server.address,
-                      "metrics_port": server.metrics_port}), flush=True)
+                      "metrics_port": server.metrics_port, "role": server.role}), flush=True)
     server.wait()
     server.stop()
     return 0

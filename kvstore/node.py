@@ -24,14 +24,12 @@ import socket
 import sys
 import threading
 
-import grpc
-
 from pdcluster._proto import kvstore_pb2 as pb
-from pdcluster._proto import kvstore_pb2_grpc as pb_grpc
 from pdcluster.transfer import Region, TransferServer, alloc_region, local_host_id
 
 from .entities import Status
-from .rpc import add_tls_client_args, make_channel
+from .master_rpc import KVStoreError, MasterRPC
+from .rpc import add_tls_client_args
 from .secret import load_secret, node_key
 
 log = logging.getLogger(__name__)
@@ -49,8 +47,9 @@ class StorageNode:
         self._shared = shared
         self._heartbeat_s = heartbeat_s
         self._timeout = rpc_timeout_s
-        self._channel = make_channel(master_addr, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
-        self._stub = pb_grpc.KVStoreMasterStub(self._channel)
+        # master_addr: one address or "a,b" of a primary/standby pair: calls follow the primary
+        self._master = MasterRPC(master_addr, timeout_s=rpc_timeout_s, tls_ca=tls_ca, tls_cert=tls_cert,
+                                 tls_key=tls_key, failover_s=rpc_timeout_s)
         self.server = TransferServer(node_key(secret, self.node_id), host, port)
         bound = self.server.address[0]
         wildcard = bound in ("0.0.0.0", "::", "")
@@ -79,7 +78,7 @@ class StorageNode:
         req = pb.KVMountSegmentRequest(node_id=self.node_id, data_host=self._advertise,
                                        data_port=self.server.address[1], host_id=local_host_id(),
                                        segments=self._segments())
-        resp = self._stub.MountSegment(req, timeout=wait_s or self._timeout, wait_for_ready=wait_s is not None)
+        resp = self._master.call("MountSegment", req, wait_s=wait_s)
         if resp.status != Status.OK:
             raise RuntimeError(f"master refused mount: {Status(resp.status).name}")
         log.info("node %s mounted %d segment(s)", self.node_id, len(self.regions))
@@ -88,14 +87,14 @@ class StorageNode:
         failing = False
         while not self._stop.wait(self._heartbeat_s):
             try:
-                resp = self._stub.Heartbeat(pb.KVHeartbeatRequest(node_id=self.node_id, segments=self._segments()),
-                                            timeout=self._timeout)
+                resp = self._master.call("Heartbeat", pb.KVHeartbeatRequest(node_id=self.node_id,
+                                                                             segments=self._segments()))
                 if resp.status == Status.UNKNOWN_NODE:
                     self._mount()
                 if failing:
                     log.info("node %s: master reachable again", self.node_id)
                 failing = False
-            except (grpc.RpcError, RuntimeError) as e:
+            except (KVStoreError, RuntimeError) as e:
                 if not failing:  # log the transition, not every beat
                     log.warning("node %s: heartbeat failed: %s", self.node_id, e)
                 failing = True
@@ -106,14 +105,14 @@ class StorageNode:
             self._thread.join()
         if unmount:
             try:
-                self._stub.UnmountSegment(pb.KVUnmountSegmentRequest(node_id=self.node_id), timeout=self._timeout)
-            except grpc.RpcError as e:
+                self._master.call("UnmountSegment", pb.KVUnmountSegmentRequest(node_id=self.node_id))
+            except KVStoreError as e:
                 log.warning("node %s: unmount failed: %s", self.node_id, e)
         self.server.stop()
         for sid in list(self.regions):
             self.server.unregister(sid)
             self.regions.pop(sid).close()  # the owner unlinks its shared segments
-        self._channel.close()
+        self._master.close()
 
 
 _SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)
@@ -128,7 +127,8 @@ def parse_size(text: str) -> int:
 
 
 def add_node_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--master", default="127.0.0.1:50070", help="master gRPC address")
+    p.add_argument("--master", default="127.0.0.1:50070",
+                   help="master gRPC address, or primary,standby addresses (comma-separated)")
     p.add_argument("--size", type=parse_size, default=parse_size("1G"), help="bytes per segment (e.g. 1G)")
     p.add_argument("--num-segments", type=int, default=1)
     p.add_argument("--node-id", default=None, help="default: HOSTNAME-PID")

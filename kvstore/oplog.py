@@ -89,6 +89,13 @@ class OpLog:
         self.records_since_snapshot = len(records)
         return snap, records
 
+    def open_fresh(self) -> None:
+        """Open a new log generation above every file here without reading them: a promoted
+        standby's state came from its primary, and its next snapshot supersedes what is on disk."""
+        self.gen = max(self._log_gens() + [0]) + 1
+        self._open(self.gen)
+        self.records_since_snapshot = 0
+
     def _log_gens(self) -> list[int]:
         return [int(m.group(1)) for f in os.listdir(self.dir) if (m := _LOG_NAME.match(f))]
 
@@ -213,3 +220,33 @@ class OpLog:
                     os.fsync(self._f.fileno())
                 self._f.close()
                 self._f = None
+
+
+# -- the primary's term (kvstore/failover.py) ---------------------------------------------------
+# Kept beside the log, not in it: like Raft's currentTerm it must be durable before the first
+# record of the term is written, and a snapshot's compaction must never drop it.
+def read_epoch(directory: str) -> int:
+    try:
+        with open(os.path.join(directory, "epoch"), "rb") as f:
+            text = f.read(32).strip()
+    except FileNotFoundError:
+        return 0
+    if not text.isdigit():
+        raise OpLogCorrupt(f"bad epoch file in {directory}")
+    return int(text)
+
+
+def write_epoch(directory: str, epoch: int) -> None:
+    """Atomically and durably record `epoch` (tmp file, fsync, rename, fsync the directory)."""
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, "epoch.tmp")
+    with open(tmp, "wb") as f:
+        f.write(b"%d\n" % epoch)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(directory, "epoch"))
+    dfd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
