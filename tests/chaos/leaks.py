@@ -111,7 +111,7 @@ class ResultRow:
     def line(self) -> str:
         leaks = len(self.leaks) if self.leaks else 0
         detail = f" ({'; '.join(self.leaks)})" if self.leaks else ""
-        return (f"| {self.fault} | {self.role} | {self.sent} | {self.right} | {self.clear_error} | {self.lost} | "
+        return (f"| {self.fault} | {self.role} | {self.sent} | {int(self.right)} | {int(self.clear_error)} | {int(self.lost)} | "
                 f"{leaks}{detail} | {self.recover_s:.1f} s | {self.shown_by} |")
 
 
