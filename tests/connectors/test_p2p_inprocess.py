@@ -76,17 +76,49 @@ def test_partial_load_after_local_prefix_hits(engines: Any) -> None:
         assert_idle(engines[name], [], name)
 
 
+def _top_logprobs(out: Any) -> list[dict[int, float]]:
+    return [{lp.token_id: lp.logprob for lp in [d.sampled, *d.top]} for d in out.outputs[0].logprobs]
+
+
+def _max_gap(got: dict[int, float], want: dict[int, float]) -> float:
+    """Largest logprob difference over the tokens both top lists hold (inf if none is shared)."""
+    shared = got.keys() & want.keys()
+    return max((abs(got[t] - want[t]) for t in shared), default=float("inf"))
+
+
 def test_the_loaded_kv_is_what_decodes(engines: Any) -> None:
+    """The consumer decodes from the KV it loaded, not from a recompute of the prompt: with the
+    producer's blocks zeroed before the transfer, the first decode step's distribution moves away
+    from the reference's, while an untouched transfer reproduces it. Compared on logprobs, not on
+    greedy tokens: a trained model may pick the same token from a wrong context."""
     prompt = _prompt(50, 3)
+    params = GREEDY.replace(logprobs=5)
+    ref = run_requests(engines["ref"], [("ref-kv", prompt, params, None, None)], [])["ref-kv"]
+    want = _top_logprobs(ref)[1]  # the reference's second token = the decode leg's first
+
+    def decode_first_step(rid: str, before_decode: Any = None) -> dict[int, float]:
+        pre = run_requests(engines["producer"], [(rid, prompt, params.replace(max_tokens=1), PREFILL_LEG, None)],
+                           [])[rid]
+        if before_decode is not None:
+            before_decode()
+        out = run_requests(engines["consumer"], [(rid, prompt, params, decode_leg(pre), pre.outputs[0].token_ids)],
+                           [engines["producer"]])[rid]
+        assert out.error is None and engines["consumer"].get_stats()["external_prefix_hits"] > 0, out
+        engines["consumer"].core.scheduler.reset_prefix_cache()  # each leg loads its KV afresh
+        return _top_logprobs(out)[0]
+
+    hits = engines["consumer"].get_stats()["external_prefix_hits"]
+    assert _max_gap(decode_first_step("kv-intact"), want) < 1e-3  # the control: loaded KV == recompute
+    assert engines["consumer"].get_stats()["external_prefix_hits"] - hits == len(prompt)
 
     def wipe_producer_cache() -> None:  # the blocks are leased: the consumer will read zeros
         engines["producer"].core.runner.kv_caches.zero_()
 
-    got, _ = _handoff(engines["producer"], engines["consumer"], "wiped", prompt, wipe_producer_cache)
-    assert got != _reference(engines, "ref-wiped", prompt)
+    wiped = decode_first_step("kv-wiped", wipe_producer_cache)
+    assert _max_gap(wiped, want) > 0.05, (wiped, want)
     for name in ("producer", "consumer"):
         assert_idle(engines[name], [], name)
-    engines["consumer"].core.scheduler.reset_prefix_cache()  # forget the wrong KV
+    engines["producer"].core.scheduler.reset_prefix_cache()  # forget the zeroed blocks
 
 
 def test_restarted_producer_is_a_new_epoch(demo_model: str, cluster_keys: Any, engines: Any) -> None:
