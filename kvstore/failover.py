@@ -27,6 +27,7 @@ from typing import Any
 import grpc
 
 from pdcluster._proto import kvstore_pb2 as pb
+from pdcluster.security.grpc_authz import RolePolicy
 
 from .core import MasterCore
 from .entities import Status
@@ -41,6 +42,14 @@ NOT_PRIMARY = "NOT_PRIMARY"
 # Answered by a standby too: how a peer finds the primary, and the standby's own feed.
 OPEN_METHODS = frozenset({"FollowOpLog", "AckOpLog", "GetRole", "Stats"})
 FOLLOWER_QUEUE = 200_000  # records buffered per follower before it is dropped (it re-follows)
+
+
+def restrict_feed(policy: RolePolicy) -> RolePolicy:
+    """Under mutual TLS only another master may follow this one's op log (it holds every object's
+    placement); anyone CA-signed may ask its role, as for Stats."""
+    for method in ("FollowOpLog", "AckOpLog"):
+        policy.allowed["/pdcluster.v1.KVStoreMaster/" + method] = frozenset({"kvstore-master"})
+    return policy
 
 
 class Role:

@@ -24,6 +24,7 @@ from pdcluster.security.grpc_authz import RoleInterceptor, RolePolicy
 from .authz import kvstore_policy
 from .core import MasterCore
 from .entities import MasterConfig
+from .failover import restrict_feed
 from .metrics import serve_metrics
 from .oplog import FSYNC_POLICIES
 from .rpc import add_tls_server_args, make_channel, server_credentials
@@ -164,7 +165,7 @@ def build_master(args: argparse.Namespace) -> MasterServer:
     return MasterServer(config, load_secret(args.secret_file, create=True), host=args.host, port=args.port,
                         data_dir=args.data_dir, fsync=args.fsync, snapshot_interval_s=args.snapshot_interval_s,
                         metrics_port=args.metrics_port, credentials=creds,
-                        role_policy=kvstore_policy() if args.tls_cert and args.tls_client_ca else None,
+                        role_policy=restrict_feed(kvstore_policy()) if args.tls_cert and args.tls_client_ca else None,
                         ha=_ha_options(args))
 
 

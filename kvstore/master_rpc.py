@@ -73,11 +73,13 @@ class MasterRPC:
                 left = max(0.05, deadline - time.monotonic())
                 return self._call_one(i, method, request, min(left, wait_s) if wait_s else None)
             except KVStoreError as e:
-                if not e.failover or time.monotonic() >= deadline:
+                if not e.failover:
                     raise
-                with self._lock:
+                with self._lock:  # the next call starts at the next address even if this one gives up
                     if self._current == i:
                         self._current = (i + 1) % len(self._addrs)
+                if time.monotonic() >= deadline:
+                    raise
                 if self._current == 0:
                     time.sleep(0.05)  # a full round refused: the standby may still be taking over
 

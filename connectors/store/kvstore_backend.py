@@ -40,7 +40,8 @@ class KVStoreBackend(StoreBackend):
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> KVStoreBackend:
         get = options.get
-        return cls(str(get("master", "127.0.0.1:50070")), replica_num=int(get("replica_num", 1)),
+        master = get("master", "127.0.0.1:50070")  # one address, "a,b" or a list: a primary/standby pair
+        return cls(",".join(master) if isinstance(master, list | tuple) else str(master), replica_num=int(get("replica_num", 1)),
                    num_streams=int(get("num_streams", 4)), use_shm=bool(get("use_shm", True)),
                    rpc_timeout_s=float(get("rpc_timeout_s", 10.0)), tls_ca=get("tls_ca"),
                    tls_cert=get("tls_cert"), tls_key=get("tls_key"), object_key=get("object_key"))

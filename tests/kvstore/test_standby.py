@@ -7,6 +7,8 @@ Timeouts here only decide *when* a takeover happens; every wait polls with a gen
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import time
 from collections.abc import Callable
 
@@ -60,10 +62,11 @@ class Pair:
         self.addrs = tuple(f"127.0.0.1:{p}" for p in self.ports)
         self.both = ",".join(self.addrs)
 
-    def start(self, i: int, *, standby: bool) -> tuple[object, dict]:
+    def start(self, i: int, *, standby: bool, node_timeout_s: float = 5) -> tuple[object, dict]:
         other = self.addrs[1 - i]
         ha = ["--standby-of", other] if standby else ["--peer", other]
-        return self.procs.spawn("pdcluster.kvstore.master", "--port", str(self.ports[i]), "--node-timeout-s", "5",
+        return self.procs.spawn("pdcluster.kvstore.master", "--port", str(self.ports[i]),
+                                "--node-timeout-s", str(node_timeout_s),
                                 "--grace-s", "0.5", "--data-dir", os.path.join(self.procs.tmp, f"master{i}"),
                                 "--failover-timeout-s", "1", *ha)
 
@@ -153,3 +156,73 @@ def test_storage_nodes_follow_the_new_primary(pair) -> None:  # noqa: ANN001
             ch.close()
         assert c.put("after", b"a" * 2048) == Status.OK
         assert c.get_bytes("before") == b"b" * 2048
+
+
+def test_puts_running_through_the_kill_complete_or_fail_clearly(pair) -> None:  # noqa: ANN001
+    """A writer keeps putting while the primary is SIGKILLed: each put ends OK (and is then
+    readable with its bytes) or fails (a status or KVStoreError); none is half-visible: a key
+    is absent or holds exactly its bytes (a put whose reply died with the primary may have landed,
+    and a retry then answers ALREADY_EXISTS)."""
+    p, primary = pair
+    done: dict[str, bool] = {}
+    stop = threading.Event()
+
+    def writer() -> None:
+        with KVStoreClient(p.both, rpc_timeout_s=5) as c:
+            i = 0
+            while not stop.is_set():
+                key = f"w-{i}"
+                try:
+                    done[key] = c.put(key, _payload(i, 20_000 if i % 2 else 300)) == Status.OK
+                except Exception:  # noqa: BLE001 - a clear failure is allowed, a half-visible object is not
+                    done[key] = False
+                i += 1
+
+    t = threading.Thread(target=writer)
+    t.start()
+    try:
+        _wait(lambda: len(done) >= 20, "some puts before the kill")
+        p.procs.kill(primary)
+        _wait(lambda: _role(p.addrs[1]).primary, "the standby to take over")
+        before = len(done)
+        _wait(lambda: sum(done.values()) > 0 and len(done) >= before + 20, "puts after the takeover")
+    finally:
+        stop.set()
+        t.join(120)
+    with KVStoreClient(p.both) as c:
+        for key, ok in done.items():
+            i = int(key.split("-")[1])
+            got = c.get_bytes(key)
+            if ok or got is not None:  # all or nothing: a reply lost at the kill may hide a success
+                assert got == _payload(i, 20_000 if i % 2 else 300), key
+
+
+def test_stopped_primary_is_fenced_when_it_resumes(procs) -> None:  # noqa: ANN001
+    """SIGSTOP the primary: the standby takes over; on SIGCONT the old primary (epoch below)
+    steps down and refuses writes, and the client keeps working on the new one."""
+    p = Pair(procs)
+    primary, _ = p.start(0, standby=False, node_timeout_s=60)
+    p.start(1, standby=True, node_timeout_s=60)
+    for i in range(2):
+        procs.node(p.both, f"node{i}")
+    with KVStoreClient(p.both, rpc_timeout_s=2) as c:
+        assert c.put("before-stop", b"s" * 5000) == Status.OK
+        _wait(lambda: _objects(p.addrs[1]) == 1, "the standby to hold the object")
+        os.kill(primary.pid, signal.SIGSTOP)
+        try:
+            _wait(lambda: _role(p.addrs[1]).primary, "the standby to take over")
+            assert c.put("while-stopped", b"t" * 5000) == Status.OK
+        finally:
+            os.kill(primary.pid, signal.SIGCONT)
+        _wait(lambda: not _role(p.addrs[0]).primary, "the resumed old primary to step down")
+        assert _role(p.addrs[0]).epoch == _role(p.addrs[1]).epoch  # it learnt the new term
+        ch, stub = _stub(p.addrs[0])
+        try:
+            with pytest.raises(grpc.RpcError) as e:
+                stub.PutStart(pb.KVPutStartRequest(items=[pb.KVPutItem(key="stale", size=8)]), timeout=5)
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        finally:
+            ch.close()
+        assert c.get_bytes("before-stop") == b"s" * 5000 and c.get_bytes("while-stopped") == b"t" * 5000
+        assert c.put("after-resume", b"u" * 10) == Status.OK
+        _wait(lambda: _objects(p.addrs[0]) == 3, "the old primary to follow the new one")
