@@ -37,12 +37,12 @@ def run_generate(args: argparse.Namespace) -> int:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                                       add_generation_prompt=True, tokenize=False)
     sys.stdout.write(args.prompt if not args.chat else "")
-    rid = engine.add_request(prompt, params)
+    request_id = engine.add_request(prompt, params)
     while engine.has_unfinished_requests():
         for out in engine.step():
-            if out.request_id == rid:
+            if out.request_id == request_id:
                 sys.stdout.write(out.outputs[0].text)
                 sys.stdout.flush()
-    final = engine.get_final(rid)
+    final = engine.get_final(request_id)
     sys.stdout.write(f"\n[{len(final.outputs[0].token_ids)} tokens, finish_reason={final.outputs[0].finish_reason}]\n")
     return 0

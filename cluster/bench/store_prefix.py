@@ -79,12 +79,12 @@ def _engine(model: str, options: dict[str, Any] | None) -> Any:
     return LLMEngine.from_engine_args(args, connector=engine_connector_factory if options else None)
 
 
-def _one(engine: Any, rid: str, prompt: list[int]) -> tuple[float, int]:
+def _one(engine: Any, request_id: str, prompt: list[int]) -> tuple[float, int]:
     """Run one request alone; (TTFT seconds, prompt tokens not computed). Waits for its saves."""
     from pdcluster.sampling_params import SamplingParams
 
     req, text = engine.prepare_request(prompt, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
-                                       rid, None, None)
+                                       request_id, None, None)
     t0 = time.perf_counter()
     engine.add_prepared(req, text)
     ttft = None
@@ -93,7 +93,7 @@ def _one(engine: Any, rid: str, prompt: list[int]) -> tuple[float, int]:
             if ttft is None and out.outputs and out.outputs[0].token_ids:
                 ttft = time.perf_counter() - t0
             if out.finished:
-                cached = engine.get_final(rid).num_cached_tokens
+                cached = engine.get_final(request_id).num_cached_tokens
                 while engine.has_unfinished_requests():  # saves land before the next request
                     engine.step()
                 assert ttft is not None

@@ -178,15 +178,15 @@ def _bench_block(block_bytes: int, total: int, args: argparse.Namespace, pairs: 
 
         def pull(transport: str) -> None:
             src_ids, dst_ids = rng.sample(range(num_blocks), num_blocks), rng.sample(range(num_blocks), num_blocks)
-            rid = f"bench-{next(counter)}"
-            ids = producer.lease(rid, src_ids)
+            request_id = f"bench-{next(counter)}"
+            ids = producer.lease(request_id, src_ids)
             params = KVTransferParams(producer_id="bench-producer", engine_epoch=producer.info["epoch"], **ids)
             loader = loaders[transport]
-            loader.submit(rid, dst_ids, 0, params)
-            while rid not in loader.take_finished():
+            loader.submit(request_id, dst_ids, 0, params)
+            while request_id not in loader.take_finished():
                 time.sleep(0.0002)
             if loader.take_failed_blocks():
-                raise RuntimeError(f"p2p {transport} load failed: {loader.last_errors.get(rid)}")
+                raise RuntimeError(f"p2p {transport} load failed: {loader.last_errors.get(request_id)}")
 
         raw = socket.create_connection(("127.0.0.1", producer.info["raw_port"]))
         raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -47,15 +47,15 @@ class MultiModalEmbedder:
         placeholder (the model then embeds input_ids itself)."""
         slices: list[tuple[str, int, MultiModalFeature, int, int]] = []
         base = 0
-        for rid, c, n in zip(request_ids, context_lens, query_lens):
-            for f in self._features.get(rid, ()):
+        for request_id, c, n in zip(request_ids, context_lens, query_lens):
+            for f in self._features.get(request_id, ()):
                 lo, hi = max(c, f.offset), min(c + n, f.end)
                 if lo < hi:
-                    slices.append((rid, base + lo - c, f, lo - f.offset, hi - f.offset))
+                    slices.append((request_id, base + lo - c, f, lo - f.offset, hi - f.offset))
             base += n
         if not slices:
             return None
-        outputs = self._encode([(rid, f) for rid, _, f, _, _ in slices])
+        outputs = self._encode([(request_id, f) for request_id, _, f, _, _ in slices])
         embeds = self.model.embed_input_ids(input_ids)
         for _, pos, f, lo, hi in slices:
             embeds[pos:pos + hi - lo] = outputs[f.mm_hash][lo:hi].to(embeds.dtype)
@@ -64,8 +64,8 @@ class MultiModalEmbedder:
     def _encode(self, wanted: list[tuple[str, MultiModalFeature]]) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         misses: dict[str, MultiModalFeature] = {}
-        for rid, f in wanted:
-            held = self._held.setdefault(rid, {})
+        for request_id, f in wanted:
+            held = self._held.setdefault(request_id, {})
             if f.mm_hash in held:
                 out[f.mm_hash] = held[f.mm_hash]
                 continue
@@ -90,6 +90,6 @@ class MultiModalEmbedder:
                 emb = emb.contiguous()
                 out[f.mm_hash] = emb
                 self.encoder_cache.put(f.mm_hash, emb, emb.numel() * emb.element_size())
-        for rid, f in wanted:
-            self._held[rid][f.mm_hash] = out[f.mm_hash]
+        for request_id, f in wanted:
+            self._held[request_id][f.mm_hash] = out[f.mm_hash]
         return out
