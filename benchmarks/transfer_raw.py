@@ -46,7 +46,7 @@ def serve(total: int) -> None:
     region = alloc_region(total, shared=True)
     region.as_numpy()[:] = 7
     server = TransferServer(bytes.fromhex(os.environ["BENCH_KEY"])).start()
-    request_id = server.register(region)
+    region_id = server.register(region)
     raw = socket.create_server(("127.0.0.1", 0))
 
     def raw_loop() -> None:
@@ -65,7 +65,7 @@ def serve(total: int) -> None:
                         conn.sendall(region.view[(i * block) % total:(i * block) % total + block])
 
     threading.Thread(target=raw_loop, daemon=True).start()
-    print(json.dumps({"port": server.address[1], "raw_port": raw.getsockname()[1], "region_id": request_id,
+    print(json.dumps({"port": server.address[1], "raw_port": raw.getsockname()[1], "region_id": region_id,
                       "shm": region.shm_name}), flush=True)
     sys.stdin.read()
     server.stop()
@@ -90,13 +90,13 @@ def _once(fn) -> float:
 
 def bench_block(block: int, ctx: dict) -> dict:
     """Every method on one block size; closures bind this call's locals."""
-    addr, request_id, key, total = ctx["addr"], ctx["request_id"], ctx["key"], ctx["total"]
+    addr, region_id, key, total = ctx["addr"], ctx["region_id"], ctx["key"], ctx["total"]
     src, dst, seg, raw = ctx["src"], ctx["dst"], ctx["seg"], ctx["raw"]
     dview = memoryview(dst)
     n = total // block
     ranges = [(i * block, block) for i in range(n)]
-    tokens = [issue_token(key, secrets.token_bytes(16), OP_READ, request_id, [r], ttl_s=600) for r in ranges]
-    batch_tok = issue_token(key, secrets.token_bytes(16), OP_READ, request_id, ranges, ttl_s=600)
+    tokens = [issue_token(key, secrets.token_bytes(16), OP_READ, region_id, [r], ttl_s=600) for r in ranges]
+    batch_tok = issue_token(key, secrets.token_bytes(16), OP_READ, region_id, ranges, ttl_s=600)
     c1 = TransferClient(num_streams=1)
     c4 = TransferClient(num_streams=4, min_stream_bytes=1 << 20)
 
@@ -131,7 +131,7 @@ def bench(info: dict, key: bytes, total: int) -> list[dict]:
     shm = SharedRegionCache()
     raw = socket.create_connection(("127.0.0.1", info["raw_port"]))
     raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    ctx = {"addr": ("127.0.0.1", info["port"]), "request_id": info["region_id"], "key": key, "total": total,
+    ctx = {"addr": ("127.0.0.1", info["port"]), "region_id": info["region_id"], "key": key, "total": total,
            "src": np.full(total, 7, dtype=np.uint8), "dst": np.zeros(total, dtype=np.uint8),
            "seg": shm.get(info["shm"], total, writable=False), "raw": raw}
     rows = []
