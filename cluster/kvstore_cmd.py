@@ -3,6 +3,12 @@
     pdcluster kvstore master --port 50070 --data-dir ./kv-master --secret-file kv.secret
     pdcluster kvstore node --master 127.0.0.1:50070 --size 4G --secret-file kv.secret
 
+A primary/standby pair (kvstore/standby.py): each names the other; nodes and clients take both.
+
+    pdcluster kvstore master --port 50070 --data-dir ./kv-a --peer 127.0.0.1:50071 --secret-file kv.secret
+    pdcluster kvstore master --port 50071 --data-dir ./kv-b --standby-of 127.0.0.1:50070 --secret-file kv.secret
+    pdcluster kvstore node --master 127.0.0.1:50070,127.0.0.1:50071 --size 4G --secret-file kv.secret
+
 The flags are kvstore's own (pdcluster.kvstore.master.add_master_args / node.add_node_args), so
 `python -m pdcluster.kvstore.master` and this command take the same command lines. Each prints
 one JSON ready line on stdout, then runs until SIGTERM/SIGINT.

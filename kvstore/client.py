@@ -1,6 +1,6 @@
 """KVStoreClient: put/get objects into and out of caller-provided buffers (zero-copy).
 
-    client = KVStoreClient("127.0.0.1:50070")
+    client = KVStoreClient("127.0.0.1:50070")  # or "primary:50070,standby:50071" (kvstore/standby.py)
     client.put("k", tensor)                 # Status.OK / ALREADY_EXISTS / IN_PROGRESS / NO_SPACE / ...
     n = client.get("k", out_tensor)         # bytes read, or None on a miss
 
@@ -43,7 +43,7 @@ class PendingPut:
 
 
 class KVStoreClient:
-    def __init__(self, master_addr: str, *, num_streams: int = 4, use_shm: bool = True, rpc_timeout_s: float = 10.0,
+    def __init__(self, master_addr: str | Sequence[str], *, num_streams: int = 4, use_shm: bool = True, rpc_timeout_s: float = 10.0,
                  max_parallel: int = 8, tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, arena_bytes: int = 8 << 20, arena_max_object: int = 256 << 10,
                  object_key: bytes | str | None = None) -> None:
