@@ -22,7 +22,7 @@ class DrainResponse(_message.Message):
     def __init__(self, num_finished: _Optional[int] = ..., num_moved: _Optional[int] = ...) -> None: ...
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "kv_transfer_params", "stream", "eos_token_ids", "prefill_output_token_ids")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "kv_transfer_params", "stream", "eos_token_ids", "prefill_output_token_ids", "images")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class WorkerGenerateRequest(_message.Message):
     STREAM_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _common_pb2.SamplingParams
@@ -37,7 +38,8 @@ class WorkerGenerateRequest(_message.Message):
     stream: bool
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     prefill_output_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_transfer_params: _Optional[_Union[_common_pb2.KvTransferParams, _Mapping]] = ..., stream: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., prefill_output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    images: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_transfer_params: _Optional[_Union[_common_pb2.KvTransferParams, _Mapping]] = ..., stream: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., prefill_output_token_ids: _Optional[_Iterable[int]] = ..., images: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class WorkerGenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "logprobs", "token_arrival_times", "finished", "finish_reason", "stop_token_id", "stop_str", "usage", "error_message", "kv_transfer_params", "stream_tag")
