@@ -250,12 +250,14 @@ def run_serve(args: argparse.Namespace) -> int:
     # Private to this user (mode 0700): generated keys, and the kvstore's logs for --connector store.
     workdir = tempfile.mkdtemp(prefix="pdcluster-serve-")
     key_dir = args.key_dir
+    pools = _pools(args)
+    own_keys = key_dir is None  # fresh keys: one CURVE pair per worker instance, named like it
     if key_dir is None:
         from pdcluster.security.keys import init_keys
 
-        key_dir = init_keys(f"{workdir}/keys", ("router", "worker", "client")).root.as_posix()
+        names = [f"{role}-{i}" for role, count in pools for i in range(count)]
+        key_dir = init_keys(f"{workdir}/keys", ("router", "worker", "client", *names)).root.as_posix()
     extra = shlex.split(args.worker_args)
-    pools = _pools(args)
     # No worker certificates given: mutual TLS with a CA made for this run (cluster/internal_tls.py).
     given_tls = bool(args.worker_tls_ca or args.worker_tls_cert or args.worker_tls_key)
     internal_ca = None if given_tls or getattr(args, "insecure_internal", False) else _internal_ca(workdir)
@@ -276,6 +278,7 @@ def run_serve(args: argparse.Namespace) -> int:
         # only client-facing port of `serve`).
         specs += [WorkerSpec(f"{role}-{i}", ["--role", role, "--host", "127.0.0.1", "--port", "0", "--model", model,
                                              "--worker-id", f"{role}-{i}", "--key-dir", key_dir, *connector,
+                                             *(["--key-name", f"{role}-{i}"] if own_keys else []),
                                              *_worker_tls_argv(internal_ca, f"{role}-{i}"), *extra])
                   for i in range(count)]
     try:

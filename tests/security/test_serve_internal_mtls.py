@@ -59,6 +59,7 @@ def test_workers_take_only_the_runs_router(demo_model: str, tmp_path) -> None:
                 name = argv[argv.index("--worker-id") + 1]
                 key = argv[argv.index("--tls-key") + 1]
                 assert f"/{name}/" in key and os.stat(key).st_mode & 0o777 == 0o600
+                assert argv[argv.index("--key-name") + 1] == name  # its own CURVE pair too
                 keys[name] = key
         assert sorted(keys) == ["decode-0", "prefill-0"]
     finally:
