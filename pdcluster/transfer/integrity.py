@@ -28,7 +28,8 @@ from collections.abc import Iterator, Sequence
 
 import blake3
 
-from .protocol import recv_exact
+from .protocol import recv_exact, send_views
+from .tokens import Capability
 
 MAC_LEN = 32
 MAC_KEY_LEN = 32
@@ -76,3 +77,21 @@ def recv_checked(sock: socket.socket, dest: memoryview, pieces: Sequence[tuple[i
     recv_exact(sock, mac)
     if not hmac.compare_digest(hasher.digest(), bytes(mac)):
         raise IntegrityError("payload MAC mismatch")
+
+
+def send_with_mac(sock: socket.socket, hdr: bytes, view: memoryview, pieces: Sequence[tuple[int, int]],
+                  mac_key: bytes, cap: Capability, start: int, length: int) -> None:
+    """Server side: hash each slice, then send it (blake3 and sendmsg both release the GIL, so
+    parallel streams overlap one's hashing with another's sending); the MAC goes last."""
+    hasher = window_hasher(mac_key, cap.transfer_id, cap.region_id, start, length)
+    batch: list[memoryview | bytes] = [hdr]
+    batch_bytes = 0
+    for piece in slices(view, pieces):
+        hasher.update(piece)
+        batch.append(piece)
+        batch_bytes += piece.nbytes
+        if batch_bytes >= MAC_SLICE:
+            send_views(sock, batch)
+            batch, batch_bytes = [], 0
+    batch.append(hasher.digest())
+    send_views(sock, batch)

@@ -24,7 +24,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-from .integrity import MAC_SLICE, slices, transfer_mac_key, window_hasher
+from .integrity import send_with_mac, transfer_mac_key
 from .protocol import (
     DEFAULT_MAX_RANGES,
     DEFAULT_MAX_REQUEST_BYTES,
@@ -291,7 +291,7 @@ class TransferServer:
             if op == OP_READ:
                 hdr = RESP_HEADER.pack(RESP_MAGIC, ST_OK, 0, 0, length)
                 if flags == FLAG_MAC:
-                    self._send_with_mac(sock, hdr, view, pieces, transfer_mac_key(self._key, token), cap, start, length)
+                    send_with_mac(sock, hdr, view, pieces, transfer_mac_key(self._key, token), cap, start, length)
                 else:
                     send_views(sock, [hdr] + [view[o:o + n] for o, n in pieces])
                 self._count("bytes_read", length)
@@ -305,24 +305,6 @@ class TransferServer:
             self._count("requests_ok")
         finally:
             self._release(slot)
-
-    @staticmethod
-    def _send_with_mac(sock: socket.socket, hdr: bytes, view: memoryview, pieces: list[tuple[int, int]],
-                       mac_key: bytes, cap: Capability, start: int, length: int) -> None:
-        """Hash each slice, then send it (blake3 and sendmsg both release the GIL, so parallel
-        streams overlap one's hashing with another's sending); the MAC goes last."""
-        hasher = window_hasher(mac_key, cap.transfer_id, cap.region_id, start, length)
-        batch: list[memoryview | bytes] = [hdr]
-        batch_bytes = 0
-        for piece in slices(view, pieces):
-            hasher.update(piece)
-            batch.append(piece)
-            batch_bytes += piece.nbytes
-            if batch_bytes >= MAC_SLICE:
-                send_views(sock, batch)
-                batch, batch_bytes = [], 0
-        batch.append(hasher.digest())
-        send_views(sock, batch)
 
     def _acquire(self, region_id: int) -> _Slot:
         with self._lock:
