@@ -7,14 +7,27 @@ proxy's own counters. Two cases run in the default suite, the whole matrix under
 
 from __future__ import annotations
 
+import json
+import os
 import pathlib
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
 from collections.abc import Callable, Iterator
 
+import grpc
 import pytest
-from chaos.leaks import ResultRow, leftover_processes, shm_segments
+from chaos.leaks import ResultRow, leftover_processes, shm_segments, worker_leaks
 from chaos.mark_hold_pool import MarkHoldPool
 from chaos.router_worker_rig import MARKS, MAX_TOKENS, PROMPT, Rig, close_rig, make_rig, run_request
-from real_router_cluster import WorkerProc
+from real_router_cluster import WorkerProc, wait_until
+from serve_procs import descendants
+
+from pdcluster._proto import common_pb2, router_pb2, router_pb2_grpc
 
 FaultFn = Callable[[Rig, WorkerProc], None]
 
@@ -141,3 +154,82 @@ def test_degraded_path_still_right(rig, reference, chaos_rows, name, arm):
                                 out.end == "lost", leaks, out.recover_s, f"proxy forwarded {fwd} B down; no migration"))
     assert out.end == "right", out
     assert rig.migrations() == before and leaks == []
+
+
+# -- the router process itself ------------------------------------------------------------------
+ROUTER_REQUEST_TIMEOUT_S = 20.0  # the router's deadline on its worker legs (propagated by gRPC)
+
+
+def _start_router(workers: list[WorkerProc], model: str) -> tuple[subprocess.Popen, dict]:
+    cmd = [sys.executable, "-m", "pdcluster.cluster.cli", "router", "--workers", ",".join(w.address for w in workers),
+           "--model", model, "--grpc-port", "0", "--http-port", "0", "--insecure-internal", "--health-interval",
+           "0.1", "--request-timeout", str(ROUTER_REQUEST_TIMEOUT_S), "--log-level", "WARNING"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+                            text=True, start_new_session=True, env={**os.environ, "PDCLUSTER_DEVICE": "cpu"})
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout] + [lines.put("")], daemon=True).start()
+    while True:
+        try:
+            line = lines.get(timeout=120)
+        except queue.Empty:
+            line = ""
+        if line.startswith("PDCLUSTER_READY "):
+            return proc, json.loads(line.split(" ", 1)[1])
+        if not line:
+            proc.kill()
+            proc.wait(10)
+            raise RuntimeError("router did not come up")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
+def test_router_process_killed_or_stopped(pool, demo_model, reference, chaos_rows, sig):
+    """The router dies (or hangs) while a request is held mid-stream on a worker: the client gets a
+    clear error (UNAVAILABLE, or its own deadline), and the worker frees the request by itself: the
+    connection closes (SIGKILL), or the router's deadline on the leg passes (SIGSTOP, no SIGCONT)."""
+    workers = pool.take_named(["c0", "c1"])
+    proc, ready = _start_router(workers, demo_model)
+    tree = [proc.pid, *descendants(proc.pid)]
+    try:
+        channel = grpc.insecure_channel(ready["grpc"])
+        stub = router_pb2_grpc.RouterStub(channel)
+        warm = router_pb2.GenerateRequest(prompt_token_ids=router_pb2.TokenIds(ids=PROMPT),
+                                          sampling_params=common_pb2.SamplingParams(max_tokens=1))
+        assert wait_until(lambda: _ok(stub, warm), 60, 0.2), "router never served"
+        stream = stub.Generate(router_pb2.GenerateRequest(
+            request_id=f"mig-{uuid.uuid4().hex[:12]}", prompt_token_ids=router_pb2.TokenIds(ids=PROMPT),
+            sampling_params=common_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
+            stream=True), timeout=10.0)
+        got: list[int] = []
+        while len(got) < MARKS[0]:
+            got += next(stream).token_ids
+        assert got == reference.tokens(PROMPT, MAX_TOKENS)[:MARKS[0]]
+        os.kill(proc.pid, sig)
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as info:
+            for r in stream:
+                got += r.token_ids
+        code = info.value.code()
+        leaks = []
+        for w in workers:  # freed by the worker itself: nothing resumes the router
+            leaks += [f"{w.name} {x}" for x in worker_leaks(w.address, w.ready.get("metrics"),
+                                                            timeout=ROUTER_REQUEST_TIMEOUT_S + 40)]
+        recover = time.monotonic() - t0
+        channel.close()
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    left = leftover_processes(tree)
+    chaos_rows.append(ResultRow(sig.name, "router process", 1, 0, int(code in (grpc.StatusCode.UNAVAILABLE,
+                                grpc.StatusCode.DEADLINE_EXCEEDED)), 0, leaks + [f"process {p}" for p in left],
+                                recover, f"client {code.name}; worker blocks freed after {recover:.1f} s"))
+    assert code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED), code
+    assert leaks == [] and left == []
+
+
+def _ok(stub, req) -> bool:
+    try:
+        return any(r.finished for r in stub.Generate(req, timeout=10))
+    except grpc.RpcError:
+        return False
