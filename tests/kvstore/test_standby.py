@@ -131,7 +131,7 @@ def test_primary_sigkill_standby_takes_over_nothing_lost(pair) -> None:  # noqa:
         assert c.get_bytes("after-failover") == b"y" * 70_000
 
         # The old primary restarted with its own command line comes back as a standby (fenced).
-        _, ready = p.start(0, standby=False)
+        restarted, ready = p.start(0, standby=False)
         assert ready["role"] == "standby"
         old = _role(p.addrs[0])
         assert not old.primary and old.primary_address == p.addrs[1]
@@ -139,6 +139,19 @@ def test_primary_sigkill_standby_takes_over_nothing_lost(pair) -> None:  # noqa:
         assert c.put("after-rejoin", b"r" * 10) == Status.OK
         assert c.get_bytes("after-rejoin") == b"r" * 10
         assert _role(p.addrs[1]).primary
+
+        # And back: the second primary dies too, the rejoined one takes over with everything.
+        _wait(lambda: _objects(p.addrs[0]) == len(keys) + 3, "the rejoined standby to catch up")
+        [second] = [proc for proc in p.procs.started if proc.poll() is None and "--port" in proc.args
+                    and proc.args[proc.args.index("--port") + 1] == str(p.ports[1])]
+        p.procs.kill(second)
+        _wait(lambda: _role(p.addrs[0]).primary, "the rejoined master to take over")
+        assert _role(p.addrs[0]).epoch >= 3
+        for i, key in enumerate(keys):
+            assert c.get_bytes(key) == _payload(i, sizes[i % len(sizes)]), key
+        assert c.get_bytes("after-rejoin") == b"r" * 10
+        assert c.put("third-term", b"3" * 3000) == Status.OK
+        assert restarted.poll() is None
 
 
 def test_storage_nodes_follow_the_new_primary(pair) -> None:  # noqa: ANN001
