@@ -29,6 +29,7 @@ from .config import RouterConfig
 from .http_server import HttpFrontend
 from .kv_sync import KVEventSync
 from .metrics import RouterMetrics
+from .openai_images import ImageLimits, load_image_placeholders
 from .orchestrator import Orchestrator
 from .policies import PrefixAware, RoutingPolicy, make_policy
 from .prefix_index import PrefixIndex
@@ -76,7 +77,9 @@ class Router:
             tokenizer = self._tokenizer or await asyncio.to_thread(Tokenizer.from_pretrained, model)
             self.preprocessor = Preprocessor(tokenizer, served_model_names=_served_names(cfg, model),
                                              max_stop_token_ids=cfg.max_stop_token_ids,
-                                             params_cache_bytes=cfg.params_cache_bytes, **_model_limits(model))
+                                             params_cache_bytes=cfg.params_cache_bytes, **_model_limits(model),
+                                             image_placeholders=load_image_placeholders(model),
+                                             image_limits=ImageLimits(cfg.max_images_per_request, cfg.max_image_bytes))
             self.orchestrator = Orchestrator(cfg, self.registry, self.policy, self.metrics)
             self.admission = Admission(cfg.max_inflight, self.orchestrator, self.metrics)
             self._on_workers_changed()

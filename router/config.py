@@ -52,6 +52,9 @@ class RouterConfig:
     max_stop_token_ids: int = DEFAULT_MAX_STOP_TOKEN_IDS
     max_json_depth: int = 32                 # HTTP bodies nested deeper -> 400
     params_cache_bytes: int = 4 << 20        # memo of validated sampling params, bounded by bytes
+    # Multimodal models: image_url parts per request and bytes per (decoded) image.
+    max_images_per_request: int = 8
+    max_image_bytes: int = 20 << 20
     # Per HTTP/2 connection (one peer's channel) and in all; None = derived from max_inflight.
     max_concurrent_streams: int | None = None
     max_concurrent_rpcs: int | None = None
@@ -65,7 +68,7 @@ class RouterConfig:
         if self.policy not in ROUTING_POLICIES:
             raise ValueError(f"policy: unknown routing policy {self.policy!r}; choose one of {ROUTING_POLICIES.names()}")
         for name in ("max_inflight", "eject_after_failures", "max_message_bytes", "max_json_depth",
-                     "params_cache_bytes"):
+                     "params_cache_bytes", "max_images_per_request", "max_image_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.worker_channel not in WORKER_CHANNELS:

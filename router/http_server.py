@@ -127,7 +127,7 @@ class HttpFrontend:
             with self.admission.preparing("http"):
                 body = await _read_json(request, self.config.max_message_bytes, self.config.max_json_depth)
                 if chat:
-                    greq, opts = parse_chat(body, self.pre.model_name)
+                    greq, opts = parse_chat(body, self.pre.model_name, self.pre.image_limits)
                     greqs = [greq]
                 else:
                     greqs, opts = parse_completions(body, self.pre.model_name)

@@ -99,7 +99,7 @@ class Migrator:
                     state.num_migrations, self.config.max_migrations)
         wreq = worker_pb2.WorkerGenerateRequest(request_id=prep.request_id, prompt_token_ids=prep.prompt_token_ids,
                                                 sampling_params=params, stream=prep.stream,
-                                                prefill_output_token_ids=prior)
+                                                prefill_output_token_ids=prior, images=prep.images)
         return self._leg(state, roles, wreq, len(prior))
 
     def _roles(self, state: RequestState) -> tuple[str, ...] | None:

@@ -12,12 +12,22 @@ pixel limit): the router stays cheap and imports neither PIL nor torch.
 `chat_parts` returns the message content as transformers' processors give it to a chat template:
 a list of typed parts, `{"type": "text", "text": ...}` and `{"type": "image"}` in order, plus
 the image bytes in the same order.
+
+`ImagePlaceholders` is what the router needs to tokenize such a prompt as the engine would: the
+checkpoint's image token and how many placeholders one image becomes, read torch-free from
+config.json and preprocessor_config.json (LLaVA: every image is resized and center-cropped to
+crop_size, so the count is fixed). The router expands each image token in the token ids (as
+LlavaProcessor does in the text: the image token is a special token, so both give the same ids)
+and sends the expanded ids, so prefix-aware routing and length checks see the real prompt; the
+worker only decodes and preprocesses the bytes.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import json
+import pathlib
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -27,12 +37,84 @@ from .errors import invalid
 # declared MIME subtype -> magic bytes at the start of the file
 _SIGNATURES = {"png": b"\x89PNG\r\n\x1a\n", "jpeg": b"\xff\xd8\xff", "jpg": b"\xff\xd8\xff"}
 _DATA_URL = re.compile(r"^data:image/([a-zA-Z]+);base64,", re.ASCII)
+# A chat template that reads typed parts (`content['type']`, `selectattr('type', ...)`) wants every
+# message's content as a list of parts, text-only ones included (vLLM's "openai" content format).
+_TYPED_TEMPLATE = re.compile(r"""\[\s*['"]type['"]\s*\]|\.type\b|selectattr\(\s*['"]type['"]""")
 
 
 @dataclass(frozen=True)
 class ImageLimits:
     max_images_per_request: int = 8
     max_image_bytes: int = 20 << 20
+
+
+@dataclass(frozen=True)
+class ImagePlaceholders:
+    image_token_id: int
+    tokens_per_image: int
+
+
+def load_image_placeholders(model_path: str) -> ImagePlaceholders | None:
+    """A LLaVA checkpoint's image token and placeholders per image; None for a text-only model.
+    ValueError when the count depends on the image (no center crop to a fixed size)."""
+    from pdcluster.models.llava_config import is_llava, load_llava_vision_config
+
+    root = pathlib.Path(model_path)
+    cfg = root / "config.json"
+    if not cfg.is_file() or not is_llava(json.loads(cfg.read_text(encoding="utf-8"))):
+        return None
+    vision = load_llava_vision_config(root)
+    pre = _preprocessor_config(root)
+    size = pre.get("crop_size", {"height": 224, "width": 224}) if pre.get("do_center_crop", True) else pre.get("size")
+    if isinstance(size, int):
+        size = {"height": size, "width": size}
+    if not isinstance(size, dict) or "height" not in size or "width" not in size:
+        raise ValueError(f"{model_path}: the image size after preprocessing depends on the image "
+                         "(no center crop to a fixed size); the router cannot count its placeholders")
+    return ImagePlaceholders(vision.image_token_index, vision.num_image_tokens(int(size["height"]), int(size["width"])))
+
+
+def _preprocessor_config(root: pathlib.Path) -> dict[str, Any]:
+    for name in ("preprocessor_config.json", "processor_config.json"):
+        f = root / name
+        if f.is_file():
+            data = json.loads(f.read_text(encoding="utf-8"))
+            return data.get("image_processor", data)
+    return {}
+
+
+def wants_typed_parts(template: str | None) -> bool:
+    return bool(template) and _TYPED_TEMPLATE.search(template or "") is not None
+
+
+def expand_placeholders(ids: list[int], num_images: int, mm: ImagePlaceholders) -> list[int]:
+    """Each image token of the rendered prompt -> tokens_per_image copies; 400 if the template
+    did not place exactly one image token per image."""
+    found = sum(1 for t in ids if t == mm.image_token_id)
+    if found != num_images:
+        raise invalid("messages", f"the chat template placed {found} image tokens for {num_images} images "
+                                  "(does this model's chat template take image parts?)")
+    if not num_images:
+        return ids
+    out: list[int] = []
+    for t in ids:
+        if t == mm.image_token_id:
+            out.extend([t] * mm.tokens_per_image)
+        else:
+            out.append(t)
+    return out
+
+
+def check_image_bytes(images: list[bytes], limits: ImageLimits) -> None:
+    """The limits for images that arrived as bytes (the router's gRPC ChatMessage.parts)."""
+    if len(images) > limits.max_images_per_request:
+        raise invalid("messages", f"{len(images)} images in the request; max_images_per_request="
+                                  f"{limits.max_images_per_request}")
+    for k, data in enumerate(images):
+        if len(data) > limits.max_image_bytes:
+            raise invalid("messages", f"image {k} is {len(data)} bytes; max_image_bytes={limits.max_image_bytes}")
+        if not any(data.startswith(sig) for sig in _SIGNATURES.values()):
+            raise invalid("messages", f"image {k}: the bytes are not a PNG or JPEG image")
 
 
 def decode_image_url(url: Any, where: str, limits: ImageLimits) -> bytes:

@@ -127,7 +127,11 @@ def _one_prompt(prompt: Any) -> router_pb2.GenerateRequest:
     return req
 
 
-def parse_chat(body: Any, default_model: str) -> tuple[router_pb2.GenerateRequest, OpenAIOptions]:
+def parse_chat(body: Any, default_model: str, image_limits: ImageLimits | None = None
+               ) -> tuple[router_pb2.GenerateRequest, OpenAIOptions]:
+    """image_limits: the router's (RouterConfig); image_url parts are decoded here under them."""
+    image_limits = image_limits or ImageLimits()
+    num_images = 0
     body = _object(body)
     _check_fields(body, CHAT_FIELDS)
     req = router_pb2.GenerateRequest()
@@ -139,7 +143,19 @@ def parse_chat(body: Any, default_model: str) -> tuple[router_pb2.GenerateReques
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise invalid("messages", f"messages[{i}] must be an object with a string 'role'")
-        msg = req.chat.messages.add(role=m["role"], content=_content(m.get("content"), i))
+        content = m.get("content")
+        if _has_image(content):
+            parts, images = chat_parts(content, i, image_limits, num_images)
+            msg = req.chat.messages.add(role=m["role"])
+            it = iter(images)
+            for part in parts:
+                if part["type"] == "image":
+                    msg.parts.add(image=next(it))
+                else:
+                    msg.parts.add(text=part["text"])
+            num_images += len(images)
+        else:
+            msg = req.chat.messages.add(role=m["role"], content=_content(content, i))
         name = m.get("name")
         if name is not None:
             if not isinstance(name, str):
@@ -270,21 +286,20 @@ def _set(msg: Any, field: str, value: Any, name: str) -> None:
         raise invalid(name, f"value {value!r} is out of range") from None
 
 
+def _has_image(content: Any) -> bool:
+    return isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image_url" for p in content)
+
+
 def _content(content: Any, i: int) -> str:
-    """Message content: a string, or a list of text parts (joined). Other part types (images,
-    audio) are refused: images are not forwarded to workers yet, but an image_url part is
-    checked first (openai_images.py), so a remote http(s) URL gets its own clear refusal."""
+    """Message content without images: a string, or a list of text parts (joined). Other part
+    types (audio, ...) are refused; messages with image_url parts go through chat_parts."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
         texts = []
-        for j, part in enumerate(content):
-            if isinstance(part, dict) and part.get("type") == "image_url":
-                chat_parts([part], i, ImageLimits(), start=j)  # 400 for remote URLs, bad data URLs, limits
-                raise invalid("messages", f"messages[{i}].content[{j}]: image inputs are not served over "
-                                          "this API yet; the offline LLM API takes them")
+        for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise invalid("messages", f"messages[{i}].content: only text parts are supported")
             texts.append(part["text"])

@@ -145,7 +145,8 @@ class Orchestrator:
     def _aggregated(self, state: RequestState) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
         prep = state.prep
         wreq = worker_pb2.WorkerGenerateRequest(request_id=prep.request_id, prompt_token_ids=prep.prompt_token_ids,
-                                                sampling_params=prep.sampling_params, stream=prep.stream)
+                                                sampling_params=prep.sampling_params, stream=prep.stream,
+                                                images=prep.images)
         self.metrics.aggregated.inc()
         return self.legs.run(state, AGGREGATED_ROLES, wreq, leg="decode")  # no wrapper: one layer less per delta
 
@@ -183,7 +184,7 @@ class Orchestrator:
         wanted = prep.sampling_params.max_tokens if prep.sampling_params.HasField("max_tokens") else 16
         prefill = worker_pb2.WorkerGenerateRequest(
             request_id=prep.request_id, prompt_token_ids=prep.prompt_token_ids, sampling_params=prefill_params,
-            stream=False)
+            stream=False, images=prep.images)
         if wanted > 1:
             # A hand-off: the prefill worker keeps the KV for the decode leg and holds back text
             # that may still become a stop string (the decode leg emits it). One token wanted:
@@ -212,7 +213,8 @@ class Orchestrator:
         yield first  # TTFT is the prefill leg's, not the prefill + transfer + decode step
         decode = worker_pb2.WorkerGenerateRequest(request_id=prep.request_id, prompt_token_ids=prep.prompt_token_ids,
                                                   sampling_params=prep.sampling_params, stream=prep.stream,
-                                                  prefill_output_token_ids=last.token_ids)
+                                                  prefill_output_token_ids=last.token_ids,
+                                                  images=prep.images)  # same block hashes as the prefill leg
         if last.HasField("kv_transfer_params"):
             # The decode leg reads the KV instead of computing it; without params (the prefill
             # worker kept nothing) the decode worker computes the prompt itself, still after t0.

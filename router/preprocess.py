@@ -25,6 +25,13 @@ from pdcluster.sampling_params import DEFAULT_MAX_STOP_TOKEN_IDS, SamplingParams
 
 from .convert import sampling_params_from_proto
 from .errors import RouterError, invalid
+from .openai_images import (
+    ImageLimits,
+    ImagePlaceholders,
+    check_image_bytes,
+    expand_placeholders,
+    wants_typed_parts,
+)
 
 MAX_REQUEST_ID_LEN = 256
 MAX_CHAT_MESSAGES = 4096
@@ -46,6 +53,7 @@ class PreparedRequest:
     deadline: float | None = None               # time.monotonic() deadline
     return_prompt_token_ids: bool = False
     arrival: float = field(default_factory=time.monotonic)
+    images: list[bytes] = field(default_factory=list)  # encoded, prompt order; placeholders expanded in the ids
 
     def remaining(self) -> float | None:
         return None if self.deadline is None else self.deadline - time.monotonic()
@@ -54,8 +62,15 @@ class PreparedRequest:
 class Preprocessor:
     def __init__(self, tokenizer: Tokenizer, *, served_model_names: Collection[str], vocab_size: int | None = None,
                  max_model_len: int | None = None, max_stop_token_ids: int = DEFAULT_MAX_STOP_TOKEN_IDS,
-                 params_cache_bytes: int = DEFAULT_PARAMS_CACHE_BYTES) -> None:
+                 params_cache_bytes: int = DEFAULT_PARAMS_CACHE_BYTES,
+                 image_placeholders: ImagePlaceholders | None = None,
+                 image_limits: ImageLimits | None = None) -> None:
         self.tokenizer = tokenizer
+        # A multimodal model's image token and count (None: text-only, images refused), and the
+        # limits on images per request and bytes per image.
+        self.image_placeholders = image_placeholders
+        self.image_limits = image_limits or ImageLimits()
+        self._typed_parts = image_placeholders is not None and wants_typed_parts(tokenizer.chat_template)
         self.served_model_names = tuple(served_model_names)
         self._names = frozenset(self.served_model_names)
         self.vocab_size = vocab_size or tokenizer.vocab_size
@@ -90,7 +105,7 @@ class Preprocessor:
         # 128 random bits as 32 hex digits, like uuid4().hex, at a seventh of its cost.
         request_id = _check_request_id(req.request_id) or secrets.token_hex(16)
         params = self._validate_params(req.sampling_params)
-        prompt_ids = await self._prompt_token_ids(req)
+        prompt_ids, images = await self._prompt_token_ids(req)
         pb = common_pb2.SamplingParams()
         pb.CopyFrom(req.sampling_params)
         max_tokens = params.max_tokens
@@ -100,7 +115,7 @@ class Preprocessor:
         self._check_length(len(prompt_ids), max_tokens)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         return PreparedRequest(request_id, prompt_ids, pb, max_tokens, req.stream, deadline,
-                               req.return_prompt_token_ids)
+                               req.return_prompt_token_ids, images=images)
 
     def _validate_params(self, pb: common_pb2.SamplingParams) -> SamplingParams:
         key = pb.SerializeToString(deterministic=True)
@@ -140,15 +155,16 @@ class Preprocessor:
 
     async def tokenize(self, req: router_pb2.GenerateRequest) -> list[int]:
         """The prompt's token ids as a generation would see them (/tokenize)."""
-        return await self._prompt_token_ids(req)
+        return (await self._prompt_token_ids(req))[0]
 
-    async def _prompt_token_ids(self, req: router_pb2.GenerateRequest) -> list[int]:
+    async def _prompt_token_ids(self, req: router_pb2.GenerateRequest) -> tuple[list[int], list[bytes]]:
+        """-> (token ids, the chat's images in prompt order; [] for text)."""
         which = req.WhichOneof("input")
         if which == "prompt":
             text = req.prompt
             if len(text) > _OFFLOAD_CHARS:
-                return await asyncio.to_thread(self.tokenizer.encode, text)
-            return self.tokenizer.encode(text)
+                return await asyncio.to_thread(self.tokenizer.encode, text), []
+            return self.tokenizer.encode(text), []
         if which == "prompt_token_ids":
             ids = list(req.prompt_token_ids.ids)
             if not ids:
@@ -158,21 +174,22 @@ class Preprocessor:
                               f"length is {self.max_model_len}")
             if max(ids) >= self.vocab_size:
                 raise invalid("prompt_token_ids", f"token id {max(ids)} is out of range [0, {self.vocab_size})")
-            return ids
+            return ids, []
         if which == "chat":
             return await self._render_chat(req.chat)
         raise invalid("input", "one of prompt, prompt_token_ids or chat is required")
 
-    async def _render_chat(self, chat: router_pb2.ChatMessages) -> list[int]:
+    async def _render_chat(self, chat: router_pb2.ChatMessages) -> tuple[list[int], list[bytes]]:
         if not chat.messages:
             raise invalid("messages", "must not be empty")
         if len(chat.messages) > MAX_CHAT_MESSAGES:
             raise invalid("messages", f"at most {MAX_CHAT_MESSAGES} messages")
         messages = []
+        images: list[bytes] = []
         for i, m in enumerate(chat.messages):
             if m.role not in CHAT_ROLES:
                 raise invalid("messages", f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {m.role!r}")
-            msg: dict = {"role": m.role, "content": m.content}
+            msg: dict = {"role": m.role, "content": self._message_content(m, images)}
             if m.HasField("name"):
                 msg["name"] = m.name
             if m.HasField("tool_call_id"):
@@ -183,7 +200,7 @@ class Preprocessor:
         tools = _json_field(chat.tools_json, "tools_json") if chat.tools_json else None
         try:
             render = functools.partial(self.tokenizer.apply_chat_template, tools=tools)
-            if sum(len(m["content"]) for m in messages) + len(chat.tools_json) > _OFFLOAD_CHARS:
+            if images or sum(len(m["content"]) for m in messages) + len(chat.tools_json) > _OFFLOAD_CHARS:
                 ids = await asyncio.to_thread(render, messages, chat.add_generation_prompt, True)
             else:
                 ids = render(messages, chat.add_generation_prompt, True)
@@ -192,7 +209,27 @@ class Preprocessor:
             raise invalid("messages", f"chat template: {e}") from None
         if not ids:
             raise invalid("messages", "the chat template rendered an empty prompt")
-        return list(ids)
+        if self.image_placeholders is None:
+            return list(ids), images
+        check_image_bytes(images, self.image_limits)
+        return expand_placeholders(list(ids), len(images), self.image_placeholders), images
+
+    def _message_content(self, m: router_pb2.ChatMessage, images: list[bytes]) -> str | list[dict[str, str]]:
+        """A string, or the typed parts transformers' processors give a chat template; images are
+        collected in order. A multimodal model whose template reads typed parts gets parts for
+        text-only messages too (vLLM's "openai" content format)."""
+        if not m.parts:
+            return [{"type": "text", "text": m.content}] if self._typed_parts else m.content
+        if self.image_placeholders is None:
+            raise invalid("messages", "this model takes no images (it is not a multimodal checkpoint)")
+        parts: list[dict[str, str]] = []
+        for part in m.parts:
+            if part.WhichOneof("part") == "image":
+                images.append(part.image)
+                parts.append({"type": "image"})
+            else:
+                parts.append({"type": "text", "text": part.text})
+        return parts
 
     def _check_length(self, prompt_len: int, max_tokens: int) -> None:
         if prompt_len == 0:

@@ -98,6 +98,7 @@ def test_parse_chat_refuses_remote_urls_with_a_clear_400() -> None:
     with pytest.raises(RouterError, match=r"messages\[0\].content\[1\].image_url.url: remote image URLs") as e:
         parse_chat(body("https://example.com/a.png"), "m")
     assert e.value.field == "messages"
-    with pytest.raises(RouterError, match="not served over this API yet"):
-        parse_chat(body(_url(_png())), "m")
+    req, _ = parse_chat(body(_url(_png())), "m")  # a data URL: carried to the workers as typed parts
+    assert [p.WhichOneof("part") for p in req.chat.messages[0].parts] == ["text", "image"]
+    assert req.chat.messages[0].parts[1].image == _png()
     parse_chat({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}, "m")
