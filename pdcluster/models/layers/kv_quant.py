@@ -105,8 +105,11 @@ def load_kv_scales(model_path: str, num_layers: int, num_kv_heads: int, device: 
             raise ValueError(f"layer {layer} {kind} must be finite and > 0, got {s.tolist()}")
         return (s if s.numel() == 1 else s[first:first + local]).to(device).contiguous()
 
-    return KVScales([scale(i, "k_scale") for i in range(num_layers)], [scale(i, "v_scale") for i in range(num_layers)],
-                    "checkpoint" if found else "default 1.0")
+    ks, vs = [scale(i, "k_scale") for i in range(num_layers)], [scale(i, "v_scale") for i in range(num_layers)]
+    for i in range(num_layers):  # the kernels take k and v scales of one granularity: widen a scalar
+        if ks[i].numel() != vs[i].numel():
+            ks[i], vs[i] = ks[i].expand(local).contiguous(), vs[i].expand(local).contiguous()
+    return KVScales(ks, vs, "checkpoint" if found else "default 1.0")
 
 
 def dequant_blocks(cache: torch.Tensor, blocks: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
