@@ -89,6 +89,10 @@ class OpLog:
         self.records_since_snapshot = len(records)
         return snap, records
 
+    @property
+    def is_open(self) -> bool:
+        return self._f is not None
+
     def open_fresh(self) -> None:
         """Open a new log generation above every file here without reading them: a promoted
         standby's state came from its primary, and its next snapshot supersedes what is on disk."""

@@ -212,10 +212,12 @@ class HAController:
         if entry.kind == pb.KVOpLogEntry.HEARTBEAT:
             return True
         if entry.kind == pb.KVOpLogEntry.SNAPSHOT:
+            state = decode(entry.payload)
             store = MetadataStore(self.core.config)
-            load_snapshot(store, decode(entry.payload), now)
+            load_snapshot(store, state, now)
             with self.core.lock:
                 self.core.store = store
+            self._persist_snapshot(state)
             self.role.note_epoch(entry.epoch)
             self.synced = True
             log.info("kvstore standby: synced with epoch %d at seq %d (%d objects)", entry.epoch, entry.seq,
@@ -225,12 +227,25 @@ class HAController:
                 log.warning("kvstore standby: gap in the op log (%d after %d): following again", entry.seq,
                             self.applied)
                 return False
+            rec = decode(entry.payload)
             with self.core.lock:
-                apply_record(self.core.store, decode(entry.payload), now)
+                apply_record(self.core.store, rec, now)
+                if self.core.oplog is not None:
+                    self.core.oplog.append(rec)  # the standby's own disk is a replica too
         with self._ack_cond:
             self.applied = entry.seq
             self._ack_cond.notify_all()
         return True
+
+    def _persist_snapshot(self, state: dict) -> None:
+        # The primary's state replaces whatever this data directory held (a restart of this
+        # master then recovers the replica, not an older history of its own).
+        oplog = self.core.oplog
+        if oplog is None:
+            return
+        if not oplog.is_open:
+            oplog.open_fresh()
+        oplog.write_snapshot(state, oplog.rotate())
 
     def promote(self) -> None:
         core = self.core
@@ -238,7 +253,8 @@ class HAController:
             finish_recovery(core.store, core.clock())
             core.store._log = None
             if core.oplog is not None:
-                core.oplog.open_fresh()
+                if not core.oplog.is_open:
+                    core.oplog.open_fresh()
                 core.store._log = core.oplog.append
             self.hub.install()
             epoch = self.role.become_primary()

@@ -239,3 +239,21 @@ def test_stopped_primary_is_fenced_when_it_resumes(procs) -> None:  # noqa: ANN0
         assert c.get_bytes("before-stop") == b"s" * 5000 and c.get_bytes("while-stopped") == b"t" * 5000
         assert c.put("after-resume", b"u" * 10) == Status.OK
         _wait(lambda: _objects(p.addrs[0]) == 3, "the old primary to follow the new one")
+
+
+def test_standby_disk_is_a_replica(pair) -> None:  # noqa: ANN001
+    """The standby writes what it follows to its own data directory: with both masters killed,
+    the standby restarted alone (its peer down) recovers every object from its own disk."""
+    p, primary = pair
+    with KVStoreClient(p.both) as c:
+        for i in range(6):
+            assert c.put(f"d-{i}", _payload(i, 40_000)) == Status.OK
+        _wait(lambda: _objects(p.addrs[1]) == 6, "the standby to hold every object")
+        [standby] = [proc for proc in p.procs.started if proc.poll() is None and "--standby-of" in proc.args]
+        p.procs.kill(standby)
+        p.procs.kill(primary)
+        _, ready = p.start(1, standby=False)  # `--peer` the dead primary: recovers and serves
+        assert ready["role"] == "primary"
+        for i in range(6):
+            assert c.get_bytes(f"d-{i}") == _payload(i, 40_000)
+        assert c.put("on-the-replica", b"q" * 100) == Status.OK
