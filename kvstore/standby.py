@@ -3,7 +3,8 @@
 A standby follows its primary over FollowOpLog (the master's own gRPC service, so the same TLS /
 mTLS and role policy guard it): first a snapshot of the whole state, then every op-log record
 in order, applied with the same primitives as a restart's replay (persistence.apply_record) and
-acknowledged (AckOpLog) so the primary can hold its replies until the standby has them.
+acknowledged (AckOpLog) so the primary can hold its replies until the standby has them. With a
+--data-dir the standby writes both to its own snapshot + op log: its disk is a replica as well.
 
 Takeover: the stream broken (or silent: the primary sends heartbeats) for `failover_timeout_s`,
 and the primary still unreachable -> the standby takes epoch + 1 (durable before any write), then
