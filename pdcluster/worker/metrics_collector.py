@@ -15,7 +15,9 @@ still shows, as pdcluster_connector_stat_value{name=KEY}.
 
 EC (encoder cache) names are fixed here for the EC work but exported only when the engine
 stats carry an "ec_connector" mapping (keys mm_items_computed, mm_items_local_cache,
-mm_items_remote, transfer_bytes, errors_<reason>); no EC connector, no EC metrics.
+mm_items_remote, transfer_bytes, errors_<reason>); no EC connector, no EC metrics, except that a
+multimodal engine's own counts (stats mm_items_computed / mm_items_local_cache, its encoder
+cache) are exported as pdcluster_mm_items_total{source=computed|local_cache}.
 """
 
 from __future__ import annotations
@@ -134,6 +136,8 @@ class WorkerCollector(Collector):
         ec_stats = stats.get("ec_connector")
         if isinstance(ec_stats, Mapping):
             yield from ec_families(ec_stats)
+        elif "mm_items_computed" in stats:
+            yield mm_items_family(stats, ("computed", "local_cache"))  # no EC connector: nothing is remote
 
 
 def engine_families(stats: Mapping[str, Any], engine: AsyncEngine) -> Iterator[Metric]:
@@ -215,13 +219,19 @@ def handshake_families(registry: Any, connector_stats: Any) -> Iterator[Metric]:
     yield family
 
 
-def ec_families(stats: Mapping[str, Any]) -> Iterator[Metric]:
-    """The fixed EC names (DESIGN.md 13) from an EC connector's stats mapping."""
+def mm_items_family(stats: Mapping[str, Any], sources: tuple[str, ...] = EC_MM_SOURCES) -> Metric:
+    """pdcluster_mm_items_total{source}: images encoded here, served from the engine's encoder
+    cache, or (with an EC connector) fetched from another instance."""
     items = CounterMetricFamily(EC_MM_ITEMS.removesuffix("_total"), "Multimodal items by where their encoding came from",
                                 labels=["source"])
-    for source in EC_MM_SOURCES:
+    for source in sources:
         items.add_metric([source], float(stats.get(f"mm_items_{source}", 0)))
-    yield items
+    return items
+
+
+def ec_families(stats: Mapping[str, Any]) -> Iterator[Metric]:
+    """The fixed EC names (DESIGN.md 13) from an EC connector's stats mapping."""
+    yield mm_items_family(stats)
     yield CounterMetricFamily(EC_TRANSFER_BYTES.removesuffix("_total"), "Encoder-cache bytes transferred",
                               value=float(stats.get("transfer_bytes", 0)))
     errors = CounterMetricFamily(EC_ERRORS.removesuffix("_total"), "Encoder-cache errors by reason", labels=["reason"])

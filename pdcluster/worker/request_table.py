@@ -121,15 +121,21 @@ class RequestTable:
         if previous is not None:
             await asyncio.wait([previous])
         prior = list(request.prefill_output_token_ids)  # the decode leg's; the engine validates them
+        # Images: encoded bytes, decoded and preprocessed by the engine (its limits apply); their
+        # placeholders are already expanded in the ids (mm_inputs.MultiModalInputProcessor).
+        mm_data = {"image": list(request.images)} if request.images else None
         try:
             async with aclosing(self.engine.generate(list(request.prompt_token_ids), params, request_id=request_id,
-                                                     kv_transfer_params=kv,
-                                                     prefill_output_token_ids=prior or None)) as outputs:
+                                                     kv_transfer_params=kv, prefill_output_token_ids=prior or None,
+                                                     multi_modal_data=mm_data)) as outputs:
                 async for out in outputs:
                     if sink((time.time(), out)):
                         return
         except asyncio.CancelledError:
             raise
+        except ValueError as e:  # bad input: name the wire field (the engine names its own argument)
+            text = str(e).replace("multi_modal_data['image']", "images").replace("multi_modal_data", "images")
+            sink(ValueError(text) if mm_data else e)
         except BaseException as e:  # the receiver maps it to a status code
             sink(e)
 
