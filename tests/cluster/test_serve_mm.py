@@ -1,8 +1,8 @@
 """`pdcluster serve --workers 1` on a tiny LLaVA checkpoint: the official openai client sends a
 chat with an image; the served text equals the offline LLM.generate text for the same prompt and
 image and transformers' greedy tokens; the same image again is served from the worker's encoder
-cache (its /metrics); text-only chat still works; bad image bytes are a 400 naming `images` and
-the server keeps answering."""
+cache (its /metrics); text-only chat still works; bad image bytes are a 400 naming `images`, an
+oversize image or too many images a 400 naming the limit, and the server keeps answering."""
 
 from __future__ import annotations
 
@@ -52,6 +52,7 @@ def served(tmp_path_factory: pytest.TempPathFactory):
     with open(f"{ckpt}/chat_template.jinja", "w") as f:
         f.write(LLAVA_TEMPLATE)
     proc, ready = start_serve(["--model", ckpt, "--workers", "1", "--policy", "round_robin",
+                               "--max-image-bytes", "20000", "--max-images-per-request", "3",
                                "--worker-args", "--max-model-len 256 --num-kv-blocks 64 --block-size 4"])
     try:
         yield ckpt, ready
@@ -122,6 +123,12 @@ def test_bad_image_bytes_are_a_400_naming_the_field(served) -> None:
     with pytest.raises(openai.BadRequestError, match=r"images\[0\]"):
         _chat(ready, [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "data:image/jpeg;base64," + jpeg}}]}])
+    big = {"type": "image_url", "image_url": {"url": data_url(png_bytes(random_image(13, 100, 100)))}}
+    with pytest.raises(openai.BadRequestError, match="max_image_bytes=20000"):
+        _chat(ready, [{"role": "user", "content": [big]}])
+    small = {"type": "image_url", "image_url": {"url": data_url(png_bytes(random_image(14)))}}
+    with pytest.raises(openai.BadRequestError, match="max_images_per_request=3"):
+        _chat(ready, [{"role": "user", "content": [small] * 4}])
     # the engine keeps working
     ok = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(png_bytes(random_image(12)))}},
                                       {"type": "text", "text": "t5"}]}
