@@ -42,6 +42,7 @@ NOT_PRIMARY = "NOT_PRIMARY"
 # Answered by a standby too: how a peer finds the primary, and the standby's own feed.
 OPEN_METHODS = frozenset({"FollowOpLog", "AckOpLog", "GetRole", "Stats"})
 FOLLOWER_QUEUE = 200_000  # records buffered per follower before it is dropped (it re-follows)
+SNAPSHOT_PIECE = 4 << 20  # a big state goes in pieces, each well under the channels' message limit
 
 
 def restrict_feed(policy: RolePolicy) -> RolePolicy:
@@ -239,7 +240,10 @@ class HAMasterServicer(MasterServicer):
         log.info("kvstore master: follower %s attached at seq %d (%s)", req.follower_id, seq, ctx.peer())
         epoch = self.role.epoch
         try:
-            yield pb.KVOpLogEntry(epoch=epoch, seq=seq, kind=pb.KVOpLogEntry.SNAPSHOT, payload=state)
+            for at in range(0, max(len(state), 1), SNAPSHOT_PIECE):
+                yield pb.KVOpLogEntry(epoch=epoch, seq=seq, kind=pb.KVOpLogEntry.SNAPSHOT,
+                                      payload=state[at:at + SNAPSHOT_PIECE], more=at + SNAPSHOT_PIECE < len(state))
+            del state
             while ctx.is_active() and self.role.primary and not f.dropped:
                 try:
                     item = f.entries.get(timeout=self.heartbeat_s)

@@ -38,6 +38,7 @@ from .failover import NOT_PRIMARY, HAMasterServicer, PrimaryGate, ReplicationHub
 from .metadata import MetadataStore
 from .oplog import decode
 from .persistence import apply_record, finish_recovery, load_snapshot
+from .rpc import make_channel
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ def build_ha(core: MasterCore, opts: HAOptions, data_dir: str | None) -> HAContr
     role = Role(data_dir)
     hub = ReplicationHub(core, role, ack_timeout_s=opts.ack_timeout_s)
     ctl = HAController(core, role, hub, opts.standby_of or opts.peer or "",
-                       channel=opts.channel or (lambda addr: grpc.insecure_channel(addr)),
+                       channel=opts.channel or (lambda addr: make_channel(addr)),
                        follower_id="", failover_timeout_s=opts.failover_timeout_s)
     ctl.standby_of = opts.standby_of
     ctl.servicer = HAMasterServicer(core, role, hub, heartbeat_s=max(0.05, opts.failover_timeout_s / 4),
@@ -90,6 +91,7 @@ class HAController:
         self._wake = threading.Event()
         self._ack_cond = threading.Condition()
         self._threads: list[threading.Thread] = []
+        self._pieces: list[bytes] = []  # of a snapshot arriving in pieces
         self.standby_of: str | None = None
         self.servicer: HAMasterServicer | None = None  # set by build_ha
         self.gate: PrimaryGate | None = None
@@ -172,6 +174,7 @@ class HAController:
 
     def _follow_once(self) -> None:
         target = self.role.primary_address or self.peer
+        self._pieces = []
         try:
             call = self.stub(target).FollowOpLog(pb.KVFollowRequest(follower_id=self.follower_id,
                                                                      epoch=self.role.epoch))
@@ -213,7 +216,11 @@ class HAController:
         if entry.kind == pb.KVOpLogEntry.HEARTBEAT:
             return True
         if entry.kind == pb.KVOpLogEntry.SNAPSHOT:
-            state = decode(entry.payload)
+            self._pieces.append(entry.payload)
+            if entry.more:
+                return True
+            state = decode(b"".join(self._pieces))
+            self._pieces = []
             store = MetadataStore(self.core.config)
             load_snapshot(store, state, now)
             with self.core.lock:

@@ -362,7 +362,7 @@ class KVFollowRequest(_message.Message):
     def __init__(self, follower_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class KVOpLogEntry(_message.Message):
-    __slots__ = ("epoch", "seq", "kind", "payload")
+    __slots__ = ("epoch", "seq", "kind", "payload", "more")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         RECORD: _ClassVar[KVOpLogEntry.Kind]
@@ -375,11 +375,13 @@ class KVOpLogEntry(_message.Message):
     SEQ_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     seq: int
     kind: KVOpLogEntry.Kind
     payload: bytes
-    def __init__(self, epoch: _Optional[int] = ..., seq: _Optional[int] = ..., kind: _Optional[_Union[KVOpLogEntry.Kind, str]] = ..., payload: _Optional[bytes] = ...) -> None: ...
+    more: bool
+    def __init__(self, epoch: _Optional[int] = ..., seq: _Optional[int] = ..., kind: _Optional[_Union[KVOpLogEntry.Kind, str]] = ..., payload: _Optional[bytes] = ..., more: _Optional[bool] = ...) -> None: ...
 
 class KVAckRequest(_message.Message):
     __slots__ = ("follower_id", "seq", "epoch")

@@ -257,3 +257,34 @@ def test_standby_disk_is_a_replica(pair) -> None:  # noqa: ANN001
         for i in range(6):
             assert c.get_bytes(f"d-{i}") == _payload(i, 40_000)
         assert c.put("on-the-replica", b"q" * 100) == Status.OK
+
+
+def test_snapshot_goes_in_pieces(monkeypatch, tmp_path) -> None:  # noqa: ANN001
+    """In-process pair: a state bigger than one piece reaches the standby whole."""
+    import secrets
+
+    from pdcluster.kvstore import MasterConfig, MasterServer, StorageNode, failover
+    from pdcluster.kvstore.standby import HAOptions
+
+    from .conftest import free_port
+
+    monkeypatch.setattr(failover, "SNAPSHOT_PIECE", 256)
+    secret = secrets.token_bytes(32)
+    pa, pb_ = free_port(), free_port()
+    cfg = MasterConfig(node_timeout_s=30)
+    a = MasterServer(cfg, secret, port=pa, data_dir=str(tmp_path / "a"), ha=HAOptions(peer=f"127.0.0.1:{pb_}")).start()
+    node = StorageNode(a.address, secret, [8 << 20], node_id="n0").start()
+    b = None
+    try:
+        with KVStoreClient(a.address, arena_bytes=0) as c:
+            for i in range(40):
+                assert c.put(f"p-{i}", b"p" * 1000) == Status.OK
+        b = MasterServer(cfg, secret, port=pb_, data_dir=str(tmp_path / "b"),
+                         ha=HAOptions(standby_of=a.address)).start()
+        assert b.role == "standby"
+        _wait(lambda: b.servicer.stats()["objects"] == 40, "the standby to load the snapshot pieces")
+    finally:
+        node.stop()
+        if b is not None:
+            b.stop()
+        a.stop()
