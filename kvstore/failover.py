@@ -137,14 +137,14 @@ class ReplicationHub:
     def attach(self, follower_id: str) -> tuple[_Follower, bytes, int]:
         """A follower and the snapshot + seq it starts from (consistent: taken under core.lock)."""
         with self.core.lock:
-            state = encode(snapshot_state(self.core.store))
+            state = snapshot_state(self.core.store)  # fresh lists of plain values: encoded outside the lock
             with self._cond:
                 old = self.followers.get(follower_id)
                 if old is not None:
                     self._drop(old, "followed again")
                 f = self.followers[follower_id] = _Follower(follower_id)
-                f.acked = self.seq
-                return f, state, self.seq
+                f.acked = seq = self.seq
+        return f, encode(state), seq
 
     def detach(self, f: _Follower) -> None:
         with self._cond:
