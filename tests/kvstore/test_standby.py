@@ -101,6 +101,9 @@ def test_standby_refuses_writes_and_follows(pair) -> None:  # noqa: ANN001
     with KVStoreClient(p.both) as c:
         assert c.put("followed", b"z" * 1000) == Status.OK
     _wait(lambda: _objects(p.addrs[1]) == 1, "the standby to apply the put")
+    with KVStoreClient(f"{p.addrs[1]},{p.addrs[0]}") as c:  # the standby first: NOT_PRIMARY moves it on
+        assert c.get_bytes("followed") == b"z" * 1000
+        assert c.put("via-redirect", b"v" * 100) == Status.OK
 
 
 def test_primary_sigkill_standby_takes_over_nothing_lost(pair) -> None:  # noqa: ANN001
