@@ -64,7 +64,7 @@ def _chat(ready: dict, messages: list) -> str:
     import openai
 
     client = openai.OpenAI(base_url=ready["http"] + "/v1", api_key="unused", timeout=120, max_retries=0)
-    out = client.chat.completions.create(model=ready["model"] if "model" in ready else "x", messages=messages,
+    out = client.chat.completions.create(model="ckpt", messages=messages,
                                          max_tokens=MAX_NEW, temperature=0, extra_body={"ignore_eos": True})
     return out.choices[0].message.content
 
@@ -133,3 +133,49 @@ def test_bad_image_bytes_are_a_400_naming_the_field(served) -> None:
     ok = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(png_bytes(random_image(12)))}},
                                       {"type": "text", "text": "t5"}]}
     assert _chat(ready, [ok])
+
+
+def _sample(url: str, name: str, labels: dict[str, str]) -> float:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def test_disaggregated_image_chat_equals_offline(tmp_path) -> None:
+    """1P+1D over p2p: both legs get the image bytes, so the decode worker's block hashes carry the
+    same mm_hash as the prefill worker's; the KV is handed off and the tower runs on the prefill side."""
+    import openai
+
+    ckpt = make_tiny_llava(tmp_path / "ckpt", seed=1)
+    with open(f"{ckpt}/chat_template.jinja", "w") as f:
+        f.write(LLAVA_TEMPLATE)
+    image = random_image(21)
+    greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    llm = LLM(ckpt, num_kv_blocks=64, block_size=4)
+    try:
+        prompt = "USER: <image>\nt5 t6 ASSISTANT:"
+        offline = llm.generate([{"prompt": prompt, "multi_modal_data": {"image": image}}], greedy)[0].outputs[0].text
+    finally:
+        llm.shutdown()
+    proc, ready = start_serve(["--model", ckpt, "--prefill", "1", "--decode", "1", "--connector", "p2p",
+                               "--policy", "round_robin",
+                               "--worker-args", "--max-model-len 256 --num-kv-blocks 64 --block-size 4"])
+    try:
+        client = openai.OpenAI(base_url=ready["http"] + "/v1", api_key="unused", timeout=120, max_retries=0)
+        messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(png_bytes(image))}},
+                                                 {"type": "text", "text": "t5 t6"}]}]
+        out = client.chat.completions.create(model="ckpt", messages=messages, max_tokens=MAX_NEW, temperature=0,
+                                             extra_body={"ignore_eos": True})
+        assert out.choices[0].message.content == offline
+        decode = ready["instances"]["decode-0"]["metrics"]
+        prefill = ready["instances"]["prefill-0"]["metrics"]
+        deadline = time.monotonic() + 30
+        while _sample(decode, "pdcluster_connector_loads_total", {"result": "ok"}) < 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _sample(decode, "pdcluster_connector_loads_total", {"result": "ok"}) >= 1  # the KV was handed off
+        assert _sample(prefill, "pdcluster_mm_items_total", {"source": "computed"}) == 1
+        # the decode worker computes only the tokens after the loaded KV: no image placeholder
+        assert _sample(decode, "pdcluster_mm_items_total", {"source": "computed"}) == 0
+    finally:
+        stop_serve(proc)
