@@ -184,3 +184,25 @@ def test_triton_backend_reads_the_same_fp8_cache(tiny_ckpts, tmp_path) -> None:
         assert t_tok[0] == r_tok[0]
         same = next((i for i, (a, b) in enumerate(zip(t_tok, r_tok)) if a != b), len(r_tok))
         assert max(abs(a - b) for a, b in zip(t_lp[:same], r_lp[:same])) < 0.1
+
+
+def test_fp8_tensor_parallel_slices_per_head_scales(tiny_ckpts, tmp_path) -> None:
+    """TP=2 over 2 KV heads: each rank keeps its own head's checkpoint scale; greedy tokens are TP=1's."""
+    path = _with_scales(tiny_ckpts("qwen3"), tmp_path / "scaled", num_layers=2, num_kv_heads=2)
+    prompts, params = [list(range(3, 23)), [5, 6, 7]], SamplingParams(max_tokens=6, temperature=0.0)
+    got = {}
+    for tp in (1, 2):
+        llm = LLM(path, kv_cache_dtype="fp8", tensor_parallel_size=tp, device="cpu", num_kv_blocks=32,
+                  max_model_len=64, max_num_batched_tokens=16)
+        try:
+            if tp == 2:  # rank 0 runs here and holds KV head 0
+                assert llm.engine.core.runner.runner.kv_scales.k[0].tolist() == pytest.approx([0.01])
+            got[tp] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        finally:
+            llm.shutdown()
+    assert got[1] == got[2]
+    cpu = torch.device("cpu")
+    # Rank r of TP=2 holds head r; with TP=4 over 2 heads, rank r holds head r * 2 // 4 (replicated).
+    for tp, rank, head in ((2, 1, 1), (4, 1, 0), (4, 3, 1)):
+        scales = kv_quant.load_kv_scales(path, 2, 2, cpu, tp_rank=rank, tp_size=tp)
+        assert scales.k[0].tolist() == pytest.approx([(0.01, 0.03)[head]])
