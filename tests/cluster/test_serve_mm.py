@@ -69,6 +69,22 @@ def _chat(ready: dict, messages: list) -> str:
     return out.choices[0].message.content
 
 
+def _grpc_chat(address: str, image: bytes, text: str) -> list[int]:
+    """The router's own gRPC Generate with ChatMessage.parts (an image, then text)."""
+    import grpc
+
+    from pdcluster._proto import common_pb2, router_pb2, router_pb2_grpc
+
+    req = router_pb2.GenerateRequest(sampling_params=common_pb2.SamplingParams(
+        max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True), stream=False)
+    req.chat.add_generation_prompt = True
+    msg = req.chat.messages.add(role="user")
+    msg.parts.add(image=image)
+    msg.parts.add(text=text)
+    with grpc.insecure_channel(address) as channel:
+        return [t for r in router_pb2_grpc.RouterStub(channel).Generate(req, timeout=120) for t in r.token_ids]
+
+
 def test_served_image_chat_equals_offline_and_transformers(served) -> None:
     ckpt, ready = served
     image = random_image(11)
@@ -105,6 +121,8 @@ def test_served_image_chat_equals_offline_and_transformers(served) -> None:
 
     # text-only chat on the same server
     assert _chat(ready, [{"role": "user", "content": "t5 t6"}]) == text_only.text
+    # the router's gRPC frontend takes the same image as ChatMessage.parts
+    assert _grpc_chat(ready["grpc"], png_bytes(image), "t5 t6") == offline.token_ids
 
 
 def test_bad_image_bytes_are_a_400_naming_the_field(served) -> None:
