@@ -84,14 +84,13 @@ def _engine(model: str, kv: str, role: str | None, options: dict[str, Any] | Non
     return LLMEngine.from_engine_args(args, connector=engine_connector_factory if role else None)
 
 
-def test_p2p_moves_fp8_bytes(demo_model: str, cluster_keys: Any) -> None:
-    k = cluster_keys
-    ref = _engine(demo_model, "fp8", None)
-    producer = _engine(demo_model, "fp8", "producer", k.options("producer", engine_id="fp8-p", lease_ttl_s=5.0))
-    consumer = _engine(demo_model, "fp8", "consumer", k.options("consumer", engine_id="fp8-c", transport="tcp",
-                                                                 open_retry_s=0.3))
+def _handoff(model: str, keys: Any, kv: str) -> tuple[LLMEngine, LLMEngine, LLMEngine, dict[str, list[int]]]:
+    ref = _engine(model, kv, None)
+    producer = _engine(model, kv, "producer", keys.options("producer", engine_id=f"{kv}-p", lease_ttl_s=5.0))
+    consumer = _engine(model, kv, "consumer", keys.options("consumer", engine_id=f"{kv}-c", transport="tcp",
+                                                           open_retry_s=0.3))
+    p_blocks, c_blocks = _record_blocks(producer), _record_blocks(consumer)
     try:
-        p_blocks, c_blocks = _record_blocks(producer), _record_blocks(consumer)
         prompt = [(7 * i) % 400 + 3 for i in range(40)]
         want = run_requests(ref, [("r", prompt, GREEDY, None, None)], [])["r"].outputs[0].token_ids
         pre = run_requests(producer, [("r", prompt, GREEDY.replace(max_tokens=1), PREFILL_LEG, None)], [])["r"]
@@ -99,15 +98,31 @@ def test_p2p_moves_fp8_bytes(demo_model: str, cluster_keys: Any) -> None:
                            [producer])["r"]
         assert consumer.get_stats()["external_prefix_hits"] > 0  # the prompt's KV came from the producer
         assert pre.outputs[0].token_ids + out.outputs[0].token_ids == want
-        p_cache, c_cache = producer.core.runner.kv_caches, consumer.core.runner.kv_caches
-        assert p_cache.dtype == c_cache.dtype == torch.float8_e4m3fn
-        # The two full prompt blocks, every layer, K and V: byte for byte the producer's fp8 bytes.
-        pb = p_cache[:, :, p_blocks["r"][:2]].view(torch.uint8)
-        cb = c_cache[:, :, c_blocks["r"][:2]].view(torch.uint8)
-        assert pb.any() and torch.equal(pb, cb)
-    finally:
+    except BaseException:
         for e in (ref, producer, consumer):
             e.shutdown()
+        raise
+    return ref, producer, consumer, {"p": p_blocks["r"], "c": c_blocks["r"]}
+
+
+def test_p2p_moves_fp8_bytes(demo_model: str, cluster_keys: Any) -> None:
+    moved = {}
+    for kv in ("fp8", "bfloat16"):
+        engines = ref, producer, consumer, blocks = _handoff(demo_model, cluster_keys, kv)
+        try:
+            moved[kv] = consumer.get_stats()["kv_connector"]["p2p_bytes_tcp"]
+            if kv == "fp8":
+                p_cache, c_cache = producer.core.runner.kv_caches, consumer.core.runner.kv_caches
+                assert p_cache.dtype == c_cache.dtype == torch.float8_e4m3fn
+                # The two full prompt blocks, every layer, K and V: byte for byte the producer's fp8 bytes.
+                pb = p_cache[:, :, blocks["p"][:2]].view(torch.uint8)
+                cb = c_cache[:, :, blocks["c"][:2]].view(torch.uint8)
+                assert pb.any() and torch.equal(pb, cb)
+        finally:
+            for e in engines[:3]:
+                e.shutdown()
+    print(f"p2p hand-off of a 40-token prompt, bytes over tcp: {moved}")
+    assert moved["fp8"] > 0 and 2 * moved["fp8"] == moved["bfloat16"]  # half the bytes for the same blocks
 
 
 def _record_blocks(engine: LLMEngine) -> dict[str, list[int]]:
