@@ -42,7 +42,8 @@ def main() -> int:
     want = [list(o.outputs[0].token_ids) for o in offline.generate(
         prompts, SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True))]
     proc, ready = start_serve(["--model", model, "--prefill", "1", "--decode", "2", "--connector", "p2p",
-                               "--policy", "round_robin", "--worker-args", "--max-model-len 512"])
+                               "--policy", "round_robin", "--insecure-internal",  # Stats below is asked in plaintext
+                               "--worker-args", "--max-model-len 512"])
     got: list[list[int]] = [[] for _ in prompts]
     ends: list[str] = ["lost"] * len(prompts)
     try:
