@@ -35,6 +35,16 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
+def _credentials(tls: TLSConfig) -> grpc.ChannelCredentials:
+    if tls.ca is None or tls.cert is None or tls.key is None:
+        return channel_credentials(tls)
+    # mTLS: read a matching key/cert pair even while `keys` reissues them (rotation.py); a new
+    # channel (a reconnecting router) thus presents the current certificate.
+    from pdcluster.security.rotation import load_client_credentials
+
+    return load_client_credentials(tls.ca, tls.cert, tls.key)
+
+
 class WorkerClient:
     def __init__(self, address: str, *, max_message_bytes: int = 4 << 20, tls: TLSConfig | None = None,
                  multiplex: bool = True) -> None:
@@ -43,7 +53,7 @@ class WorkerClient:
         if tls is None:
             self.channel = grpc.aio.insecure_channel(address, options=options)
         else:
-            self.channel = grpc.aio.secure_channel(address, channel_credentials(tls),
+            self.channel = grpc.aio.secure_channel(address, _credentials(tls),
                                                    options=options + channel_tls_options(tls))
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)

@@ -53,6 +53,13 @@ _PROTOCOL_REASONS = {
 }
 
 AllowList = Mapping[str, bytes | str] | Iterable[bytes | str]
+ROTATION_SUFFIX = ".next"  # `keys rotate` names the new pair NAME.next; its User-Id stays NAME
+KEY_PROPERTY = "X-Curve-Key"  # ZAP metadata: the session's Z85 key, for session_allowed()
+
+
+def _zap_metadata(key: bytes) -> bytes:
+    name = KEY_PROPERTY.encode()
+    return bytes([len(name)]) + name + len(key).to_bytes(4, "big") + key
 
 
 class HandshakeMetrics:
@@ -101,7 +108,7 @@ def _allow_map(allowed: AllowList) -> dict[bytes, str]:
     if isinstance(allowed, (bytes, str)):
         raise TypeError("allowed must be a {name: key} mapping or a collection of keys, not one key")
     if isinstance(allowed, Mapping):
-        return {normalize_public_key(k): str(name) for name, k in allowed.items()}
+        return {normalize_public_key(k): str(name).removesuffix(ROTATION_SUFFIX) for name, k in allowed.items()}
     out = {}
     for k in allowed:
         z = normalize_public_key(k)
@@ -189,14 +196,29 @@ class CurveAuthenticator:
         self._new_monitors.put((mon, domain))
         return domain
 
-    def set_allowed(self, sock: zmq.Socket, allowed: AllowList) -> None:
-        """Replace a socket's allow-list (key rotation, workers joining); existing sessions stay."""
+    def set_allowed(self, sock: zmq.Socket, allowed: AllowList) -> list[str]:
+        """Replace a socket's allow-list (key rotation, workers joining). New handshakes see the
+        new list at once; sessions of a removed key are cut by session_allowed(). Returns the
+        user ids whose key was removed."""
         domain = sock.zap_domain.decode()
         keys = _allow_map(allowed)
         with self._lock:
             if domain not in self._domains:
                 raise KeyError(f"socket with ZAP domain {domain!r} is not registered")
+            old = self._domains[domain].keys
             self._domains[domain] = _Domain(self._domains[domain].name, keys)
+        return sorted({name for k, name in old.items() if k not in keys})
+
+    def session_allowed(self, sock: zmq.Socket, frame: zmq.Frame) -> bool:
+        """Whether a message (received with copy=False) comes from a session whose key is still
+        on the socket's allow-list. libzmq cannot close one peer of a bound socket, so servers
+        drop what a revoked session sends; it is the honest equivalent of closing it."""
+        try:
+            key = frame.get(KEY_PROPERTY)
+        except zmq.ZMQError:  # no metadata: not a session our handler admitted
+            return False
+        domain = self._domains.get(sock.zap_domain.decode())  # dict read: atomic, no lock
+        return domain is not None and key.encode() in domain.keys
 
     # -- the handler thread -------------------------------------------------------------------
     def _run(self) -> None:
@@ -239,21 +261,23 @@ class CurveAuthenticator:
         with self._lock:
             domain = self._domains.get(domain_name)
         label = domain.name if domain is not None else "unknown"
-        status, text, user_id = b"400", b"", b""
+        status, text, user_id, metadata = b"400", b"", b"", b""
         if mechanism != b"CURVE" or len(credentials) != 1 or len(credentials[0]) != 32:
             reason, text = "bad_mechanism", b"only CURVE is accepted"
         elif domain is None or not domain.keys:
             reason, text = "no_allow_list", b"no allow-list for this socket"
         else:
-            name = domain.keys.get(z85.encode(credentials[0]))
+            key = z85.encode(credentials[0])
+            name = domain.keys.get(key)
             if name is None:
                 reason, text = "key_not_allowed", b"client key not allowed"
             else:
                 reason, status, text, user_id = "", b"200", b"OK", name.encode()
+                metadata = _zap_metadata(key)
         if reason:
             self.metrics.count(label, reason)
             log.warning("refused ZMQ client %s on %s: %s", address.decode(errors="replace"), domain_name, reason)
-        zap.send_multipart([_ZAP_VERSION, request_id, status, text, user_id, b""])
+        zap.send_multipart([_ZAP_VERSION, request_id, status, text, user_id, metadata])
 
     def _handle_monitor(self, mon: zmq.Socket, domain_name: str) -> bool:
         """Count one monitor event; True when the monitored socket is gone."""

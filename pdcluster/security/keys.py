@@ -192,6 +192,36 @@ def init_keys(
     return KeySet(root, keypairs)
 
 
+ROTATION_SUFFIX = ".next"  # the new pair during a rotation; curve.py gives it NAME's User-Id
+
+
+def rotate_key(directory: str | os.PathLike[str], name: str) -> KeyPair:
+    """Step 1 of a rotation: write NAME.next beside NAME (both are then on the allow-list of
+    every server that re-reads the folder). Clients switch to NAME.next's secret; then
+    revoke_old_key. Refuses when a rotation of NAME is already under way."""
+    root = pathlib.Path(directory)
+    _check_name(name)
+    if not (root / PUBLIC_DIR / f"{name}{PUBLIC_SUFFIX}").is_file():
+        raise KeyMaterialError(f"no key {name!r} in {root} to rotate")
+    kp = generate_keypair(name + ROTATION_SUFFIX)
+    _write_new(root / SECRET_DIR / f"{kp.name}{SECRET_SUFFIX}", _cert_text(kp, True), 0o600, False)
+    _write_new(root / PUBLIC_DIR / f"{kp.name}{PUBLIC_SUFFIX}", _cert_text(kp, False), 0o644, False)
+    return kp
+
+
+def revoke_old_key(directory: str | os.PathLike[str], name: str) -> None:
+    """Step 2: NAME.next becomes NAME; the old key is gone. One rename of the public file takes
+    the allow-list from {old, new} to {new} atomically (the secret is renamed first)."""
+    root = pathlib.Path(directory)
+    nxt = _check_name(name) + ROTATION_SUFFIX
+    pub, sec = root / PUBLIC_DIR, root / SECRET_DIR
+    if not (pub / f"{nxt}{PUBLIC_SUFFIX}").is_file():
+        raise KeyMaterialError(f"no rotation of {name!r} under way in {root} (run rotate first)")
+    if (sec / f"{nxt}{SECRET_SUFFIX}").exists():
+        os.replace(sec / f"{nxt}{SECRET_SUFFIX}", sec / f"{name}{SECRET_SUFFIX}")
+    os.replace(pub / f"{nxt}{PUBLIC_SUFFIX}", pub / f"{name}{PUBLIC_SUFFIX}")
+
+
 def _parse_cert(path: pathlib.Path) -> tuple[bytes | None, bytes | None]:
     """(public, secret) from a ZPL certificate; strict: only the two curve keys are read."""
     if path.stat().st_size > _MAX_KEY_FILE_SIZE:

@@ -95,7 +95,8 @@ class ClusterCA:
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.dir = pathlib.Path(root) / TLS_DIR
         try:
-            self._cert = x509.load_pem_x509_certificate((self.dir / CA_CERT).read_bytes())
+            # ca.pem is a bundle during a CA rotation: the first certificate is the issuing CA.
+            self._cert = x509.load_pem_x509_certificates((self.dir / CA_CERT).read_bytes())[0]
             self._key = serialization.load_pem_private_key((self.dir / CA_KEY).read_bytes(), None)
         except (OSError, ValueError) as e:
             raise KeyMaterialError(f"no usable cluster CA in {self.dir}: {e}") from e
@@ -111,6 +112,28 @@ class ClusterCA:
         _check_name(name)
         folder = self.dir / name
         folder.mkdir(mode=0o700)  # FileExistsError for a name issued already
+        key, cert = self._make_cert(role, name, hosts)
+        _write_secret(folder / KEY, _key_pem(key))
+        _write_public(folder / CERT, cert.public_bytes(serialization.Encoding.PEM))
+        return Identity(role, name, str(folder / CERT), str(folder / KEY), self.ca_path)
+
+    def reissue(self, name: str, hosts: Sequence[str] = ()) -> Identity:
+        """Replace NAME's certificate and key (same role) with ones signed by the current CA.
+        Each file is renamed into place (never half written); key first, cert second: a reader
+        seeing a new key with the old cert finds them mismatched and retries (rotation.py)."""
+        old = load_identity(self.dir.parent, name)
+        key, cert = self._make_cert(old.role, name, hosts)
+        folder = self.dir / name
+        for target, data, writer in ((folder / KEY, _key_pem(key), _write_secret),
+                                     (folder / CERT, cert.public_bytes(serialization.Encoding.PEM), _write_public)):
+            tmp = folder / f".{target.name}.new"
+            tmp.unlink(missing_ok=True)
+            writer(tmp, data)
+            os.replace(tmp, target)
+        return Identity(old.role, name, old.cert, old.key, self.ca_path)
+
+    def _make_cert(self, role: str, name: str, hosts: Sequence[str]) -> tuple[ec.EllipticCurvePrivateKey,
+                                                                              x509.Certificate]:
         key = ec.generate_private_key(ec.SECP256R1())
         sans: list[x509.GeneralName] = [x509.UniformResourceIdentifier(spiffe_uri(role, name)),
                                         x509.DNSName("localhost")]
@@ -132,9 +155,7 @@ class ClusterCA:
                 .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
                                                       ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
                 .sign(self._key, hashes.SHA256()))
-        _write_secret(folder / KEY, _key_pem(key))
-        _write_public(folder / CERT, cert.public_bytes(serialization.Encoding.PEM))
-        return Identity(role, name, str(folder / CERT), str(folder / KEY), self.ca_path)
+        return key, cert
 
 
 def init_pki(root: str | os.PathLike[str], instances: Iterable[tuple[str, str]] = (),
@@ -145,6 +166,16 @@ def init_pki(root: str | os.PathLike[str], instances: Iterable[tuple[str, str]] 
     folder = _private_dir(base / TLS_DIR)
     if (folder / CA_KEY).exists():
         raise KeyMaterialError(f"{folder} already has a CA; remove it to start over")
+    key, cert = _make_ca(common_name)
+    _write_secret(folder / CA_KEY, _key_pem(key))
+    _write_public(folder / CA_CERT, cert.public_bytes(serialization.Encoding.PEM))
+    ca = ClusterCA(base)
+    for role, instance in instances:
+        ca.issue(role, instance)
+    return ca
+
+
+def _make_ca(common_name: str) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -157,12 +188,42 @@ def init_pki(root: str | os.PathLike[str], instances: Iterable[tuple[str, str]] 
                                          data_encipherment=False, key_agreement=False, key_cert_sign=True,
                                          crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
             .sign(key, hashes.SHA256()))
-    _write_secret(folder / CA_KEY, _key_pem(key))
-    _write_public(folder / CA_CERT, cert.public_bytes(serialization.Encoding.PEM))
-    ca = ClusterCA(base)
-    for role, instance in instances:
-        ca.issue(role, instance)
-    return ca
+    return key, cert
+
+
+def _replace(path: pathlib.Path, data: bytes, writer: object) -> None:
+    tmp = path.with_name(f".{path.name}.new")
+    tmp.unlink(missing_ok=True)
+    writer(tmp, data)  # type: ignore[operator]
+    os.replace(tmp, path)
+
+
+def begin_ca_rotation(root: str | os.PathLike[str], common_name: str | None = None) -> ClusterCA:
+    """Make a new CA: ca.key becomes the new key (it issues from now on) and ca.pem the bundle
+    new + old, so peers trust certificates of both while instances are reissued. The new CA gets
+    its own subject name: TLS stacks look up the issuer by name, and with two CAs of one name
+    they verify an old certificate against the new key (BAD_SIGNATURE)."""
+    folder = pathlib.Path(root) / TLS_DIR
+    bundle = (folder / CA_CERT).read_bytes()
+    current = x509.load_pem_x509_certificates(bundle)
+    if len(current) > 1:
+        raise KeyMaterialError(f"{folder / CA_CERT} already holds two CAs: finish that rotation first")
+    if common_name is None:
+        common_name = f"pdcluster cluster CA {datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S.%f}"
+    if common_name == current[0].subject.rfc4514_string().removeprefix("CN="):
+        raise KeyMaterialError("the new CA needs a subject name other than the current CA's")
+    key, cert = _make_ca(common_name)
+    _replace(folder / CA_KEY, _key_pem(key), _write_secret)
+    _replace(folder / CA_CERT, cert.public_bytes(serialization.Encoding.PEM) + bundle, _write_public)
+    return ClusterCA(root)
+
+
+def finish_ca_rotation(root: str | os.PathLike[str]) -> None:
+    """Revoke the old CA: ca.pem keeps only the issuing (first) CA. Servers that re-read it
+    then refuse new handshakes with certificates of the old CA."""
+    folder = pathlib.Path(root) / TLS_DIR
+    first = x509.load_pem_x509_certificates((folder / CA_CERT).read_bytes())[0]
+    _replace(folder / CA_CERT, first.public_bytes(serialization.Encoding.PEM), _write_public)
 
 
 def load_identity(root: str | os.PathLike[str], name: str) -> Identity:

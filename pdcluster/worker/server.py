@@ -19,6 +19,7 @@ import grpc
 
 from pdcluster._proto import worker_pb2_grpc
 from pdcluster.security.grpc_authz import AioRoleInterceptor, RolePolicy
+from pdcluster.security.rotation import dynamic_server_credentials
 from pdcluster.worker.health import EngineHealth
 from pdcluster.worker.options import DEFAULT_MAX_MESSAGE_BYTES, MAX_CONCURRENT_RPCS, server_options
 from pdcluster.worker.roles import AggregatedRole, RoleHandler
@@ -94,6 +95,14 @@ def worker_policy() -> RolePolicy:
     return RolePolicy({f"/pdcluster.v1.Worker/{name}": {"router"} for name in ROUTER_ONLY})
 
 
+def _tls_credentials(tls: TLSConfig) -> grpc.ServerCredentials:
+    """Credentials that follow the files (certificate and CA-bundle rotation without restart,
+    security/rotation.py); server_credentials first, for its checks and error messages."""
+    server_credentials(tls)
+    assert tls.cert is not None and tls.key is not None
+    return dynamic_server_credentials(tls.cert, tls.key, tls.ca)[0]
+
+
 def _format_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
@@ -124,7 +133,7 @@ async def start_worker_server(
                              interceptors=interceptors)
     address = _format_address(host, port)
     try:
-        bound = server.add_secure_port(address, server_credentials(tls)) if tls is not None \
+        bound = server.add_secure_port(address, _tls_credentials(tls)) if tls is not None \
             else server.add_insecure_port(address)
     except RuntimeError:  # newer grpcio raises where older versions returned 0
         bound = 0
