@@ -70,6 +70,7 @@ class KeyDirWatcher:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self.applied = 0  # allow-lists applied so far (by reload or the poll)
 
     def reload(self, force: bool = True) -> dict[str, list[str]]:
         """Re-read the folders (all when force, else the changed ones); apply each allow-list.
@@ -87,6 +88,7 @@ class KeyDirWatcher:
                     continue
                 gone = self._auth.set_allowed(sock, allowed)  # type: ignore[attr-defined]
                 self._stamps[directory] = stamp
+                self.applied += 1
                 if gone:
                     log.warning("CURVE keys revoked on %s: %s", sock.zap_domain.decode(), ", ".join(gone))
                 revoked[sock.zap_domain.decode()] = gone  # type: ignore[attr-defined]
