@@ -4,8 +4,9 @@ A Ray cluster without authentication runs code for anyone who reaches its ports,
 one only if it requires Ray's token (RAY_AUTH_MODE=token), checked from outside: an unauthenticated
 call to the GCS must be refused with UNAUTHENTICATED. A Ray without token authentication, a
 cluster that does not enforce it, or a driver without a token is refused unless --insecure.
-Imports only the standard library and grpc (never ray: Ray reads RAY_AUTH_MODE at import, which
-this module sets first).
+Imports only the standard library and grpc (never ray: Ray reads RAY_AUTH_MODE at import). It
+never sets that itself: the `up` CLI process applies driver_auth_env() before it imports ray, so
+a library caller's environment is never changed behind its back.
 """
 
 from __future__ import annotations
@@ -48,9 +49,19 @@ def gcs_auth_state(address: str, timeout_s: float = 5.0) -> str:
     return "open"
 
 
+def driver_auth_env() -> dict[str, str]:
+    """What a driver joining an existing cluster sets before `import ray`: token authentication,
+    unless RAY_AUTH_MODE is set already (require_token_auth refuses any other mode without
+    --insecure)."""
+    if not ray_has_token_auth() or os.environ.get("RAY_AUTH_MODE") is not None:
+        return {}
+    return {"RAY_AUTH_MODE": "token"}
+
+
 def require_token_auth(address: str, *, insecure: bool) -> str:
-    """Before `import ray`: make this driver use token authentication and check that the cluster
-    at `address` enforces it. Returns the line `up` prints about it; raises ValueError (refusal)."""
+    """Before `import ray`: check that this driver will use token authentication (with
+    driver_auth_env() applied) and that the cluster at `address` enforces it. Returns the line
+    `up` prints about it; raises ValueError (refusal). Changes no environment."""
     if not ray_has_token_auth():
         if insecure:
             return "Ray token authentication: NOT available in this Ray version (--insecure)"
@@ -62,8 +73,6 @@ def require_token_auth(address: str, *, insecure: bool) -> str:
     if mode is not None and mode.lower() != "token" and not insecure:
         raise ValueError(f"RAY_AUTH_MODE={mode!r}: joining a Ray cluster requires token authentication "
                          "(RAY_AUTH_MODE=token), or --insecure")
-    if mode is None:
-        os.environ["RAY_AUTH_MODE"] = "token"
     if not has_token() and not insecure:
         raise ValueError("Ray token authentication needs the cluster's token: set RAY_AUTH_TOKEN or "
                          "RAY_AUTH_TOKEN_PATH, or copy it to ~/.ray/auth_token (mode 0600); or pass --insecure")

@@ -13,6 +13,7 @@ It holds addresses and pids, never keys.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -22,8 +23,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 # Runs in the child before exec: PDEATHSIG survives exec, and the ppid check closes the window
@@ -41,18 +42,40 @@ _ADDRESS_RE = re.compile(r"ray start --address='([^']+)'")
 _BLOCKING = "will now block forever"  # `ray start --block` once every process of the head runs
 
 
-def enable_token_auth() -> None:
-    """Token authentication for the local head and this process (Ray's own access control: a
-    cluster without it runs code for anyone who reaches its ports). Makes the user's token
-    (~/.ray/auth_token, mode 0600) when there is none; its value never passes through us."""
-    os.environ["RAY_AUTH_MODE"] = "token"
-    if "ray._raylet" in sys.modules:  # Ray caches its config at import: refresh it, as Ray itself does
-        sys.modules["ray._raylet"].Config.initialize("")
+def token_auth_env() -> dict[str, str]:
+    """The environment that makes a Ray process use token authentication (Ray's own access
+    control: a cluster without it runs code for anyone who reaches its ports)."""
+    return {"RAY_AUTH_MODE": "token"}
+
+
+def ensure_auth_token() -> None:
+    """Makes the user's token (~/.ray/auth_token, mode 0600) when there is none; its value never
+    passes through us. Ray is told what to do through the child's environment, never ours."""
     if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"):
         return
     if not (pathlib.Path.home() / ".ray" / "auth_token").is_file():
         subprocess.run([*RAY_CLI, "get-auth-token", "--generate"], check=True, stdin=subprocess.DEVNULL,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **token_auth_env()})
+
+
+@contextlib.contextmanager
+def driver_env(env: Mapping[str, str]) -> Iterator[None]:
+    """env in os.environ only while this process imports ray and runs ray.init, then what was
+    there before. Ray reads these settings only there (at import, and RAY_AUTH_MODE again when its
+    config is refreshed) and keeps them for its connection, so the caller's environment -- and
+    every process it starts later, a test's next Ray cluster included -- stays as it was."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    if "ray._raylet" in sys.modules:  # Ray caches its config at import: refresh it, as Ray itself does
+        sys.modules["ray._raylet"].Config.initialize("")
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def with_pdeathsig(argv: Sequence[str]) -> list[str]:
@@ -75,6 +98,9 @@ class LocalHead:
     address: str      # GCS address for ray.init
     log_path: str
     start_time: float  # the process's start (from /proc): guards a recycled pid in `down`
+    # What a driver of this head needs while it imports ray and joins (driver_env): token
+    # authentication and the loopback node.
+    env: Mapping[str, str] = field(default_factory=dict)
 
 
 def loopback_env() -> dict[str, str]:
@@ -87,12 +113,17 @@ def loopback_env() -> dict[str, str]:
 
 
 def use_loopback_node() -> None:
-    """This process (the driver) joins the loopback head as 127.0.0.1 too: otherwise ray.init
+    """This process (the driver) joins a loopback head as 127.0.0.1 too: otherwise ray.init
     looks for a raylet on the machine's routable IP and waits for one forever. Before `import
-    ray`, which reads the setting at import (as it does RAY_AUTH_MODE)."""
+    ray`, which reads the setting at import (and Ray's core worker again later, so it stays
+    set for the process: unlike RAY_AUTH_MODE it cannot be scoped to ray.init)."""
+    _check_ray_not_imported()
+    os.environ.update(loopback_env())
+
+
+def _check_ray_not_imported() -> None:
     if "ray._private.ray_constants" in sys.modules:
         raise RuntimeError("ray was imported before the loopback head was set up")
-    os.environ.update(loopback_env())
 
 
 def start_local_head(*, num_cpus: int | None, resources: Mapping[str, float], labels: Mapping[str, str],
@@ -100,8 +131,11 @@ def start_local_head(*, num_cpus: int | None, resources: Mapping[str, float], la
                      timeout_s: float = 120.0) -> LocalHead:
     """Start `ray start --head --block` bound to loopback and wait until it serves."""
     port, dash_port = free_port(), free_port()
-    enable_token_auth()
+    # For the process, as before: Ray's core worker resolves the node IP from this setting after
+    # ray.init too (a driver that saw it only during ray.init dials the routable IP).
     use_loopback_node()
+    ensure_auth_token()
+    env = {**token_auth_env(), **loopback_env()}
     argv = [*RAY_CLI, "start", "--head", "--block", f"--port={port}", "--disable-usage-stats",
             "--node-ip-address=127.0.0.1"]
     argv += [f"--include-dashboard={dashboard}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash_port}"]
@@ -115,7 +149,7 @@ def start_local_head(*, num_cpus: int | None, resources: Mapping[str, float], la
     with open(log_path, "wb") as log:  # a file, not a pipe: a detached head must outlive us
         proc = subprocess.Popen(argv if detach else with_pdeathsig(argv), stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **loopback_env()})  # + RAY_AUTH_MODE
+                                env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **env})
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -123,9 +157,9 @@ def start_local_head(*, num_cpus: int | None, resources: Mapping[str, float], la
         text = log_path.read_text(errors="replace")
         m = _ADDRESS_RE.search(text)  # a head on a routable IP prints how to join it
         if m:
-            return LocalHead(proc.pid, m.group(1), str(log_path), process_start_time(proc.pid))
+            return LocalHead(proc.pid, m.group(1), str(log_path), process_start_time(proc.pid), env)
         if _BLOCKING in text:  # a loopback head prints no join line: its address is ours
-            return LocalHead(proc.pid, f"127.0.0.1:{port}", str(log_path), process_start_time(proc.pid))
+            return LocalHead(proc.pid, f"127.0.0.1:{port}", str(log_path), process_start_time(proc.pid), env)
         time.sleep(0.2)
     stop_local_head(proc.pid, grace_s=5.0)
     raise RuntimeError(f"the local Ray head did not start within {timeout_s:g}s:\n{_tail(log_path)}")

@@ -124,11 +124,12 @@ class RayLauncher:
             address = self.address
             if not ray_head.gcs_reachable(address):  # ray.init would retry a dead address for minutes
                 raise LaunchError(f"no Ray cluster answers at {address!r}")
-        import ray  # after the head set RAY_AUTH_MODE: Ray reads its config at import
+        with ray_head.driver_env(self.head.env if self.head else {}):  # scoped: Ray reads it at import/init
+            import ray
 
-        if not ray.is_initialized():  # a caller already connected (tests, notebooks) keeps its connection
-            ray.init(address=address, namespace=self.ns, log_to_driver=not self.detach, configure_logging=False)
-            self._owns_ray = True
+            if not ray.is_initialized():  # a caller already connected (tests, notebooks) keeps its connection
+                ray.init(address=address, namespace=self.ns, log_to_driver=not self.detach, configure_logging=False)
+                self._owns_ray = True
         existing = [a for a in ray.util.list_named_actors(all_namespaces=True)
                     if a["namespace"] == self.ns and a["name"].startswith(f"{self.ns}:")]
         if existing:
@@ -252,7 +253,7 @@ class RayLauncher:
         head = self.head
         return {"namespace": self.ns, "ray_address": self._reconnect_address(), "detached": self.detach,
                 "head_pid": head.pid if head else None, "head_start": head.start_time if head else 0,
-                "key_dir": self._key_tmp, "ray_auth_mode": os.environ.get("RAY_AUTH_MODE"),
+                "key_dir": self._key_tmp, "ray_auth_mode": (head.env if head else os.environ).get("RAY_AUTH_MODE"),
                 "endpoints": self.endpoints}
 
     # -- down -----------------------------------------------------------------------------------

@@ -208,9 +208,10 @@ def _check_access(config: Any, address: str, insecure: bool) -> None:
         print("pdcluster up: a local Ray head on loopback only (127.0.0.1), with token authentication",
               file=sys.stderr)
         return
-    from pdcluster.cluster.ray_auth import require_token_auth
+    from pdcluster.cluster.ray_auth import driver_auth_env, require_token_auth
 
     print(f"pdcluster up: {require_token_auth(address, insecure=insecure)}", file=sys.stderr)
+    os.environ.update(driver_auth_env())  # this CLI process's own driver, before `import ray`
 
 
 def _progress_to_stderr() -> None:

@@ -14,7 +14,7 @@ from concurrent import futures
 import grpc
 import pytest
 
-from pdcluster.cluster import ray_auth
+from pdcluster.cluster import ray_auth, ray_head
 
 
 class _AnyMethod(grpc.GenericRpcHandler):
@@ -60,7 +60,8 @@ def test_require_token_auth(gcs, monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("RAY_AUTH_TOKEN", "t" * 32)
     if enforcing:
         assert "enforced" in ray_auth.require_token_auth(address, insecure=False)
-        assert os.environ["RAY_AUTH_MODE"] == "token"
+        assert ray_auth.driver_auth_env() == {"RAY_AUTH_MODE": "token"}  # what the `up` CLI applies
+        assert "RAY_AUTH_MODE" not in os.environ  # the caller's environment is never changed
     else:
         with pytest.raises(ValueError, match="--insecure"):
             ray_auth.require_token_auth(address, insecure=False)
@@ -75,9 +76,11 @@ def test_refusals_without_token_or_token_auth(gcs, monkeypatch, tmp_path) -> Non
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
     with pytest.raises(ValueError, match="RAY_AUTH_TOKEN"):
         ray_auth.require_token_auth(address, insecure=False)
+    assert ray_auth.driver_auth_env() == {}  # an explicit mode is the user's
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     with pytest.raises(ValueError, match="RAY_AUTH_MODE"):
         ray_auth.require_token_auth(address, insecure=False)
+    assert ray_auth.driver_auth_env() == {} and os.environ["RAY_AUTH_MODE"] == "disabled"
     monkeypatch.setattr(ray_auth, "ray_has_token_auth", lambda: False)
     with pytest.raises(ValueError, match="no token authentication"):
         ray_auth.require_token_auth(address, insecure=False)
@@ -91,3 +94,14 @@ def test_up_refuses_an_open_cluster(tmp_path) -> None:
         r = subprocess.run([sys.executable, "-m", "pdcluster.cluster.cli", "up", "--address", address, "--workers",
                             "1"], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 2 and "without a token" in r.stderr and "--insecure" in r.stderr, r.stderr
+
+
+def test_driver_env_is_scoped(monkeypatch) -> None:
+    """A library caller's environment is its own: the head's settings hold only while the driver
+    imports ray and joins, and what was there before comes back (absent stays absent)."""
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "1")
+    env = {**ray_head.token_auth_env(), **ray_head.loopback_env()}
+    with ray_head.driver_env(env):
+        assert os.environ["RAY_AUTH_MODE"] == "token" and os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
+    assert "RAY_AUTH_MODE" not in os.environ and os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "1"

@@ -33,6 +33,11 @@ def two_nodes(tmp_path_factory):
 
     mp = pytest.MonkeyPatch()
     mp.setenv("PDCLUSTER_STATE_DIR", str(tmp_path_factory.mktemp("state")))
+    # One auth mode for the nodes (they inherit os.environ) and this driver (Ray's cached config),
+    # whatever earlier tests of the process left: this module is about placement and restarts;
+    # token authentication is test_ray_auth's and the CLI tests'.
+    mp.setenv("RAY_AUTH_MODE", "disabled")
+    _refresh_ray_auth()
     before = {p for p, _ in process_tree(os.getpid())}
     # Each node carries one pool's resource; the head also runs the driver and the router.
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"prefill_node": 1},
@@ -47,6 +52,7 @@ def two_nodes(tmp_path_factory):
         ray.shutdown()
         cluster.shutdown()
         mp.undo()
+        _refresh_ray_auth()
         assert stop_processes([(p, t) for p, t in tree if p not in before])
 
 
@@ -125,6 +131,14 @@ def test_a_worker_that_does_not_come_up_is_reported_and_nothing_is_left(two_node
     assert "float7" in msg  # the tail of its log says why
     assert named_actors("bad") == []
     assert not [t for t in placement_group_table().values() if t["name"].startswith("bad:") and t["state"] != "REMOVED"]
+
+
+def _refresh_ray_auth() -> None:
+    """Ray caches RAY_AUTH_MODE and the token at import: re-read them, as Ray's own tests do."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 def _ready(actor) -> dict | None:
