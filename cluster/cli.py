@@ -108,6 +108,88 @@ def _cmd_keys_issue(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_keys_rotate(args: argparse.Namespace) -> int:
+    from pdcluster.security.keys import KeyMaterialError, rotate_key
+
+    for name in args.name:
+        try:
+            kp = rotate_key(args.dir, name)
+        except (KeyMaterialError, FileExistsError) as e:
+            raise ValueError(f"cannot rotate {name!r}: {e}") from None
+        print(f"wrote {kp.name} beside {name}: servers accept both once they re-read {args.dir}")
+    print(f"move clients to the NAME.next secrets, then `pdcluster keys revoke {args.dir} NAME`")
+    return 0
+
+
+def _cmd_keys_revoke(args: argparse.Namespace) -> int:
+    from pdcluster.security.keys import KeyMaterialError, revoke_old_key
+
+    for name in args.name:
+        try:
+            revoke_old_key(args.dir, name)
+        except KeyMaterialError as e:
+            raise ValueError(str(e)) from None
+        print(f"{name}: the old key is revoked; {name}.next is now {name}")
+    return 0
+
+
+def _cmd_keys_rotate_ca(args: argparse.Namespace) -> int:
+    from pdcluster.security.keys import KeyMaterialError
+    from pdcluster.security.pki import begin_ca_rotation, instance_names
+
+    try:
+        ca = begin_ca_rotation(args.dir)
+        names = [] if args.bundle_only else instance_names(args.dir)
+        for name in names:
+            ca.reissue(name)
+    except (KeyMaterialError, OSError) as e:
+        raise ValueError(f"cannot rotate the CA: {e}") from None
+    print(f"new CA in {ca.ca_path} (bundle: new + old); reissued: {', '.join(names) or 'none'}")
+    print(f"when every process runs on the new certificates: `pdcluster keys revoke-ca {args.dir}`")
+    return 0
+
+
+def _cmd_keys_reissue(args: argparse.Namespace) -> int:
+    from pdcluster.security.keys import KeyMaterialError
+    from pdcluster.security.pki import ClusterCA
+
+    try:
+        ca = ClusterCA(args.dir)
+        for name in args.name:
+            print(f"reissued {ca.reissue(name).uri} from the current CA")
+    except (KeyMaterialError, OSError) as e:
+        raise ValueError(f"cannot reissue: {e}") from None
+    return 0
+
+
+def _cmd_keys_revoke_ca(args: argparse.Namespace) -> int:
+    from pdcluster.security.pki import finish_ca_rotation
+
+    try:
+        finish_ca_rotation(args.dir)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot revoke the old CA: {e}") from None
+    print("old CA removed from the bundle: new handshakes with its certificates fail")
+    return 0
+
+
+def _add_key_rotation(ks: argparse._SubParsersAction) -> None:
+    for cmd, func, what in (("rotate", _cmd_keys_rotate, "write NAME.next CURVE key pairs beside NAME (both allowed)"),
+                            ("revoke", _cmd_keys_revoke, "revoke the old CURVE keys: NAME.next replaces NAME"),
+                            ("reissue", _cmd_keys_reissue, "new certificate and key for instances, same role")):
+        p = ks.add_parser(cmd, help=what)
+        p.add_argument("dir")
+        p.add_argument("name", nargs="+")
+        p.set_defaults(func=func)
+    rot = ks.add_parser("rotate-ca", help="new cluster CA beside the old (bundle) and reissue every certificate")
+    rot.add_argument("dir")
+    rot.add_argument("--bundle-only", action="store_true", help="make the CA bundle, reissue later (`keys reissue`)")
+    rot.set_defaults(func=_cmd_keys_rotate_ca)
+    rev = ks.add_parser("revoke-ca", help="drop the old CA from the bundle")
+    rev.add_argument("dir")
+    rev.set_defaults(func=_cmd_keys_revoke_ca)
+
+
 def _add_keys(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("keys", help="cluster key management")
     ks = p.add_subparsers(dest="keys_command", required=True)
@@ -122,6 +204,7 @@ def _add_keys(sub: argparse._SubParsersAction) -> None:
     issue.add_argument("name", help="the instance's name (e.g. prefill-0): its certificate's identity")
     issue.add_argument("--host", action="append", default=[], help="an extra DNS name or IP it serves on")
     issue.set_defaults(func=_cmd_keys_issue)
+    _add_key_rotation(ks)
 
 
 def _add_up(sub: argparse._SubParsersAction) -> None:

@@ -122,6 +122,8 @@ class ClusterCA:
         Each file is renamed into place (never half written); key first, cert second: a reader
         seeing a new key with the old cert finds them mismatched and retries (rotation.py)."""
         old = load_identity(self.dir.parent, name)
+        if not hosts:  # keep the extra names/addresses the instance was issued for
+            hosts = _extra_hosts(x509.load_pem_x509_certificate(pathlib.Path(old.cert).read_bytes()))
         key, cert = self._make_cert(old.role, name, hosts)
         folder = self.dir / name
         for target, data, writer in ((folder / KEY, _key_pem(key), _write_secret),
@@ -173,6 +175,18 @@ def init_pki(root: str | os.PathLike[str], instances: Iterable[tuple[str, str]] 
     for role, instance in instances:
         ca.issue(role, instance)
     return ca
+
+
+def _extra_hosts(cert: x509.Certificate) -> list[str]:
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    names = [*san.get_values_for_type(x509.DNSName), *(str(a) for a in san.get_values_for_type(x509.IPAddress))]
+    return [n for n in names if n not in ("localhost", "127.0.0.1", "::1")]
+
+
+def instance_names(root: str | os.PathLike[str]) -> list[str]:
+    """The instances that have a certificate in DIR/tls."""
+    folder = pathlib.Path(root) / TLS_DIR
+    return sorted(p.name for p in folder.iterdir() if (p / CERT).is_file())
 
 
 def _make_ca(common_name: str) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
