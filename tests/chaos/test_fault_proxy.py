@@ -3,6 +3,7 @@ moment it is armed, and close() leaves no listener, connection or thread behind.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import socketserver
@@ -25,8 +26,8 @@ class _Echo(socketserver.BaseRequestHandler):
             pass
 
 
-@pytest.fixture
-def proxy() -> Iterator[FaultProxy]:
+@contextlib.contextmanager
+def _proxy() -> Iterator[FaultProxy]:
     server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), _Echo)
     server.daemon_threads = True
     t = threading.Thread(target=server.serve_forever, daemon=True)
@@ -42,6 +43,12 @@ def proxy() -> Iterator[FaultProxy]:
         server.server_close()
         assert ("127.0.0.1", port) not in listening([os.getpid()])
         assert not [th for th in threading.enumerate() if th.name.startswith("fault-proxy") and th.ident not in threads]
+
+
+@pytest.fixture
+def proxy() -> Iterator[FaultProxy]:
+    with _proxy() as p:
+        yield p
 
 
 def _conn(p: FaultProxy) -> socket.socket:
@@ -61,6 +68,7 @@ def _echo(s: socket.socket, data: bytes) -> bytes:
     return got
 
 
+@pytest.mark.slow
 def test_pass_and_counters(proxy: FaultProxy) -> None:
     with _conn(proxy) as s:
         assert _echo(s, b"hello" * 100) == b"hello" * 100
@@ -68,6 +76,7 @@ def test_pass_and_counters(proxy: FaultProxy) -> None:
     assert snap["forwarded"] == {"up": 500, "down": 500} and snap["connections"] == 1
 
 
+@pytest.mark.slow
 def test_corrupt_flips_one_byte_counted_from_arming(proxy: FaultProxy) -> None:
     with _conn(proxy) as s:
         assert _echo(s, b"a" * 10) == b"a" * 10
@@ -78,6 +87,7 @@ def test_corrupt_flips_one_byte_counted_from_arming(proxy: FaultProxy) -> None:
     assert proxy.snapshot()["corrupted"] == 1
 
 
+@pytest.mark.slow
 def test_truncate_closes_after_n_bytes(proxy: FaultProxy) -> None:
     with _conn(proxy) as s:
         proxy.truncate("down", 4)
@@ -102,6 +112,7 @@ def _is_cut(p: FaultProxy, s: socket.socket | None, data: bytes) -> bool:
         return True
 
 
+@pytest.mark.slow
 def test_reset_sends_rst_and_refuses_new(proxy: FaultProxy) -> None:
     s = _conn(proxy)
     assert _echo(s, b"1") == b"1"
@@ -114,6 +125,7 @@ def test_reset_sends_rst_and_refuses_new(proxy: FaultProxy) -> None:
         assert _echo(s, b"5") == b"5"
 
 
+@pytest.mark.slow
 def test_blackhole_reads_and_drops_then_clear_resets(proxy: FaultProxy) -> None:
     s = _conn(proxy)
     proxy.blackhole()
@@ -127,6 +139,7 @@ def test_blackhole_reads_and_drops_then_clear_resets(proxy: FaultProxy) -> None:
     assert _is_cut(proxy, s, b"again")
 
 
+@pytest.mark.slow
 def test_delay_and_bandwidth(proxy: FaultProxy) -> None:
     with _conn(proxy) as s:
         proxy.delay(100)
@@ -137,3 +150,13 @@ def test_delay_and_bandwidth(proxy: FaultProxy) -> None:
         t0 = time.monotonic()
         assert _echo(s, b"z" * 4096) == b"z" * 4096
         assert time.monotonic() - t0 >= 4096 / 20_000 * 0.9  # the two directions overlap
+
+
+def test_smoke_every_mode_in_turn() -> None:
+    """Default suite: every mode above, each on a fresh proxy and echo server (the separate tests
+    are the slow suite's, for a clearer failure)."""
+    for check in (test_pass_and_counters, test_corrupt_flips_one_byte_counted_from_arming,
+                  test_truncate_closes_after_n_bytes, test_reset_sends_rst_and_refuses_new,
+                  test_blackhole_reads_and_drops_then_clear_resets, test_delay_and_bandwidth):
+        with _proxy() as p:
+            check(p)
