@@ -114,6 +114,24 @@ class KeyDirWatcher:
                 log.exception("key directory poll failed")
 
 
+def reload_on_sighup(watcher: KeyDirWatcher) -> Callable[[], None]:
+    """Make SIGHUP call watcher.reload() at once (main thread only; the previous handler is
+    chained). Returns a function that puts the previous handler back."""
+    import signal
+
+    previous = signal.getsignal(signal.SIGHUP)
+
+    def handler(signum: int, frame: object) -> None:
+        # Signal handlers run between bytecodes of the main thread: hand the work to a thread
+        # so a reload never runs while that thread holds the watcher's lock.
+        threading.Thread(target=watcher.reload, name="pdcluster-key-reload", daemon=True).start()
+        if callable(previous):
+            previous(signum, frame)
+
+    signal.signal(signal.SIGHUP, handler)
+    return lambda: signal.signal(signal.SIGHUP, previous)
+
+
 # -- TLS --------------------------------------------------------------------------------------
 def _read_pem(path: str) -> bytes:
     p = pathlib.Path(path)

@@ -112,3 +112,24 @@ def test_watcher_polls_the_folder(setup) -> None:
     new.send(b"hello")
     body, user, allowed = _serve_one(auth, sock)
     assert (body, user, allowed) == (b"hello", "worker", True)
+
+
+def test_sighup_reloads(setup) -> None:
+    import os
+    import signal
+
+    from pdcluster.security.rotation import reload_on_sighup
+
+    keys, auth, sock, watcher, client = setup
+    applied = watcher.applied
+    restore = reload_on_sighup(watcher)
+    try:
+        rotate_key(keys, "worker")
+        os.kill(os.getpid(), signal.SIGHUP)
+        end = time.monotonic() + DEADLINE_S
+        while watcher.applied == applied and time.monotonic() < end:
+            time.sleep(0.01)
+        assert watcher.applied > applied
+    finally:
+        restore()
+    assert _round_trip(auth, sock, client("worker.next"), b"hup") == "worker"
