@@ -130,3 +130,21 @@ def test_ca_and_cert_rotation_under_load(engine, tmp_path: pathlib.Path) -> None
             await server.stop(None)
 
     asyncio.run(main())
+
+
+def test_fetcher_keeps_config_on_a_torn_pair(tmp_path: pathlib.Path) -> None:
+    import shutil
+
+    from pdcluster.security.rotation import dynamic_server_credentials
+
+    ca = init_pki(tmp_path / "c")
+    w = ca.issue("worker", "w0")
+    other = ca.issue("worker", "w1")
+    _, fetch = dynamic_server_credentials(w.cert, w.key, w.ca)
+    assert fetch() is None  # nothing changed
+    shutil.copy(other.key, w.key + ".tmp")
+    pathlib.Path(w.key + ".tmp").replace(w.key)  # new key, old cert: mid-reissue
+    assert fetch() is None and fetch.reloads == 0
+    ca.reissue("w0")  # a matching pair again
+    assert fetch() is not None and fetch.reloads == 1
+    assert fetch() is None
