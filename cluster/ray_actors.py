@@ -14,10 +14,18 @@ or a file. Everything crossing Ray calls is plain data (dicts of str/int/float).
 
 RouterActor runs the router in-process on the actor's event loop; the launcher and restarted
 workers update its registry with register(name, address) (remove the old address, add the new).
+It is restarted by Ray too (max_restarts); a restarted incarnation resumes by itself:
+
+    start() (first incarnation) -> records its bound ports + key folder in Ray's internal KV
+    restarted __init__          -> resume(): rebuild the registry from the worker actors'
+                                   describe() (a restarted worker has a new port), bind the
+                                   recorded ports (clients reconnect to the same address), or
+                                   free ones if taken (endpoints(), hence `status`, show them)
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import json
 import os
@@ -194,6 +202,12 @@ class RouterActor:
         self.addresses: dict[str, str] = {}  # instance name -> worker address
         self._key_dir: str | None = None
         self.node_id, self.node_ip = _node()
+        self.resumed: dict[str, Any] | None = None  # what resume() did, for status and tests
+        if _reconstructed():
+            import ray
+
+            # Queued behind __init__: runs as soon as this incarnation takes calls.
+            ray.get_runtime_context().current_actor.resume.remote()
 
     async def start(self, workers: dict[str, str]) -> dict[str, Any]:
         from pdcluster.router.app import Router
@@ -201,8 +215,8 @@ class RouterActor:
 
         # A worker that restarted before the router started has registered its new address already.
         self.addresses = {**workers, **self.addresses}
-        fields = {k: v for k, v in self.spec.items() if k != "name"}
-        if self._env:
+        fields = {k: v for k, v in self.spec.items() if k not in _NOT_CONFIG}
+        if self._env and self._key_dir is None:
             self._key_dir = _write_router_keys(self._env)
         config = RouterConfig(workers=tuple(self.addresses.values()), key_dir=self._key_dir, **fields)
         router = Router(config)
@@ -215,14 +229,61 @@ class RouterActor:
                 await router.registry.remove(h.address)
         for address in current:
             router.registry.add(address)  # idempotent
+        _kv_put(self.spec, {"grpc_port": router.grpc_port, "http_port": router.http_port, "key_dir": self._key_dir})
         return await self.endpoints()
 
+    async def resume(self) -> dict[str, Any]:
+        """A restarted incarnation: the workers' current addresses, the previous ports if free."""
+        if self.router is not None or self.resumed is not None:
+            return self.resumed or {}
+        self.resumed = {"resumed": False, "started": True}
+        try:
+            self.resumed = await self._resume()
+        except Exception as e:  # kept for `status`: a restarted router that cannot serve says why
+            self.resumed = {"resumed": False, "error": f"{type(e).__name__}: {e}"}
+        return self.resumed
+
+    async def _resume(self) -> dict[str, Any]:
+        import ray
+
+        prev = _kv_get(self.spec)
+        if prev is None:  # the first incarnation never started: `up` reports that, nothing to resume
+            return {"resumed": False, "error": "no recorded ports"}
+        if prev.get("key_dir"):  # the killed process could not clean up its key folder (same node)
+            shutil.rmtree(prev["key_dir"], ignore_errors=True)
+        ns, me = self.spec["namespace"], self.spec.get("name", "router")
+        workers: dict[str, str] = {}
+        for a in ray.util.list_named_actors(all_namespaces=True):
+            if a["namespace"] != ns or not a["name"].startswith(f"{ns}:") or a["name"] == f"{ns}:{me}":
+                continue
+            try:  # a worker restarting now is skipped: it registers itself once ready
+                d = await asyncio.wait_for(ray.get_actor(a["name"], namespace=ns).describe.remote(), 10.0)
+            except Exception:
+                continue
+            if d.get("ready") and d.get("address"):
+                workers[a["name"].split(":", 1)[1]] = d["address"]
+        wanted = {"grpc_port": prev.get("grpc_port") or 0, "http_port": prev.get("http_port")}
+        self.spec.update(wanted)
+        try:
+            await self.start(workers)
+            same, first_error = True, None
+        except Exception as e:  # the port is taken by something else: free ones, published by endpoints()
+            first_error = f"{type(e).__name__}: {e}"
+            self.router = None
+            self.spec.update(grpc_port=0, http_port=0 if wanted["http_port"] is not None else None)
+            await self.start(workers)
+            same = False
+        return {"resumed": True, "same_ports": same, "workers": sorted(workers), "port_error": first_error}
+
     async def endpoints(self) -> dict[str, Any]:
+        if self.router is None and self.resumed is None and _reconstructed():
+            await self.resume()  # in case the call queued by __init__ has not run yet
         ep = self.router.endpoints() if self.router is not None else {}
-        if self.spec.get("host") in ("0.0.0.0", "::"):  # a wildcard is not an address to dial
+        if self.router is not None and self.spec.get("host") in ("0.0.0.0", "::"):  # a wildcard is not an address to dial
             ep["grpc"] = f"{self.node_ip}:{self.router.grpc_port}"
             ep["http"] = f"http://{self.node_ip}:{self.router.http_port}" if self.router.http_port else None
-        return {**ep, "node_id": self.node_id, "actor_pid": os.getpid(), "instances": dict(self.addresses)}
+        return {**ep, "node_id": self.node_id, "actor_pid": os.getpid(), "instances": dict(self.addresses),
+                "restarted": self.resumed is not None, "resume": self.resumed, "serving": self.router is not None}
 
     async def wait_for_healthy(self, count: int, timeout_s: float) -> bool:
         return await self.router.registry.wait_for_healthy(count, timeout_s)
@@ -238,7 +299,9 @@ class RouterActor:
 
     async def workers(self) -> list[dict[str, Any]]:
         names = {a: n for n, a in self.addresses.items()}
-        out = []
+        out: list[dict[str, Any]] = []
+        if self.router is None:  # restarting: not serving yet
+            return out
         for h in self.router.registry.handles:
             s = h.stats
             out.append({"name": names.get(h.address, ""), "worker_id": h.worker_id, "address": h.address,
@@ -248,12 +311,48 @@ class RouterActor:
         return out
 
     async def stop(self) -> None:
+        _kv_put(self.spec, None)  # a stopped router is not to be resumed
         if self.router is not None:
             await self.router.stop()
             self.router = None
         if self._key_dir is not None:
             shutil.rmtree(self._key_dir, ignore_errors=True)
             self._key_dir = None
+
+
+# Spec keys for the actor, not RouterConfig fields.
+_NOT_CONFIG = frozenset({"name", "namespace"})
+
+
+def _reconstructed() -> bool:
+    import ray
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the property itself reads Ray's deprecated actor_id
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+
+
+def _kv_key(spec: dict[str, Any]) -> bytes:
+    return f"pdcluster:{spec.get('namespace', '')}:{spec.get('name', 'router')}:ports".encode()
+
+
+def _kv_put(spec: dict[str, Any], value: dict[str, Any] | None) -> None:
+    """The router's bound ports in Ray's GCS: they outlive the actor's process, not the cluster."""
+    from ray.experimental import internal_kv
+
+    if not spec.get("namespace"):
+        return
+    if value is None:
+        internal_kv._internal_kv_del(_kv_key(spec))
+    else:
+        internal_kv._internal_kv_put(_kv_key(spec), json.dumps(value).encode(), overwrite=True)
+
+
+def _kv_get(spec: dict[str, Any]) -> dict[str, Any] | None:
+    from ray.experimental import internal_kv
+
+    raw = internal_kv._internal_kv_get(_kv_key(spec)) if spec.get("namespace") else None
+    return json.loads(raw) if raw else None
 
 
 def _write_router_keys(env: dict[str, str]) -> str:

@@ -12,6 +12,7 @@ Order of `up`, each step checked before the next, everything undone on failure:
     one STRICT_PACK placement group per instance    -> wait placed
     one WorkerActor per instance in its group       -> wait PDCLUSTER_READY from every one
     RouterActor on this node with the workers       -> wait until every worker is healthy
+                                                       (restarted by Ray like the workers)
 
 Actors and groups are named `NAMESPACE:...` in Ray namespace NAMESPACE so `status`/`down` in
 another process find them; with detach=True they are detached and outlive this process.
@@ -215,12 +216,13 @@ class RayLauncher:
         from pdcluster.cluster.ray_actors import RouterActor
 
         r = self.config.router
-        spec = {**asdict(r), "model": self.config.model, "insecure": self.insecure}
+        spec = {**asdict(r), "model": self.config.model, "insecure": self.insecure, "namespace": self.ns}
         # The router's ports are on this node: what `up` prints is reachable from here.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.router = ray.remote(RouterActor).options(
             name=actor_name(self.ns, ROUTER), namespace=self.ns, lifetime="detached" if self.detach else None,
-            num_cpus=0, max_restarts=0, scheduling_strategy=here).remote(spec, env)
+            num_cpus=0, max_restarts=_router_restarts(self.config), max_task_retries=0,
+            scheduling_strategy=here).remote(spec, env)
 
     def _start_router(self) -> None:
         import ray
@@ -285,6 +287,13 @@ def _worker_argv(config: ClusterConfig, role: str) -> list[str]:
     if config.connector is not None:  # its options (with secrets) go through the environment
         argv += [str(worker_flag(actions, "connector")), config.connector.name]
     return argv
+
+
+def _router_restarts(config: ClusterConfig) -> int:
+    """The router is restarted as often as the most-restarted pool (-1: without limit); a restarted
+    router resumes on its recorded ports with the workers' current addresses (RouterActor.resume)."""
+    counts = [pool.max_restarts for pool in config.pools.values()] or [3]
+    return -1 if -1 in counts else max(counts)
 
 
 def _worker_reads_connector_env() -> bool:

@@ -29,6 +29,8 @@ def collect_status(namespace: str) -> dict[str, Any]:
             out["errors"].append(f"router: {e}")
     load = _router_load(out["router"], namespace, out["errors"])
     actors = _actor_states(namespace)
+    if out["router"] is not None:  # a restarted router may be on new ports if its old ones were taken
+        out["router"] = {**out["router"], **actors.get(router_name, {})}
     nodes = {n["NodeID"]: n.get("NodeManagerAddress", "") for n in ray.nodes()}
     for name in names:
         if name == router_name:
@@ -79,7 +81,9 @@ def format_status(s: dict[str, Any]) -> str:
     r = s.get("router")
     if r:
         lines.append(f"pdcluster {s['namespace']}: router gRPC {r.get('grpc')}"
-                     + (f", HTTP {r['http']}" if r.get("http") else "") + f", policy {r.get('policy')}")
+                     + (f", HTTP {r['http']}" if r.get("http") else "") + f", policy {r.get('policy')}"
+                     + (f", restarts {r['restarts']}" if r.get("restarts") else "")
+                     + ("" if r.get("serving", True) else " (restarting: not serving yet)"))
     else:
         lines.append(f"pdcluster {s['namespace']}: no router")
     if not s["instances"]:
