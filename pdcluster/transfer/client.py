@@ -29,6 +29,7 @@ from .protocol import (
     RESP_MAGIC,
     ST_OK,
     STATUS_NAMES,
+    blocking_with_os_timeouts,
     pack_request,
     recv_exact,
     send_views,
@@ -192,7 +193,7 @@ class TransferClient:
                     return idle.pop(), True
         sock = socket.create_connection(addr, timeout=self._connect_timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.settimeout(self._io_timeout)
+        blocking_with_os_timeouts(sock, self._io_timeout)  # kernel-side timeouts: no poll per recv
         return sock, False
 
     def _checkin(self, addr: Address, sock: socket.socket) -> None:
