@@ -141,3 +141,56 @@ def run_request(rig: Rig, want: list[int], fault: Callable[[Rig, WorkerProc], No
     if got == want and last.finish_reason == common_pb2.FINISH_REASON_LENGTH:
         return Outcome("right", "", got, recover, last.route)
     return Outcome("lost", f"wrong text: {got} != {want}", got, recover, last.route)
+
+
+def run_many(rig: Rig, want: list[int], n: int, fault: Callable[[Rig, WorkerProc], None]) -> list[Outcome]:
+    """n streams at once (round robin spreads them); each is held at MARKS[0] on its worker; once
+    all are, the fault hits the worker running most of them. The others stay held until the stall
+    watch moves them (a hold looks like a stall), so every stream also survives one move."""
+    import threading
+
+    streams = [rig.cluster.stub.Generate(router_pb2.GenerateRequest(
+        request_id=f"mig-{uuid.uuid4().hex[:12]}", prompt_token_ids=router_pb2.TokenIds(ids=PROMPT),
+        sampling_params=sampling(), stream=True), timeout=DEADLINE_S) for _ in range(n)]
+    got: list[list[int]] = [[] for _ in range(n)]
+    held = threading.Barrier(n + 1, timeout=DEADLINE_S)
+    outs: list[Outcome | None] = [None] * n
+    t0 = [0.0]
+
+    def read(i: int) -> None:
+        last = None
+        try:
+            while len(got[i]) < MARKS[0]:
+                last = next(streams[i])
+                got[i] += last.token_ids
+            held.wait()
+            for last in streams[i]:
+                got[i] += last.token_ids
+        except grpc.RpcError as e:
+            clear = e.code() not in (None, grpc.StatusCode.UNKNOWN) and bool(e.details())
+            outs[i] = Outcome("error" if clear else "lost", f"{e.code()}: {e.details()}", got[i], 0.0)
+            return
+        except threading.BrokenBarrierError:
+            outs[i] = Outcome("lost", "never reached the mark", got[i], 0.0)
+            return
+        recover = time.monotonic() - t0[0]
+        if last is None or not last.finished:
+            outs[i] = Outcome("lost", "no final response", got[i], recover)
+        elif last.finish_reason == common_pb2.FINISH_REASON_ERROR:
+            outs[i] = Outcome("error" if last.error_message else "lost", last.error_message, got[i], recover)
+        elif got[i] == want and last.finish_reason == common_pb2.FINISH_REASON_LENGTH:
+            outs[i] = Outcome("right", "", got[i], recover, last.route)
+        else:
+            outs[i] = Outcome("lost", f"wrong text: {got[i]}", got[i], recover, last.route)
+
+    threads = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    held.wait()
+    counts = {w.name: _running(w) for w in rig.workers}
+    target = max(rig.workers, key=lambda w: counts[w.name])
+    t0[0] = time.monotonic()
+    fault(rig, target)
+    for t in threads:
+        t.join(DEADLINE_S + 10)
+    return [o if o is not None else Outcome("lost", "reader still running", [], 0.0) for o in outs]

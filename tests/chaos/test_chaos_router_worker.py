@@ -232,3 +232,27 @@ def _ok(stub, req) -> bool:
         return any(r.finished for r in stub.Generate(req, timeout=10))
     except grpc.RpcError:
         return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["reset (RST)", "blackhole", "SIGKILL"])
+def test_four_streams_one_fault(rig, reference, chaos_rows, name):
+    """Four held streams at once (two per worker), one fault on the worker with most of them."""
+    from chaos.router_worker_rig import run_many
+
+    fault, role = HELD_FAULTS[name]
+    want = reference.tokens(PROMPT, MAX_TOKENS)
+    before = rig.migrations()
+    outs = run_many(rig, want, 4, fault)
+    for p in rig.proxies:
+        p.clear()
+    for w in rig.workers:
+        w.resume()
+    leaks = rig.leaks()
+    ends = [o.end for o in outs]
+    moved = rig.migrations() - before
+    chaos_rows.append(ResultRow(f"{name}, 4 streams", role, 4, ends.count("right"), ends.count("error"),
+                                ends.count("lost"), leaks, max(o.recover_s for o in outs),
+                                f"router migrations +{moved:g}" + "".join(f"; {o.detail[:150]}" for o in outs if o.end == "error")))
+    assert ends.count("lost") == 0, [o.detail for o in outs]
+    assert leaks == [], leaks
