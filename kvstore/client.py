@@ -46,11 +46,12 @@ class KVStoreClient:
     def __init__(self, master_addr: str | Sequence[str], *, num_streams: int = 4, use_shm: bool = True, rpc_timeout_s: float = 10.0,
                  max_parallel: int = 8, tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, arena_bytes: int = 8 << 20, arena_max_object: int = 256 << 10,
-                 object_key: bytes | str | None = None) -> None:
+                 object_key: bytes | str | None = None, io_timeout_s: float | None = None) -> None:
         self._object_key = check_store_key(object_key)
         self._master = MasterRPC(master_addr, timeout_s=rpc_timeout_s, tls_ca=tls_ca, tls_cert=tls_cert,
                                  tls_key=tls_key)
-        self._replica_io = ReplicaIO(num_streams=num_streams, use_shm=use_shm, max_parallel=max_parallel)
+        self._replica_io = ReplicaIO(num_streams=num_streams, use_shm=use_shm, max_parallel=max_parallel,
+                                     io_timeout_s=rpc_timeout_s if io_timeout_s is None else io_timeout_s)
         self._arenas = WriteArenas(self._master, self._replica_io, arena_bytes=arena_bytes, max_object=arena_max_object,
                                    object_key=self._object_key)
         self.counters = {"mac_mismatches": 0}

@@ -25,11 +25,14 @@ Hit = tuple[int, pb.KVGetReplicasResult, int]
 
 
 class ReplicaIO:
-    def __init__(self, *, num_streams: int = 4, use_shm: bool = True, max_parallel: int = 8) -> None:
+    def __init__(self, *, num_streams: int = 4, use_shm: bool = True, max_parallel: int = 8,
+                 io_timeout_s: float = 30.0) -> None:
         self.use_shm = use_shm
         self.tokenless_gets = use_shm
         self.host_id = local_host_id()
-        self._transfer = TransferClient(num_streams=num_streams)
+        # A stalled storage node must fail a read within the client's bound, not the data plane's
+        # 30 s default: io_timeout_s is the longest a socket operation may wait for progress.
+        self._transfer = TransferClient(num_streams=num_streams, io_timeout_s=io_timeout_s)
         self._shm = SharedRegionCache()
         # (shm name, size) -> read view of a segment a read mapped (the view keeps it mapped).
         self._read_maps: dict[tuple[str, int], memoryview] = {}
