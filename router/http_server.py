@@ -131,10 +131,10 @@ class HttpFrontend:
                     greqs = [greq]
                 else:
                     greqs, opts = parse_completions(body, self.pre.model_name)
-                rid = request.headers.get("X-Request-Id", "")
+                header_id = request.headers.get("X-Request-Id", "")
                 preps = []
                 for greq in greqs:  # every prompt is valid before any runs
-                    greq.request_id = rid or preps[0].request_id if preps else rid
+                    greq.request_id = header_id or preps[0].request_id if preps else header_id
                     preps.append(await self.pre.prepare(greq, self.config.request_timeout_s,
                                                         chat_max_tokens_default=chat))
         except RouterError as e:

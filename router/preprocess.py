@@ -251,9 +251,9 @@ def _json_field(text: str, name: str) -> object:
         raise invalid("messages", f"{name} is not valid JSON: {e}") from None
 
 
-def _check_request_id(rid: str) -> str:
-    if len(rid) > MAX_REQUEST_ID_LEN:
+def _check_request_id(request_id: str) -> str:
+    if len(request_id) > MAX_REQUEST_ID_LEN:
         raise invalid("request_id", f"at most {MAX_REQUEST_ID_LEN} characters")
-    if rid and not (rid.isascii() and rid.isprintable()):
+    if request_id and not (request_id.isascii() and request_id.isprintable()):
         raise invalid("request_id", "must be printable ASCII")
-    return rid
+    return request_id
