@@ -66,13 +66,22 @@ def _router_load(endpoints: dict[str, Any] | None, namespace: str, errors: list[
     return {w["address"]: w for w in ray.get(router.workers.remote(), timeout=_TIMEOUT_S)}
 
 
-def _actor_states(namespace: str) -> dict[str, dict[str, Any]]:
-    try:
-        from ray.util.state import list_actors
+def _actor_states(namespace: str, attempts: int = 5) -> dict[str, dict[str, Any]]:
+    """name -> {state, restarts} from Ray's state API (served by the dashboard). Right after an
+    actor restarts the API can fail for a moment, so a failure is retried before restarts are
+    reported unknown ({})."""
+    import time
 
-        rows = list_actors(filters=[("ray_namespace", "=", namespace)], detail=True, limit=10_000)
-    except Exception:  # no dashboard (state API): restarts unknown
-        return {}
+    for attempt in range(attempts):
+        try:
+            from ray.util.state import list_actors
+
+            rows = list_actors(filters=[("ray_namespace", "=", namespace)], detail=True, limit=10_000)
+            break
+        except Exception:  # no dashboard (state API) yet, or none at all
+            if attempt == attempts - 1:
+                return {}
+            time.sleep(1.0)
     return {r.name: {"state": r.state, "restarts": r.num_restarts} for r in rows if r.name and r.state != "DEAD"}
 
 
