@@ -13,7 +13,7 @@ import pytest
 from pdcluster.cluster.config import ClusterConfig
 from pdcluster.cluster.ray_head import process_tree, stop_processes
 
-pytestmark = pytest.mark.ray  # about 50 s here
+pytestmark = [pytest.mark.ray, pytest.mark.slow]  # about 30-50 s: a whole node lost and re-added
 
 
 def poll(fn, timeout_s: float, what: str):

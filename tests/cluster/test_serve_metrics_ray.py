@@ -14,7 +14,7 @@ import pytest
 
 from pdcluster.cluster import ray_head
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]  # ~20 s; serve's metrics URLs are checked in the default suite
 
 
 def cli(env: dict, *argv: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
