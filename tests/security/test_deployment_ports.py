@@ -20,6 +20,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 import zmq
+from proc_sockets import listening
 from serve_procs import descendants, start_serve, stop_serve
 
 from pdcluster import SamplingParams
@@ -34,43 +35,6 @@ def demo_model(tmp_path_factory) -> str:
     from pdcluster.models.demo import ensure_demo_model
 
     return ensure_demo_model(tmp_path_factory.mktemp("demo") / "model")
-
-
-def _listening(pids: list[int]) -> dict[tuple[str, int], int]:
-    """(address, port) -> pid for every listening TCP socket of these processes."""
-    inodes: dict[str, int] = {}
-    for pid in pids:
-        try:
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                try:
-                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
-                except OSError:
-                    continue
-                if link.startswith("socket:["):
-                    inodes[link[8:-1]] = pid
-        except OSError:
-            continue
-    out = {}
-    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
-        try:
-            with open(table) as f:
-                rows = f.read().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            cols = row.split()
-            local, state, inode = cols[1], cols[3], cols[9]
-            if state != "0A" or inode not in inodes:  # 0A: LISTEN
-                continue
-            hexaddr, hexport = local.split(":")
-            raw = bytes.fromhex(hexaddr)
-            if v6:
-                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
-                addr = socket.inet_ntop(socket.AF_INET6, raw)
-            else:
-                addr = socket.inet_ntop(socket.AF_INET, raw[::-1])
-            out[(addr, int(hexport, 16))] = inodes[inode]
-    return out
 
 
 def _hostile(port: int, rng: random.Random, ctx: zmq.Context, zmq_silent: bool) -> list[socket.socket]:
@@ -125,7 +89,7 @@ def test_every_port_is_loopback_and_survives_hostile_peers(cluster) -> None:
         before = c.generate(PROMPT, PARAMS).token_ids
     assert len(before) == PARAMS.max_tokens
     pids = [proc.pid, *descendants(proc.pid)]
-    ports = _listening(pids)
+    ports = listening(pids)
     # Router gRPC + HTTP, two workers' gRPC, and their connector / KV-event sockets at least.
     assert len(ports) >= 6, ports
     loopback = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
