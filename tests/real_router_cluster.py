@@ -321,3 +321,18 @@ class Cluster:
     def close(self) -> None:
         self.channel.close()
         self.lt.run(self.router.stop(0.5))
+
+
+def router_cluster(loop_thread: LoopThread, workers: list[WorkerProc], model: str, **overrides: Any) -> Cluster:
+    """An in-process Router (free ports, round robin, quick health checks) in front of `workers`,
+    started on `loop_thread`; `overrides` are RouterConfig fields. Not yet waited healthy."""
+    from pdcluster.router.app import Router
+    from pdcluster.router.config import RouterConfig
+
+    config = RouterConfig(**{
+        "workers": tuple(w.address for w in workers), "model": model, "grpc_port": 0, "http_port": 0,
+        "health_interval_s": 0.1, "health_timeout_s": 1.0, "request_timeout_s": 60.0, "policy": "round_robin",
+        **overrides})
+    router = Router(config)
+    loop_thread.run(router.start())
+    return Cluster(loop_thread, router, workers)

@@ -9,7 +9,14 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from real_router_cluster import WORKER_MAX_MODEL_LEN, WORKER_NUM_KV_BLOCKS, Cluster, LoopThread, WorkerPool
+from real_router_cluster import (
+    WORKER_MAX_MODEL_LEN,
+    WORKER_NUM_KV_BLOCKS,
+    Cluster,
+    LoopThread,
+    WorkerPool,
+    router_cluster,
+)
 
 
 @pytest.fixture(scope="session")
@@ -52,20 +59,11 @@ def loop_thread() -> Iterator[LoopThread]:
 def cluster(loop_thread: LoopThread, worker_pool: WorkerPool, demo_model: str) -> Iterator[Callable[..., Cluster]]:
     """make(num_workers, router config overrides...) -> a Router (in-process) in front of that many
     idle pool workers, healthy and ready."""
-    from pdcluster.router.app import Router
-    from pdcluster.router.config import RouterConfig
-
     made: list[Cluster] = []
 
     def make(num_workers: int = 2, *, wait: bool = True, **router_overrides: Any) -> Cluster:
         workers = worker_pool.take(num_workers)
-        config = RouterConfig(**{
-            "workers": tuple(w.address for w in workers), "model": demo_model, "grpc_port": 0, "http_port": 0,
-            "health_interval_s": 0.1, "health_timeout_s": 1.0, "request_timeout_s": 60.0, "policy": "round_robin",
-            **router_overrides})
-        router = Router(config)
-        loop_thread.run(router.start())
-        c = Cluster(loop_thread, router, workers)
+        c = router_cluster(loop_thread, workers, demo_model, request_timeout_s=60.0, **router_overrides)
         made.append(c)
         if wait:
             assert c.wait_healthy(num_workers), "the workers did not become healthy"

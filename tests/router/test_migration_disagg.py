@@ -22,7 +22,15 @@ from typing import Any
 
 import pytest
 from chaos.mark_hold_pool import MarkHoldPool
-from real_router_cluster import Cluster, LoopThread, WorkerProc, is_idle, wait_until, worker_stats
+from real_router_cluster import (
+    Cluster,
+    LoopThread,
+    WorkerProc,
+    is_idle,
+    router_cluster,
+    wait_until,
+    worker_stats,
+)
 
 from pdcluster._proto import common_pb2, router_pb2
 
@@ -48,20 +56,11 @@ def disagg_pool(demo_model: str, key_dir: pathlib.Path, tmp_path_factory: pytest
 @pytest.fixture
 def make(loop_thread: LoopThread, disagg_pool: MarkHoldPool, demo_model: str,
          key_dir: pathlib.Path) -> Iterator[Callable[..., Cluster]]:
-    from pdcluster.router.app import Router
-    from pdcluster.router.config import RouterConfig
-
     made: list[Cluster] = []
 
     def make(names: tuple[str, ...] = ("p0", "d0", "d1"), **overrides: Any) -> Cluster:
         workers = disagg_pool.take_named(names)
-        config = RouterConfig(**{
-            "workers": tuple(w.address for w in workers), "model": demo_model, "grpc_port": 0, "http_port": 0,
-            "health_interval_s": 0.1, "health_timeout_s": 1.0, "request_timeout_s": 120.0, "policy": "round_robin",
-            "key_dir": str(key_dir), **overrides})
-        router = Router(config)
-        loop_thread.run(router.start())
-        c = Cluster(loop_thread, router, workers)
+        c = router_cluster(loop_thread, workers, demo_model, request_timeout_s=120.0, key_dir=str(key_dir), **overrides)
         made.append(c)
         assert c.wait_healthy(len(workers)), "the workers did not become healthy"
         return c
