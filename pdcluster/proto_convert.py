@@ -5,6 +5,7 @@ Imports no torch and no engine loop: only the proto stubs and plain dataclasses.
     proto SamplingParams   --sampling_params_from_proto-->  SamplingParams (validated; InvalidField)
     SamplingParams         --sampling_params_to_proto---->  proto SamplingParams (only non-defaults)
     proto KvTransferParams <--kv_params_{to,from}_proto-->  KVTransferParams (validated; ValueError)
+    proto EcTransferParams <--ec_params_{to,from}_proto-->  ECTransferParams (validated; ValueError)
     finish reasons and worker roles <-> their proto enums
 
 `extra` on the wire is the proto's map<string, string>: a str value travels under its own key,
@@ -23,6 +24,7 @@ from typing import Any
 import msgpack
 
 from pdcluster._proto import common_pb2
+from pdcluster.engine.ec_transfer_params import ECItemRef, ECTransferParams
 from pdcluster.engine.kv_transfer_params import KVTransferParams
 from pdcluster.sampling_params import SamplingParams
 
@@ -166,7 +168,28 @@ def _extra_from_proto(raw: dict[str, str]) -> dict[str, Any]:
     return out
 
 
+# -- EC transfer params ---------------------------------------------------------------------------
+def ec_params_from_proto(msg: common_pb2.EcTransferParams) -> ECTransferParams:
+    """The proto as an ECTransferParams; ValueError naming a malformed field."""
+    items = tuple(ECItemRef(mm_hash=i.mm_hash, lease_id=i.lease_id, nbytes=i.nbytes, num_tokens=i.num_tokens)
+                  for i in msg.items)
+    return ECTransferParams(connector=msg.connector, producer_id=msg.producer_id, address=msg.address,
+                            public_key=msg.public_key, fingerprint=msg.fingerprint,
+                            engine_epoch=msg.engine_epoch, expires_at=msg.expires_at, items=items)
+
+
+def ec_params_to_proto(params: ECTransferParams) -> common_pb2.EcTransferParams:
+    msg = common_pb2.EcTransferParams(
+        connector=params.connector, producer_id=params.producer_id, address=params.address,
+        public_key=params.public_key, fingerprint=params.fingerprint, engine_epoch=params.engine_epoch,
+        expires_at=params.expires_at)
+    for i in params.items:
+        msg.items.add(mm_hash=i.mm_hash, lease_id=i.lease_id, nbytes=i.nbytes, num_tokens=i.num_tokens)
+    return msg
+
+
 __all__ = [
     "FINISH_REASON_FROM_PROTO", "FINISH_REASON_TO_PROTO", "InvalidField", "ROLE_FROM_PROTO", "ROLE_TO_PROTO",
+    "ec_params_from_proto", "ec_params_to_proto",
     "kv_params_from_proto", "kv_params_to_proto", "sampling_params_from_proto", "sampling_params_to_proto",
 ]

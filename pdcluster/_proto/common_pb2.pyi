@@ -234,3 +234,35 @@ class WorkerStats(_message.Message):
     kv_events_seq: int
     timestamp: float
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_waiting_for_remote_kv: _Optional[int] = ..., num_preempted: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_free: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., block_size: _Optional[int] = ..., kv_events_endpoint: _Optional[str] = ..., kv_snapshot_endpoint: _Optional[str] = ..., kv_events_public_key: _Optional[bytes] = ..., kv_events_epoch: _Optional[int] = ..., kv_events_seq: _Optional[int] = ..., timestamp: _Optional[float] = ...) -> None: ...
+
+class EcItemRef(_message.Message):
+    __slots__ = ("mm_hash", "lease_id", "nbytes", "num_tokens")
+    MM_HASH_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    mm_hash: str
+    lease_id: str
+    nbytes: int
+    num_tokens: int
+    def __init__(self, mm_hash: _Optional[str] = ..., lease_id: _Optional[str] = ..., nbytes: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class EcTransferParams(_message.Message):
+    __slots__ = ("connector", "producer_id", "address", "public_key", "fingerprint", "engine_epoch", "expires_at", "items")
+    CONNECTOR_FIELD_NUMBER: _ClassVar[int]
+    PRODUCER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    connector: str
+    producer_id: str
+    address: str
+    public_key: bytes
+    fingerprint: str
+    engine_epoch: int
+    expires_at: float
+    items: _containers.RepeatedCompositeFieldContainer[EcItemRef]
+    def __init__(self, connector: _Optional[str] = ..., producer_id: _Optional[str] = ..., address: _Optional[str] = ..., public_key: _Optional[bytes] = ..., fingerprint: _Optional[str] = ..., engine_epoch: _Optional[int] = ..., expires_at: _Optional[float] = ..., items: _Optional[_Iterable[_Union[EcItemRef, _Mapping]]] = ...) -> None: ...

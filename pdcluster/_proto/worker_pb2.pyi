@@ -7,6 +7,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class EncodeRequest(_message.Message):
+    __slots__ = ("request_id", "images")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    images: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class EncodeResponse(_message.Message):
+    __slots__ = ("ec_transfer_params",)
+    EC_TRANSFER_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    ec_transfer_params: _common_pb2.EcTransferParams
+    def __init__(self, ec_transfer_params: _Optional[_Union[_common_pb2.EcTransferParams, _Mapping]] = ...) -> None: ...
+
 class DrainRequest(_message.Message):
     __slots__ = ("timeout_s",)
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
@@ -22,7 +36,7 @@ class DrainResponse(_message.Message):
     def __init__(self, num_finished: _Optional[int] = ..., num_moved: _Optional[int] = ...) -> None: ...
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "kv_transfer_params", "stream", "eos_token_ids", "prefill_output_token_ids", "images")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "kv_transfer_params", "stream", "eos_token_ids", "prefill_output_token_ids", "images", "ec_transfer_params")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +45,7 @@ class WorkerGenerateRequest(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
+    EC_TRANSFER_PARAMS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _common_pb2.SamplingParams
@@ -39,10 +54,11 @@ class WorkerGenerateRequest(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     prefill_output_token_ids: _containers.RepeatedScalarFieldContainer[int]
     images: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_transfer_params: _Optional[_Union[_common_pb2.KvTransferParams, _Mapping]] = ..., stream: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., prefill_output_token_ids: _Optional[_Iterable[int]] = ..., images: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    ec_transfer_params: _containers.RepeatedCompositeFieldContainer[_common_pb2.EcTransferParams]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_transfer_params: _Optional[_Union[_common_pb2.KvTransferParams, _Mapping]] = ..., stream: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., prefill_output_token_ids: _Optional[_Iterable[int]] = ..., images: _Optional[_Iterable[bytes]] = ..., ec_transfer_params: _Optional[_Iterable[_Union[_common_pb2.EcTransferParams, _Mapping]]] = ...) -> None: ...
 
 class WorkerGenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "logprobs", "token_arrival_times", "finished", "finish_reason", "stop_token_id", "stop_str", "usage", "error_message", "kv_transfer_params", "stream_tag")
+    __slots__ = ("request_id", "token_ids", "text", "logprobs", "token_arrival_times", "finished", "finish_reason", "stop_token_id", "stop_str", "usage", "error_message", "kv_transfer_params", "stream_tag", "ec_transfer_params")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +72,7 @@ class WorkerGenerateResponse(_message.Message):
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_PARAMS_FIELD_NUMBER: _ClassVar[int]
     STREAM_TAG_FIELD_NUMBER: _ClassVar[int]
+    EC_TRANSFER_PARAMS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -69,7 +86,8 @@ class WorkerGenerateResponse(_message.Message):
     error_message: str
     kv_transfer_params: _common_pb2.KvTransferParams
     stream_tag: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.SampleLogprobs, _Mapping]]] = ..., token_arrival_times: _Optional[_Iterable[float]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_str: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., error_message: _Optional[str] = ..., kv_transfer_params: _Optional[_Union[_common_pb2.KvTransferParams, _Mapping]] = ..., stream_tag: _Optional[int] = ...) -> None: ...
+    ec_transfer_params: _common_pb2.EcTransferParams
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.SampleLogprobs, _Mapping]]] = ..., token_arrival_times: _Optional[_Iterable[float]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_str: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., error_message: _Optional[str] = ..., kv_transfer_params: _Optional[_Union[_common_pb2.KvTransferParams, _Mapping]] = ..., stream_tag: _Optional[int] = ..., ec_transfer_params: _Optional[_Union[_common_pb2.EcTransferParams, _Mapping]] = ...) -> None: ...
 
 class StreamGenerate(_message.Message):
     __slots__ = ("request", "timeout_s", "tag")

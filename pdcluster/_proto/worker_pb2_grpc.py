@@ -66,6 +66,11 @@ class WorkerStub:
                 request_serializer=pdcluster_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
                 response_deserializer=pdcluster_dot_v1_dot_worker__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.Encode = channel.unary_unary(
+                '/pdcluster.v1.Worker/Encode',
+                request_serializer=pdcluster_dot_v1_dot_worker__pb2.EncodeRequest.SerializeToString,
+                response_deserializer=pdcluster_dot_v1_dot_worker__pb2.EncodeResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -121,6 +126,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Encode(self, request, context):
+        """Encode worker (and any instance with a vision tower): run the encoder on the images, keep
+        the outputs for consumers and return where they are. UNIMPLEMENTED on instances without one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -153,6 +166,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=pdcluster_dot_v1_dot_worker__pb2.DrainRequest.FromString,
                     response_serializer=pdcluster_dot_v1_dot_worker__pb2.DrainResponse.SerializeToString,
+            ),
+            'Encode': grpc.unary_unary_rpc_method_handler(
+                    servicer.Encode,
+                    request_deserializer=pdcluster_dot_v1_dot_worker__pb2.EncodeRequest.FromString,
+                    response_serializer=pdcluster_dot_v1_dot_worker__pb2.EncodeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -318,6 +336,33 @@ class Worker:
             '/pdcluster.v1.Worker/Drain',
             pdcluster_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
             pdcluster_dot_v1_dot_worker__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Encode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdcluster.v1.Worker/Encode',
+            pdcluster_dot_v1_dot_worker__pb2.EncodeRequest.SerializeToString,
+            pdcluster_dot_v1_dot_worker__pb2.EncodeResponse.FromString,
             options,
             channel_credentials,
             insecure,
