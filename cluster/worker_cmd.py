@@ -1,6 +1,6 @@
 """`pdcluster serve-worker`: run one engine behind the Worker gRPC service.
 
-    pdcluster serve-worker --role prefill|decode|both [--model PATH] [--host 127.0.0.1] [--port 0]
+    pdcluster serve-worker --role prefill|decode|both|encode [--model PATH] [--host 127.0.0.1] [--port 0]
         [--worker-id ID] [--key-dir DIR] [--tls-cert F --tls-key F [--tls-ca F]] [--tp T] [engine flags]
 
 Once serving it prints exactly one line to stdout, for launchers to wait on:
@@ -15,7 +15,7 @@ given; `metrics` is the Prometheus endpoint's URL ("" with --metrics-port -1). L
 SIGTERM / SIGINT: health NOT_SERVING, abort every request, close the sockets, exit 0.
 
 This module only parses flags: the worker itself is assembled by pdcluster.worker.assembly.
-`python -m pdcluster.prefill_worker` / `pdcluster.decode_worker` run `main()` with the role fixed.
+`python -m pdcluster.prefill_worker` / `.decode_worker` / `.encode_worker` run `main()` with the role fixed.
 """
 
 from __future__ import annotations
@@ -32,13 +32,14 @@ from pdcluster.cluster.worker_flags import add_engine_flags, engine_kwargs
 
 READY_PREFIX = "PDCLUSTER_READY"
 ENV_KV_OPTIONS = "PDCLUSTER_KV_CONNECTOR_OPTIONS"
+ENV_EC_OPTIONS = "PDCLUSTER_EC_CONNECTOR_OPTIONS"
 # The role names serve-worker offers (pdcluster.worker.role_registry.BUILTIN_ROLES), spelled out
 # so building the parser imports nothing.
-ROLE_NAMES = ("prefill", "decode", "both")
+ROLE_NAMES = ("prefill", "decode", "both", "encode")
 
 
 def add_serve_worker(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve-worker", help="serve one engine over gRPC as a prefill, decode or aggregated worker")
+    p = sub.add_parser("serve-worker", help="serve one engine over gRPC as a prefill, decode, aggregated or encode worker")
     add_worker_flags(p)
 
 
@@ -79,6 +80,12 @@ def add_worker_flags(p: argparse.ArgumentParser, role: str | None = None) -> Non
     c.add_argument("--kv-connector-options", default=None,
                    help="JSON object of connector options, merged over $PDCLUSTER_KV_CONNECTOR_OPTIONS "
                         "(put secrets in the environment: command lines are world-readable)")
+    m = p.add_argument_group("encoder cache (EC) connector (multimodal models)")
+    m.add_argument("--ec-connector", default=None,
+                   help="p2p_ec | a plugin | none: share encoder outputs with other instances "
+                        "(default: p2p_ec on an encode worker, none otherwise)")
+    m.add_argument("--ec-connector-options", default=None,
+                   help="JSON object of EC connector options, merged over $PDCLUSTER_EC_CONNECTOR_OPTIONS")
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=run_serve_worker)
 
@@ -118,15 +125,17 @@ def worker_config(args: argparse.Namespace) -> Any:
         key_name=args.key_name, kv_events_allow=tuple(n.strip() for n in args.kv_events_allow.split(",") if n.strip()),
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca, kv_connector=args.kv_connector,
         metrics_host=args.metrics_host, metrics_port=None if args.metrics_port < 0 else args.metrics_port,
-        kv_connector_options=_kv_connector_options(args), engine=dict(
+        kv_connector_options=_options(args.kv_connector_options, ENV_KV_OPTIONS, "--kv-connector-options"),
+        ec_connector=None if args.ec_connector is None else ("" if args.ec_connector == "none" else args.ec_connector),
+        ec_connector_options=_options(args.ec_connector_options, ENV_EC_OPTIONS, "--ec-connector-options"),
+        engine=dict(
             model=args.model, **engine_kwargs(args), tensor_parallel_size=args.tp))
 
 
-def _kv_connector_options(args: argparse.Namespace) -> dict[str, Any]:
-    """$PDCLUSTER_KV_CONNECTOR_OPTIONS, then --kv-connector-options over it (JSON objects)."""
+def _options(flag_value: str | None, env: str, flag: str) -> dict[str, Any]:
+    """$ENV, then the flag's JSON object over it (connector options: KV or EC)."""
     options: dict[str, Any] = {}
-    for source, text in (("$" + ENV_KV_OPTIONS, os.environ.get(ENV_KV_OPTIONS)),
-                         ("--kv-connector-options", args.kv_connector_options)):
+    for source, text in (("$" + env, os.environ.get(env)), (flag, flag_value)):
         if text:
             try:
                 value = json.loads(text)

@@ -16,7 +16,7 @@ WORKER_FLAG_DESTS = {"tp": ("tp", "tensor_parallel_size"), "connector": ("kv_con
 # serve-worker flags the launcher sets itself: not engine options.
 RESERVED_WORKER_FLAGS = frozenset({
     "role", "model", "host", "port", "advertise_host", "worker_id", "key_dir", "key_name", "kv_events_allow",
-    "tls_cert", "tls_key", "tls_ca", "func", *(d for dests in WORKER_FLAG_DESTS.values() for d in dests),
+    "tls_cert", "tls_key", "tls_ca", "func", "ec_connector", "ec_connector_options", *(d for dests in WORKER_FLAG_DESTS.values() for d in dests),
 })
 
 

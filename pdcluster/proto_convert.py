@@ -41,6 +41,7 @@ ROLE_TO_PROTO = {
     "prefill": common_pb2.WORKER_ROLE_PREFILL,
     "decode": common_pb2.WORKER_ROLE_DECODE,
     "both": common_pb2.WORKER_ROLE_BOTH,
+    "encode": common_pb2.WORKER_ROLE_ENCODE,
 }
 ROLE_FROM_PROTO = {v: k for k, v in ROLE_TO_PROTO.items()}
 

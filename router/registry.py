@@ -35,6 +35,7 @@ ROLE_NAMES = {
     common_pb2.WORKER_ROLE_PREFILL: "prefill",
     common_pb2.WORKER_ROLE_DECODE: "decode",
     common_pb2.WORKER_ROLE_BOTH: "both",
+    common_pb2.WORKER_ROLE_ENCODE: "encode",
 }
 
 

@@ -31,7 +31,7 @@ from .registry import WorkerRegistry
 
 ROUTER_HEALTH_SERVICE = "pdcluster.v1.Router"
 _ROLES = {"prefill": common_pb2.WORKER_ROLE_PREFILL, "decode": common_pb2.WORKER_ROLE_DECODE,
-          "both": common_pb2.WORKER_ROLE_BOTH}
+          "both": common_pb2.WORKER_ROLE_BOTH, "encode": common_pb2.WORKER_ROLE_ENCODE}
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):

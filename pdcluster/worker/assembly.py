@@ -56,6 +56,10 @@ class WorkerConfig:
     tls_ca: str | None = None
     kv_connector: str | None = None
     kv_connector_options: Mapping[str, Any] = field(default_factory=dict)
+    # Encoder-cache (EC) connector ("" = none; None = the role's default, e.g. p2p_ec for encode)
+    # and its options (plain data; a deployment's secrets arrive through the environment).
+    ec_connector: str | None = None
+    ec_connector_options: Mapping[str, Any] = field(default_factory=dict)
     engine: Mapping[str, Any] = field(default_factory=dict)  # EngineArgs keywords (not the connector's)
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = 0  # 0: a free port; None: no metrics endpoint
@@ -118,6 +122,31 @@ def connector_options(config: WorkerConfig, role: WorkerRole) -> dict[str, Any]:
     return options
 
 
+def ec_connector_name(config: WorkerConfig, role: WorkerRole) -> str:
+    """The EC connector this worker runs: the configured one, else the role's default."""
+    return role.default_ec_connector if config.ec_connector is None else config.ec_connector
+
+
+def ec_connector_options(config: WorkerConfig, role: WorkerRole) -> dict[str, Any]:
+    """The EC connector's options; by default it binds where the worker binds, on a free port,
+    with this worker's CURVE keys from the key directory and the worker id as its producer id
+    (as the P2P KV connector gets them)."""
+    options = dict(config.ec_connector_options)
+    if not ec_connector_name(config, role):
+        if options:
+            raise ValueError("--ec-connector-options given without an EC connector (--ec-connector)")
+        return {}
+    options.setdefault("host", config.host)
+    options.setdefault("port", 0)
+    if config.advertise_host:
+        options.setdefault("advertise_host", config.advertise_host)
+    if config.key_dir and not ({"keypair", "keys_dir"} & set(options)):
+        options.update(keys_dir=config.key_dir, key_name=config.key_name)
+    if config.worker_id:
+        options.setdefault("engine_id", config.worker_id)
+    return options
+
+
 def build_engine(config: WorkerConfig, role: WorkerRole, options: Mapping[str, Any]) -> AsyncEngine:
     """The engine, with the half of the connector this role wires (none without a connector)."""
     from pdcluster.config import EngineArgs
@@ -126,8 +155,14 @@ def build_engine(config: WorkerConfig, role: WorkerRole, options: Mapping[str, A
     factory = None
     if config.kv_connector is not None:
         from pdcluster.connectors import engine_connector_factory as factory
+    ec: dict[str, Any] = {}
+    ec_name = ec_connector_name(config, role)
+    if ec_name:  # only then: EngineArgs without EC fields (older engines) still build the rest
+        ec.update(ec_connector=ec_name, ec_connector_options=ec_connector_options(config, role))
+    if role.encoder_only:
+        ec["encoder_only"] = True
     args = EngineArgs(**config.engine, kv_connector=config.kv_connector, kv_connector_options=dict(options),
-                      kv_role=role.kv_role)
+                      kv_role=role.kv_role, **ec)
     return AsyncEngine.from_engine_args(args, connector=factory)
 
 
@@ -137,6 +172,7 @@ def run_worker(config: WorkerConfig, on_ready: Callable[[WorkerServer, int, str]
     tls = tls_config(config)
     kv_events = kv_events_config(config)
     options = connector_options(config, role)
+    ec_connector_options(config, role)  # a mistake there fails before the engine loads
     handler = role.make_handler(config.kv_connector)
     engine = build_engine(config, role, options)
     try:

@@ -19,6 +19,8 @@ from pdcluster.proto_convert import (
     FINISH_REASON_TO_PROTO,
     ROLE_FROM_PROTO,
     ROLE_TO_PROTO,
+    ec_params_from_proto,
+    ec_params_to_proto,
     kv_params_from_proto,
     kv_params_to_proto,
     sampling_params_from_proto,
@@ -80,6 +82,9 @@ def output_to_response(
             resp.finish_reason = common_pb2.FINISH_REASON_ERROR
         if out.kv_transfer_params is not None:
             resp.kv_transfer_params.CopyFrom(kv_params_to_proto(out.kv_transfer_params))
+        ec = getattr(out, "ec_transfer_params", None)  # what this engine now holds for other instances
+        if ec is not None:
+            resp.ec_transfer_params.CopyFrom(ec_params_to_proto(ec))
     return resp
 
 
@@ -104,11 +109,14 @@ def merge_responses(responses: Sequence[worker_pb2.WorkerGenerateResponse]) -> w
             setattr(merged, which, getattr(last, which))
         if last.HasField("kv_transfer_params"):
             merged.kv_transfer_params.CopyFrom(last.kv_transfer_params)
+        if last.HasField("ec_transfer_params"):
+            merged.ec_transfer_params.CopyFrom(last.ec_transfer_params)
     return merged
 
 
 __all__ = [
-    "FINISH_REASON_FROM_PROTO", "FINISH_REASON_TO_PROTO", "ROLE_FROM_PROTO", "ROLE_TO_PROTO", "kv_params_from_proto",
+    "FINISH_REASON_FROM_PROTO", "FINISH_REASON_TO_PROTO", "ROLE_FROM_PROTO", "ROLE_TO_PROTO",
+    "ec_params_from_proto", "ec_params_to_proto", "kv_params_from_proto",
     "kv_params_to_proto", "logprobs_to_proto", "merge_responses", "output_to_response", "sampling_params_from_proto",
     "sampling_params_to_proto", "set_stop_reason",
 ]

@@ -27,6 +27,7 @@ import grpc
 
 from pdcluster._proto import common_pb2, worker_pb2
 from pdcluster.engine.async_engine import AsyncEngine, EngineDeadError
+from pdcluster.engine.ec_transfer_params import MAX_EC_PRODUCERS, ECTransferParams
 from pdcluster.engine.kv_connector import KVTransferParams
 from pdcluster.engine.outputs import RequestOutput
 from pdcluster.sampling_params import SamplingParams
@@ -50,6 +51,16 @@ def abort_response(request_id: str, inflight: Inflight) -> worker_pb2.WorkerGene
         usage=common_pb2.Usage(prompt_tokens=inflight.num_prompt_tokens, completion_tokens=inflight.num_tokens))
 
 
+def ec_params(request: worker_pb2.WorkerGenerateRequest) -> tuple[ECTransferParams, ...]:
+    """The request's EC params, validated and bounded (ValueError naming the field)."""
+    if not request.ec_transfer_params:
+        return ()
+    if len(request.ec_transfer_params) > MAX_EC_PRODUCERS:
+        raise ValueError(f"ec_transfer_params: a request carries at most {MAX_EC_PRODUCERS} of them, "
+                         f"got {len(request.ec_transfer_params)}")
+    return tuple(convert.ec_params_from_proto(p) for p in request.ec_transfer_params)
+
+
 class RequestTable:
     def __init__(self, engine: AsyncEngine, role: RoleHandler) -> None:
         self.engine = engine
@@ -68,7 +79,8 @@ class RequestTable:
     # -- admission -------------------------------------------------------------------------------
     def check(self, request: worker_pb2.WorkerGenerateRequest,
               request_id: str) -> tuple[SamplingParams, KVTransferParams | None]:
-        """The request's sampling params and accepted KV params, or Refusal."""
+        """The request's sampling params and accepted KV params, or Refusal (EC params are checked
+        here too and converted again by the pump: they are few and small)."""
         try:
             params = convert.sampling_params_from_proto(request.sampling_params)
             eos = request.eos_token_ids
@@ -78,6 +90,7 @@ class RequestTable:
             kv = convert.kv_params_from_proto(request.kv_transfer_params) \
                 if request.HasField("kv_transfer_params") else None
             kv = self.role.accept(kv)
+            ec_params(request)
         except ValueError as e:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         except KvTransferRejected as e:
@@ -124,10 +137,14 @@ class RequestTable:
         # Images: encoded bytes, decoded and preprocessed by the engine (its limits apply); their
         # placeholders are already expanded in the ids (mm_inputs.MultiModalInputProcessor).
         mm_data = {"image": list(request.images)} if request.images else None
+        # Where other instances hold this request's encoder outputs (passed only when there are
+        # some: an engine without an EC connector takes no such argument).
+        ec = ec_params(request)
+        extra = {"ec_transfer_params": ec} if ec and mm_data else {}
         try:
             async with aclosing(self.engine.generate(list(request.prompt_token_ids), params, request_id=request_id,
                                                      kv_transfer_params=kv, prefill_output_token_ids=prior or None,
-                                                     multi_modal_data=mm_data)) as outputs:
+                                                     multi_modal_data=mm_data, **extra)) as outputs:
                 async for out in outputs:
                     if sink((time.time(), out)):
                         return

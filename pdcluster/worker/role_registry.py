@@ -4,13 +4,15 @@
     both      pdcluster.worker (core)     both             local requests and either remote leg
     prefill   pdcluster.prefill_worker    producer         local requests and prefill legs
     decode    pdcluster.decode_worker     consumer         local requests and decode legs
+    encode    pdcluster.encode_worker     none             Worker.Encode only (encoder-only engine)
 
 A role is a `WorkerRole`: its name, the RoleHandler that admits or refuses each request's
 kv_transfer_params (its admission rule), the half of the KV connector the engine wires for it,
 and the engine stats that describe its own work. Roles resolve through one `Registry`
 (pdcluster/registry.py): the built-ins above, a dotted path "pkg.module:ROLE", or an entry point
-in the group `pdcluster.worker_roles`, so a new role (the encoder-only worker of the EC issue) is
-a package beside prefill_worker/ that defines its WorkerRole, without a change to the core.
+in the group `pdcluster.worker_roles`, so a new role is a package beside prefill_worker/ that
+defines its WorkerRole, without a change to the core (encode_worker/ is one: an encoder-only
+engine, `encoder_only=True`, with an EC connector by default).
 
 The core never imports a role package: built-ins are lazy "module:attr" strings. This module
 imports only the standard library at import time (the CLI builds its parser from it).
@@ -42,6 +44,10 @@ class WorkerRole:
     needs_connector: bool = False
     # Engine stats (AsyncEngine.get_stats keys) that describe this role's own work.
     metrics: tuple[str, ...] = ()
+    # True: the engine loads and runs only the vision tower + projector (EngineArgs.encoder_only).
+    encoder_only: bool = False
+    # The EC connector the role uses when the deployment names none ("" = none).
+    default_ec_connector: str = ""
 
     def __post_init__(self) -> None:
         if self.kv_role not in KV_ROLES:
@@ -74,6 +80,7 @@ BUILTIN_ROLES: Mapping[str, str] = MappingProxyType({
     "prefill": "pdcluster.prefill_worker.spec:ROLE",
     "decode": "pdcluster.decode_worker.spec:ROLE",
     "both": "pdcluster.worker.role_registry:AGGREGATED",
+    "encode": "pdcluster.encode_worker.spec:ROLE",
 })
 
 

@@ -79,15 +79,16 @@ def _resolve_role(role: RoleHandler | str) -> RoleHandler:
         return role
     if role == "both":
         return AggregatedRole()
-    if role in ("prefill", "decode"):
+    if role in ("prefill", "decode", "encode"):
         # The core does not import the role packages (imports point down, DESIGN.md 2); the
         # worker assembly resolves role names through pdcluster.worker.role_registry.
-        pkg = "pdcluster.prefill_worker.PrefillRole" if role == "prefill" else "pdcluster.decode_worker.DecodeRole"
+        pkg = f"pdcluster.{role}_worker.{role.capitalize()}Role"
         raise ValueError(f"role {role!r}: pass a role object, e.g. {pkg}()")
-    raise ValueError(f"role must be 'prefill', 'decode', 'both' or a RoleHandler, got {role!r}")
+    raise ValueError(f"role must be 'prefill', 'decode', 'both', 'encode' or a RoleHandler, got {role!r}")
 
 
-ROUTER_ONLY = ("Generate", "GenerateStream", "Abort", "Drain")
+# Encode too: it makes the worker compute and hold encoder outputs under a lease, on request data.
+ROUTER_ONLY = ("Generate", "GenerateStream", "Abort", "Drain", "Encode")
 
 
 def worker_policy() -> RolePolicy:
@@ -126,7 +127,8 @@ async def start_worker_server(
     handler = _resolve_role(role)
     epoch = time.time_ns() if epoch is None else epoch
     # Under mutual TLS the caller's certificate names its role: only the router starts, aborts or
-    # drains requests (pdcluster/security/grpc_authz.py); health and info need only the handshake.
+    # drains requests or asks for encodings (pdcluster/security/grpc_authz.py); health and info
+    # need only the handshake.
     policy = worker_policy() if tls is not None and tls.ca is not None else None
     interceptors = [AioRoleInterceptor(policy)] if policy is not None else []
     server = grpc.aio.server(options=server_options(max_message_bytes), maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,

@@ -13,6 +13,8 @@ request at any await, each freeing its KV blocks in the engine:
 engine). Errors before the first response are gRPC status codes; after it, a final response
 with finish_reason ERROR.
 
+Encode (encode_rpc.py) runs the vision encoder on images and returns the EC params of its outputs.
+
 GenerateStream (the router's path) runs many requests over one call with the same per-request
 rules and the same table; see worker_stream.py.
 
@@ -33,7 +35,7 @@ import grpc
 from pdcluster import __version__
 from pdcluster._proto import common_pb2, worker_pb2, worker_pb2_grpc
 from pdcluster.engine.async_engine import AsyncEngine
-from pdcluster.worker import convert
+from pdcluster.worker import convert, encode_rpc
 from pdcluster.worker.inflight import Inflight, Refusal
 from pdcluster.worker.request_table import RequestTable
 from pdcluster.worker.roles import RoleHandler
@@ -174,6 +176,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         hit_rate = self._hit_rate.update(int(stats.get("prefix_cache_queries", 0)), int(stats.get("prefix_cache_hits", 0)))
         return build_stats(self.worker_id, self.role.proto_role, self.model_name,
                            self.engine.block_size, stats, self.kv_events_info(), hit_rate)
+
+    async def Encode(self, request: worker_pb2.EncodeRequest,  # noqa: N802
+                     context: grpc.aio.ServicerContext) -> worker_pb2.EncodeResponse:
+        try:
+            return await encode_rpc.encode(self.engine, request, request_id=request.request_id or
+                                           self.requests.new_request_id(), timeout_s=context.time_remaining(),
+                                           draining=self.requests.draining)
+        except encode_rpc.EncodeRefused as refused:
+            await context.abort(refused.code, refused.message)
 
     async def GetInfo(self, request: worker_pb2.GetInfoRequest, context: grpc.aio.ServicerContext) -> worker_pb2.WorkerInfo:
         return build_info(self.worker_id, self.role.proto_role, self.engine, self.epoch,

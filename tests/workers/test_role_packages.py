@@ -21,11 +21,11 @@ def _kv(**fields):
     return convert.kv_params_from_proto(common_pb2.KvTransferParams(**fields))
 
 
-@pytest.mark.parametrize("package", ["prefill_worker", "decode_worker"])
+@pytest.mark.parametrize("package", ["prefill_worker", "decode_worker", "encode_worker"])
 def test_role_package_runs_on_its_own(package: str) -> None:
     out = subprocess.run([sys.executable, "-m", f"pdcluster.{package}", "--help"], capture_output=True,
                          text=True, timeout=60, check=True).stdout
-    assert f"python -m pdcluster.{package}" in out and "--kv-connector" in out
+    assert f"python -m pdcluster.{package}" in out and "--kv-connector" in out and "--ec-connector" in out
     assert "--role" not in out  # the package fixes it
 
 
@@ -41,8 +41,8 @@ def test_builtin_roles(name: str, handler: type, kv_role: str) -> None:
 
 
 def test_unknown_role_lists_what_exists() -> None:
-    with pytest.raises(ValueError, match="unknown worker role 'encode'") as e:
-        resolve_role("encode")
+    with pytest.raises(ValueError, match="unknown worker role 'vision'") as e:
+        resolve_role("vision")
     for name in BUILTIN_ROLES:
         assert name in str(e.value)
     assert set(BUILTIN_ROLES) <= set(worker_roles().names())
