@@ -31,6 +31,7 @@ from .rpc import add_tls_server_args, make_channel, server_credentials
 from .secret import load_secret
 from .servicer import MasterServicer
 from .standby import HAController, HAOptions, build_ha
+from .takeover import TAKEOVER_MODES
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +142,10 @@ def add_master_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer", default=None, metavar="ADDR",
                    help="the other master of a pair: start as primary unless ADDR already is one (then follow it)")
     p.add_argument("--failover-timeout-s", type=float, default=3.0,
-                   help="a standby takes over after its primary was unreachable this long")
+                   help="a standby takes over after its primary was unreachable this long (and shown dead: --takeover)")
+    p.add_argument("--takeover", choices=TAKEOVER_MODES, default="on-refusal",
+                   help="on-refusal: promote only when the primary's port refuses connections (silence may be a "
+                        "partition; kill -USR1 the standby to promote); on-silence: promote on silence too")
     p.add_argument("--replication-ack-timeout-s", type=float, default=5.0,
                    help="a write waits this long for the standby's acknowledgement before the standby is dropped")
 
@@ -152,6 +156,7 @@ def _ha_options(args: argparse.Namespace) -> HAOptions | None:
     tls = {"tls_ca": args.tls_client_ca, "tls_cert": args.tls_cert, "tls_key": args.tls_key} if args.tls_cert else {}
     return HAOptions(standby_of=args.standby_of, peer=args.peer or args.standby_of,
                      failover_timeout_s=args.failover_timeout_s, ack_timeout_s=args.replication_ack_timeout_s,
+                     takeover=args.takeover,
                      channel=lambda addr: make_channel(addr, **tls))
 
 
@@ -174,6 +179,8 @@ def run_master(args: argparse.Namespace) -> int:
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: server._stop.set())
+        if server.ha is not None:  # the operator's "the primary is dead, promote" (kvstore/takeover.py)
+            signal.signal(signal.SIGUSR1, lambda *_: server.ha.request_promotion())
     print(json.dumps({"event": "kvstore_master_ready", "address": server.address,
                       "metrics_port": server.metrics_port, "role": server.role}), flush=True)
     server.wait()

@@ -7,7 +7,8 @@ acknowledged (AckOpLog) so the primary can hold its replies until the standby ha
 --data-dir the standby writes both to its own snapshot + op log: its disk is a replica as well.
 
 Takeover: the stream broken (or silent: the primary sends heartbeats) for `failover_timeout_s`,
-and the primary still unreachable -> the standby takes epoch + 1 (durable before any write), then
+the primary still unreachable, and evidence that it is gone (kvstore/takeover.py: by default a
+refused connection; silence alone could be a partition) -> the standby takes epoch + 1 (durable before any write), then
 exactly what a restarted master does after replay (persistence.finish_recovery): unfinished puts
 are dropped (their bytes quarantined until their write tokens expire, so a late writer cannot
 touch reused space and its PutEnd gets NOT_FOUND), every object keeps a full lease (read tokens
@@ -23,6 +24,7 @@ the highest they saw (master_rpc.py).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -39,6 +41,7 @@ from .metadata import MetadataStore
 from .oplog import decode
 from .persistence import apply_record, finish_recovery, load_snapshot
 from .rpc import make_channel
+from .takeover import TAKEOVER_MODES, takeover_reason
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +56,11 @@ class HAOptions:
     failover_timeout_s: float = 3.0
     ack_timeout_s: float = 5.0
     channel: Callable[[str], grpc.Channel] | None = None
+    takeover: str = "on-refusal"  # kvstore/takeover.py
+
+    def __post_init__(self) -> None:
+        if self.takeover not in TAKEOVER_MODES:
+            raise ValueError(f"takeover must be one of {', '.join(TAKEOVER_MODES)}, not {self.takeover!r}")
 
 
 def build_ha(core: MasterCore, opts: HAOptions, data_dir: str | None) -> HAController:
@@ -63,6 +71,7 @@ def build_ha(core: MasterCore, opts: HAOptions, data_dir: str | None) -> HAContr
                        channel=opts.channel or (lambda addr: make_channel(addr)),
                        follower_id="", failover_timeout_s=opts.failover_timeout_s)
     ctl.standby_of = opts.standby_of
+    ctl.takeover = opts.takeover
     ctl.servicer = HAMasterServicer(core, role, hub, heartbeat_s=max(0.05, opts.failover_timeout_s / 4),
                                     on_higher_epoch=ctl.higher_epoch_seen)
     ctl.gate = PrimaryGate(role, hub)
@@ -85,6 +94,10 @@ class HAController:
         self.synced = False  # loaded a primary's snapshot in this process: may take over
         self.applied = 0
         self.promotions = 0
+        self.takeover = "on-refusal"
+        self._operator_promote = threading.Event()
+        self._refused_logged = 0.0
+        hub.counters.setdefault("takeovers_refused", 0)
         self._last_contact = time.monotonic()
         self._call: grpc.Future | None = None
         self._stop = threading.Event()
@@ -143,6 +156,10 @@ class HAController:
     def higher_epoch_seen(self, epoch: int) -> None:
         self._wake.set()  # check the peer now
 
+    def request_promotion(self) -> None:
+        """The operator's word that the primary is dead (SIGUSR1): the next check promotes, if synced."""
+        self._operator_promote.set()
+
     # -- the role loop ---------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -200,12 +217,25 @@ class HAController:
             return
         lost_s = time.monotonic() - self._last_contact
         if self.synced and lost_s >= self.failover_timeout_s and not self._primary_alive(target):
-            self.promote()
-            return
+            why = takeover_reason(self.takeover, target, lost_s, self.rpc_timeout_s, self._operator_promote.is_set())
+            if why is not None:
+                log.warning("kvstore standby: primary %s lost: %s: taking over", target, why)
+                self.promote()
+                return
+            self._refuse_takeover(target, lost_s)
         if not self.synced and lost_s >= self.failover_timeout_s:
             log.warning("kvstore standby: no primary at %s and never synced: not taking over", target)
             self._last_contact = time.monotonic()
         self._stop.wait(min(0.2, self.failover_timeout_s / 4))
+
+    def _refuse_takeover(self, target: str, lost_s: float) -> None:
+        self.hub.counters["takeovers_refused"] += 1
+        now = time.monotonic()
+        if now - self._refused_logged >= 30.0:  # once per half minute, not once per probe
+            self._refused_logged = now
+            log.warning("kvstore standby: primary %s silent for %.1fs but not shown dead (alive and partitioned "
+                        "from us?): not taking over; still refusing writes (kill -USR1 %d to promote)",
+                        target, lost_s, os.getpid())
 
     def _primary_alive(self, target: str) -> bool:
         r = self.probe(target)
@@ -228,6 +258,7 @@ class HAController:
             self._persist_snapshot(state)
             self.role.note_epoch(entry.epoch)
             self.synced = True
+            self._refused_logged = 0.0  # a later loss logs again at once
             log.info("kvstore standby: synced with epoch %d at seq %d (%d objects)", entry.epoch, entry.seq,
                      len(store.objects))
         else:
@@ -268,6 +299,8 @@ class HAController:
             epoch = self.role.become_primary()
         core.snapshot()
         self.promotions += 1
+        self._operator_promote.clear()
+        self._refused_logged = 0.0
         self.peer = self.peer or self.role.primary_address
         log.warning("kvstore master %s: took over as primary in epoch %d (%d objects)", self.role.address, epoch,
                     len(core.store.objects))

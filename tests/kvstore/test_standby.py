@@ -10,65 +10,13 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
 
 import grpc
 import pytest
+from standby_pair import Pair, _objects, _role, _stub, _wait
 
 from pdcluster._proto import kvstore_pb2 as pb
-from pdcluster._proto import kvstore_pb2_grpc as pb_grpc
 from pdcluster.kvstore import KVStoreClient, Status
-
-BOUND_S = 60.0
-
-
-def _wait(cond: Callable[[], bool], what: str, bound_s: float = BOUND_S) -> None:
-    deadline = time.monotonic() + bound_s
-    while time.monotonic() < deadline:
-        try:
-            if cond():
-                return
-        except grpc.RpcError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def _stub(addr: str) -> tuple[grpc.Channel, pb_grpc.KVStoreMasterStub]:
-    ch = grpc.insecure_channel(addr)
-    return ch, pb_grpc.KVStoreMasterStub(ch)
-
-
-def _role(addr: str) -> pb.KVRoleResponse:
-    ch, stub = _stub(addr)
-    try:
-        return stub.GetRole(pb.KVRoleRequest(), timeout=5)
-    finally:
-        ch.close()
-
-
-def _objects(addr: str) -> int:
-    ch, stub = _stub(addr)
-    try:
-        return stub.Stats(pb.KVStatsRequest(), timeout=5).objects
-    finally:
-        ch.close()
-
-
-class Pair:
-    def __init__(self, procs) -> None:  # noqa: ANN001
-        self.procs = procs
-        self.ports = (procs.free_port(), procs.free_port())
-        self.addrs = tuple(f"127.0.0.1:{p}" for p in self.ports)
-        self.both = ",".join(self.addrs)
-
-    def start(self, i: int, *, standby: bool, node_timeout_s: float = 5) -> tuple[object, dict]:
-        other = self.addrs[1 - i]
-        ha = ["--standby-of", other] if standby else ["--peer", other]
-        return self.procs.spawn("pdcluster.kvstore.master", "--port", str(self.ports[i]),
-                                "--node-timeout-s", str(node_timeout_s),
-                                "--grace-s", "0.5", "--data-dir", os.path.join(self.procs.tmp, f"master{i}"),
-                                "--failover-timeout-s", "1", *ha)
 
 
 @pytest.fixture
@@ -214,11 +162,12 @@ def test_puts_running_through_the_kill_complete_or_fail_clearly(pair) -> None:  
 
 
 def test_stopped_primary_is_fenced_when_it_resumes(procs) -> None:  # noqa: ANN001
-    """SIGSTOP the primary: the standby takes over; on SIGCONT the old primary (epoch below)
-    steps down and refuses writes, and the client keeps working on the new one."""
+    """SIGSTOP the primary: the standby takes over (told to on silence: by default a silent
+    primary may be a partitioned one, test_standby_partition.py); on SIGCONT the old primary
+    (epoch below) steps down and refuses writes, and the client keeps working on the new one."""
     p = Pair(procs)
     primary, _ = p.start(0, standby=False, node_timeout_s=60)
-    p.start(1, standby=True, node_timeout_s=60)
+    p.start(1, standby=True, node_timeout_s=60, extra=("--takeover", "on-silence"))
     for i in range(2):
         procs.node(p.both, f"node{i}")
     with KVStoreClient(p.both, rpc_timeout_s=2) as c:
