@@ -14,8 +14,9 @@ adds the scatter on receive. A refused or broken window raises TransferError; ev
 waited for before read() returns, so nothing writes into the destination afterwards.
 
 With a `mac_key` (the producer's per-token key, from its CURVE `open` reply) every window asks
-for its MAC and is checked slice by slice as it lands in place (pdcluster.transfer.integrity):
-a mismatch raises TransferError("integrity") and the loader fails those blocks.
+for its MAC (AES-GMAC, or keyed BLAKE3 from an older producer: pdcluster.transfer.read_mac) and
+is fed to it slice by slice as it lands in place (pdcluster.transfer.integrity): a mismatch
+raises TransferError("integrity") and the loader fails those blocks.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from pdcluster.transfer import OP_READ, TransferError, parse_token
 from pdcluster.transfer.client import TransferClient, split_windows
-from pdcluster.transfer.integrity import IntegrityError, recv_checked, window_hasher
+from pdcluster.transfer.integrity import IntegrityError, recv_checked
 from pdcluster.transfer.protocol import (
     FLAG_MAC,
     PROTO_VERSION,
@@ -38,6 +39,7 @@ from pdcluster.transfer.protocol import (
     recv_exact,
     window_segments,
 )
+from pdcluster.transfer.read_mac import GmacRefused, check_refusal, request_suffix, window_mac
 
 Address = tuple[str, int]
 
@@ -47,10 +49,10 @@ class ScatterReader(TransferClient):
     window into the destination ranges instead of one concatenated buffer."""
 
     def __init__(self, num_streams: int = 4, min_stream_bytes: int = 256 << 10,
-                 connect_timeout_s: float = 5.0, io_timeout_s: float = 10.0) -> None:
+                 connect_timeout_s: float = 5.0, io_timeout_s: float = 10.0, mac: str = "gmac") -> None:
         super().__init__(num_streams=num_streams, min_stream_bytes=min_stream_bytes,
                          connect_timeout_s=connect_timeout_s, io_timeout_s=io_timeout_s,
-                         max_idle_per_peer=4 * num_streams)
+                         max_idle_per_peer=4 * num_streams, mac=mac)
         self._pool = ThreadPoolExecutor(max_workers=max(1, 2 * num_streams), thread_name_prefix="p2p-stream")
 
     def read(self, addr: Address, token: bytes, src_ranges: Sequence[tuple[int, int]], dest: memoryview,
@@ -85,10 +87,22 @@ class ScatterReader(TransferClient):
     # -- one window on one connection ------------------------------------------------------------
     def _window(self, addr: Address, token: bytes, num_ranges: int, table: bytes, dest: memoryview,
                 dst_ranges: list[tuple[int, int]], mac_key: bytes | None, start: int, length: int) -> None:
+        flags = self.macs.flags(addr, mac_key)
+        args = (addr, token, num_ranges, table, dest, dst_ranges, mac_key, start, length)
+        try:
+            self._window_once(*args, flags)
+        except GmacRefused:  # an older producer: once more with keyed BLAKE3 (read_mac.py)
+            self._window_once(*args, FLAG_MAC)
+            self.macs.fell_back(addr)
+
+    def _window_once(self, addr: Address, token: bytes, num_ranges: int, table: bytes, dest: memoryview,
+                     dst_ranges: list[tuple[int, int]], mac_key: bytes | None, start: int, length: int,
+                     flags: int) -> None:
         cap = parse_token(token)
-        head = REQ_HEADER.pack(REQ_MAGIC, PROTO_VERSION, OP_READ, FLAG_MAC if mac_key else 0, num_ranges,
+        head = REQ_HEADER.pack(REQ_MAGIC, PROTO_VERSION, OP_READ, flags, num_ranges,
                                cap.region_id, start, length, cap.transfer_id)
-        frame = head + table
+        suffix = request_suffix(flags)
+        frame = head + table + suffix
         for attempt in range(2):
             sock, reused = self._checkout(addr, fresh=attempt > 0)
             try:
@@ -101,13 +115,14 @@ class ScatterReader(TransferClient):
                 raise TransferError("io", f"{addr[0]}:{addr[1]}: {e}") from e
             if status != ST_OK:
                 sock.close()
+                check_refusal(flags, status)
                 raise TransferError(STATUS_NAMES.get(status, str(status)), f"refused by {addr[0]}:{addr[1]}")
             try:
                 if mac_key is None:
                     for off, n in window_segments(dst_ranges, start, length):
                         recv_exact(sock, dest[off:off + n])
                 else:
-                    hasher = window_hasher(mac_key, cap.transfer_id, cap.region_id, start, length)
+                    hasher = window_mac(sock, flags, mac_key, suffix, cap.transfer_id, cap.region_id, start, length)
                     recv_checked(sock, dest, window_segments(dst_ranges, start, length), hasher)
             except IntegrityError as e:
                 sock.close()

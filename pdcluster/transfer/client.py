@@ -10,8 +10,9 @@ A transfer of `total` bytes is split into up to `num_streams` windows of at leas
 thread). The client is thread-safe; connections are pooled per peer and reused.
 
 With a `mac_key` (from the token's issuer, over the control plane) a READ asks for each
-window's MAC and checks it after the window landed (integrity.py): a mismatch raises
-TransferError("integrity") and the buffer's bytes must not be used.
+window's MAC -- AES-GMAC (gmac.py), or keyed BLAKE3 with `mac="blake3"` or from a peer that
+predates GMAC (read_mac.py) -- and checks it after the window landed (integrity.py): a mismatch
+raises TransferError("integrity") and the buffer's bytes must not be used.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from .integrity import IntegrityError, recv_checked, window_hasher
+from .integrity import IntegrityError, recv_checked
 from .protocol import (
     FLAG_MAC,
     RESP_HEADER,
@@ -34,6 +35,7 @@ from .protocol import (
     recv_exact,
     send_views,
 )
+from .read_mac import GmacRefused, PeerMacs, check_refusal, request_suffix, window_mac
 from .region import as_byte_view
 from .tokens import OP_READ, OP_WRITE, TokenError, parse_token
 
@@ -60,8 +62,9 @@ def split_windows(total: int, num_streams: int, min_stream_bytes: int) -> list[t
 class TransferClient:
     def __init__(self, *, num_streams: int = 4, min_stream_bytes: int = 1 << 20,
                  connect_timeout_s: float = 5.0, io_timeout_s: float = 30.0,
-                 max_idle_per_peer: int = 16) -> None:
+                 max_idle_per_peer: int = 16, mac: str = "gmac") -> None:
         self.num_streams = num_streams
+        self.macs = PeerMacs(mac)  # which payload MAC a READ with a mac_key asks each peer for
         self.min_stream_bytes = min_stream_bytes
         self._connect_timeout = connect_timeout_s
         self._io_timeout = io_timeout_s
@@ -140,7 +143,18 @@ class TransferClient:
     def _part(self, op: int, addr: Address, tid: bytes, region_id: int, token: bytes,
               ranges: Sequence[tuple[int, int]], buf: memoryview, mac_key: bytes | None, start: int,
               length: int) -> None:
-        frame = pack_request(op, region_id, tid, token, ranges, start, length, FLAG_MAC if mac_key else 0)
+        flags = self.macs.flags(addr, mac_key) if op == OP_READ else 0
+        try:
+            self._part_once(op, addr, tid, region_id, token, ranges, buf, mac_key, start, length, flags)
+        except GmacRefused:  # an older server: once more with keyed BLAKE3 (read_mac.py)
+            self._part_once(op, addr, tid, region_id, token, ranges, buf, mac_key, start, length, FLAG_MAC)
+            self.macs.fell_back(addr)
+
+    def _part_once(self, op: int, addr: Address, tid: bytes, region_id: int, token: bytes,
+                   ranges: Sequence[tuple[int, int]], buf: memoryview, mac_key: bytes | None, start: int,
+                   length: int, flags: int) -> None:
+        suffix = request_suffix(flags)
+        frame = pack_request(op, region_id, tid, token, ranges, start, length, flags) + suffix
         window = buf[start:start + length]
         for attempt in range(2):
             try:
@@ -156,7 +170,7 @@ class TransferClient:
                     if status == ST_OK and mac_key is None:
                         recv_exact(sock, window)
                     elif status == ST_OK:
-                        hasher = window_hasher(mac_key, tid, region_id, start, length)
+                        hasher = window_mac(sock, flags, mac_key, suffix, tid, region_id, start, length)
                         recv_checked(sock, buf, [(start, length)], hasher)
                 else:
                     send_views(sock, [frame, window])
@@ -172,6 +186,7 @@ class TransferClient:
                 raise TransferError("io", f"{addr[0]}:{addr[1]}: {e}") from e
             if status != ST_OK:
                 sock.close()  # the server closes after any refusal
+                check_refusal(flags, status)
                 raise TransferError(STATUS_NAMES.get(status, str(status)), f"refused by {addr[0]}:{addr[1]}")
             self._checkin(addr, sock)
             return

@@ -1,7 +1,11 @@
-"""Payload MACs of the data plane: keyed BLAKE3 per READ window, computed while bytes stream.
+"""Payload MACs of the data plane, per READ window, computed while bytes stream.
 
-A token's holder may ask for a MAC (request flag FLAG_MAC). The server then appends, after the
-window's bytes, MAC_LEN bytes:
+Two schemes, chosen per request by a flag: FLAG_GMAC (AES-256-GMAC with a fresh key per
+response, gmac.py: the default of the readers, ~3x cheaper per byte) and FLAG_MAC (keyed
+BLAKE3, below: what an older peer speaks, and the fallback). Both use the same per-token
+mac_key and the same context block, and share the send/receive loops here.
+
+With FLAG_MAC the server appends, after the window's bytes, MAC_LEN bytes:
 
     mac = BLAKE3-keyed(mac_key, window_context(tid, region, start, length) | window bytes)
     mac_key = HMAC-SHA256(server key, "pdcluster-transfer-mac/" | token)
@@ -25,6 +29,7 @@ import hmac
 import socket
 import struct
 from collections.abc import Iterator, Sequence
+from typing import Protocol
 
 import blake3
 
@@ -36,6 +41,22 @@ MAC_KEY_LEN = 32
 MAC_SLICE = 1 << 20  # hash/send granularity: small enough to stay in cache, large enough per syscall
 _CONTEXT = struct.Struct("!8s16sQQQ")  # domain, transfer id, region, window start, window length
 _DOMAIN = b"pdxmac01"
+GMAC_DOMAIN = b"pdxgmac1"
+
+
+class WindowMac(Protocol):
+    """What the send/receive loops need of a MAC: blake3.blake3 and gmac.GmacWindow both are."""
+
+    digest_size: int
+
+    def update(self, data: memoryview | bytes, /) -> object: ...
+
+    def digest(self) -> bytes: ...
+
+
+def window_context(transfer_id: bytes, region_id: int, start: int, length: int, domain: bytes = _DOMAIN) -> bytes:
+    """The block every window MAC starts with: binds it to one window of one transfer."""
+    return _CONTEXT.pack(domain, transfer_id, region_id, start, length)
 
 
 def transfer_mac_key(server_key: bytes, token: bytes) -> bytes:
@@ -47,7 +68,7 @@ def window_hasher(mac_key: bytes, transfer_id: bytes, region_id: int, start: int
     if len(mac_key) != MAC_KEY_LEN:
         raise ValueError(f"mac key must be {MAC_KEY_LEN} bytes")
     h = blake3.blake3(key=mac_key)
-    h.update(_CONTEXT.pack(_DOMAIN, transfer_id, region_id, start, length))
+    h.update(window_context(transfer_id, region_id, start, length))
     return h
 
 
@@ -66,14 +87,14 @@ class IntegrityError(Exception):
 
 
 def recv_checked(sock: socket.socket, dest: memoryview, pieces: Sequence[tuple[int, int]],
-                 hasher: blake3.blake3) -> None:
+                 hasher: WindowMac) -> None:
     """Receive a window into the pieces of `dest` (in order), hashing each slice as it lands,
     then its MAC trailer; IntegrityError when they differ. The caller must not use the bytes
     unless this returns."""
     for piece in slices(dest, pieces):
         recv_exact(sock, piece)
         hasher.update(piece)
-    mac = memoryview(bytearray(MAC_LEN))
+    mac = memoryview(bytearray(hasher.digest_size))
     recv_exact(sock, mac)
     if not hmac.compare_digest(hasher.digest(), bytes(mac)):
         raise IntegrityError("payload MAC mismatch")
@@ -81,9 +102,14 @@ def recv_checked(sock: socket.socket, dest: memoryview, pieces: Sequence[tuple[i
 
 def send_with_mac(sock: socket.socket, hdr: bytes, view: memoryview, pieces: Sequence[tuple[int, int]],
                   mac_key: bytes, cap: Capability, start: int, length: int) -> None:
-    """Server side: hash each slice, then send it (blake3 and sendmsg both release the GIL, so
+    """Server side of FLAG_MAC (keyed BLAKE3)."""
+    send_checked(sock, hdr, view, pieces, window_hasher(mac_key, cap.transfer_id, cap.region_id, start, length))
+
+
+def send_checked(sock: socket.socket, hdr: bytes, view: memoryview, pieces: Sequence[tuple[int, int]],
+                 hasher: WindowMac) -> None:
+    """Server side: hash each slice, then send it (blake3 and sendmsg release the GIL, so
     parallel streams overlap one's hashing with another's sending); the MAC goes last."""
-    hasher = window_hasher(mac_key, cap.transfer_id, cap.region_id, start, length)
     batch: list[memoryview | bytes] = [hdr]
     batch_bytes = 0
     for piece in slices(view, pieces):

@@ -4,9 +4,15 @@ One TCP connection carries a sequence of requests; every request frame carries i
 first frame of every connection is authenticated and so is each later one.
 
     request  = REQ_HEADER (52 B) | token (104 B) | num_ranges x (offset u64, length u64)
+               [ | client nonce (16 B): READ with FLAG_GMAC, see gmac.py ]
                [ | payload: the part's bytes, WRITE only ]
-    response = RESP_HEADER (16 B) [ | payload: the part's bytes, READ with status OK ]
+    response = RESP_HEADER (16 B) [ | server nonce (16 B): READ with FLAG_GMAC and status OK ]
+                                  [ | payload: the part's bytes, READ with status OK ]
                                   [ | MAC (32 B): READ with FLAG_MAC, see integrity.py ]
+                                  [ | tag (16 B): READ with FLAG_GMAC, see gmac.py ]
+
+A server that predates FLAG_GMAC refuses it as bad_request (bad_flags) before it reads past the
+header; the readers then ask that peer for FLAG_MAC instead (TransferClient.mac).
 
 A transfer's bytes are the concatenation of its ranges (in order). A request serves the window
 `[part_start, part_start + part_len)` of that concatenation, so a client can split one transfer
@@ -53,7 +59,9 @@ STATUS_NAMES = {ST_OK: "ok", ST_BAD_REQUEST: "bad_request", ST_UNAUTHORIZED: "un
 TOKEN_STATUS = {"expired": ST_EXPIRED, "revoked": ST_REVOKED, "replayed": ST_REPLAYED}
 
 # Request flags.
-FLAG_MAC = 1  # READ only: append the window's MAC after its bytes (integrity.py)
+FLAG_MAC = 1  # READ only: append the window's keyed-BLAKE3 MAC after its bytes (integrity.py)
+FLAG_GMAC = 2  # READ only: nonces both ways, AES-256-GMAC tag after the bytes (gmac.py)
+MAC_FLAGS = (FLAG_MAC, FLAG_GMAC)
 
 
 class ProtocolError(Exception):

@@ -12,7 +12,8 @@ Invariants:
 - `unregister` waits for in-flight requests on the region so its memory is never freed under us.
 - Optional, for issuers that want them (the P2P producer): `single_use` serves each byte of a
   token once (single_use.py); `authorize(cap)` lets the issuer revoke a valid token whose grant
-  ended (a released lease) by returning a reason; FLAG_MAC READs get a MAC trailer (integrity.py).
+  ended (a released lease) by returning a reason; FLAG_MAC / FLAG_GMAC READs get a MAC trailer
+  (integrity.py, gmac.py).
 """
 
 from __future__ import annotations
@@ -24,11 +25,14 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-from .integrity import send_with_mac, transfer_mac_key
+from .gmac import NONCE_LEN, GmacSender
+from .integrity import send_checked, send_with_mac, transfer_mac_key
 from .protocol import (
     DEFAULT_MAX_RANGES,
     DEFAULT_MAX_REQUEST_BYTES,
+    FLAG_GMAC,
     FLAG_MAC,
+    MAC_FLAGS,
     PROTO_VERSION,
     RANGE,
     REQ_FIXED_LEN,
@@ -257,7 +261,7 @@ class TransferServer:
         magic, version, op, flags, num_ranges, region_id, start, length, tid = REQ_HEADER.unpack_from(head)
         if magic != REQ_MAGIC or version != PROTO_VERSION or op not in (OP_READ, OP_WRITE):
             raise ProtocolError(ST_BAD_REQUEST, "bad_header")
-        if flags not in (0, FLAG_MAC) or (flags == FLAG_MAC and op != OP_READ):
+        if flags not in (0, *MAC_FLAGS) or (flags in MAC_FLAGS and op != OP_READ):
             raise ProtocolError(ST_BAD_REQUEST, "bad_flags")
         if not 0 < num_ranges <= self._max_ranges:
             raise ProtocolError(ST_TOO_LARGE, "too_many_ranges")
@@ -267,7 +271,8 @@ class TransferServer:
         token = bytes(head[REQ_HEADER.size:])
         cap = verify_token(self._key, token, skew_ms=self._skew_ms)
         check_claims(cap, tid, op, region_id)
-        table = memoryview(bytearray(num_ranges * RANGE.size))
+        suffix = NONCE_LEN if flags == FLAG_GMAC else 0  # the client's nonce follows the table
+        table = memoryview(bytearray(num_ranges * RANGE.size + suffix))
         recv_exact(sock, table)
         ranges = unpack_ranges(table, num_ranges)
         check_ranges(cap, ranges)
@@ -290,7 +295,11 @@ class TransferServer:
                 self._single_use.claim(token, cap, start, length)
             if op == OP_READ:
                 hdr = RESP_HEADER.pack(RESP_MAGIC, ST_OK, 0, 0, length)
-                if flags == FLAG_MAC:
+                if flags == FLAG_GMAC:
+                    mac = GmacSender(transfer_mac_key(self._key, token), bytes(table[-NONCE_LEN:]),
+                                     cap.transfer_id, cap.region_id, start, length)
+                    send_checked(sock, hdr + mac.server_nonce, view, pieces, mac)
+                elif flags == FLAG_MAC:
                     send_with_mac(sock, hdr, view, pieces, transfer_mac_key(self._key, token), cap, start, length)
                 else:
                     send_views(sock, [hdr] + [view[o:o + n] for o, n in pieces])
