@@ -55,6 +55,11 @@ class RouterConfig:
     # Multimodal models: image_url parts per request and bytes per (decoded) image.
     max_images_per_request: int = 8
     max_image_bytes: int = 20 << 20
+    # Encoder-cache sharing (router/ec_stage.py): the longest an Encode call may take before the
+    # request goes on without it (the prefill worker encodes locally), and how many images the
+    # router remembers an encoder or a holder for (LRU).
+    encode_timeout_s: float = 30.0
+    ec_directory_images: int = 4096
     # Per HTTP/2 connection (one peer's channel) and in all; None = derived from max_inflight.
     max_concurrent_streams: int | None = None
     max_concurrent_rpcs: int | None = None
@@ -68,7 +73,7 @@ class RouterConfig:
         if self.policy not in ROUTING_POLICIES:
             raise ValueError(f"policy: unknown routing policy {self.policy!r}; choose one of {ROUTING_POLICIES.names()}")
         for name in ("max_inflight", "eject_after_failures", "max_message_bytes", "max_json_depth",
-                     "params_cache_bytes", "max_images_per_request", "max_image_bytes"):
+                     "params_cache_bytes", "max_images_per_request", "max_image_bytes", "ec_directory_images"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.worker_channel not in WORKER_CHANNELS:
@@ -84,7 +89,7 @@ class RouterConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("health_interval_s", "health_timeout_s", "request_timeout_s", "kv_poll_interval_s",
-                     "worker_wait_timeout_s"):
+                     "worker_wait_timeout_s", "encode_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("grpc_port", "http_port"):

@@ -137,6 +137,7 @@ class LegRunner:
 
     @staticmethod
     def _record_route(state: RequestState, handle: WorkerHandle, leg: str) -> None:
+        state.leg_address[leg] = handle.address
         if leg == "prefill":
             state.route.prefill_worker_id = handle.worker_id
         else:

@@ -61,6 +61,14 @@ class RouterMetrics:
                                      buckets=_TTFT_BUCKETS, registry=r)
         self.kv_transfer_tokens = Counter("pdcluster_router_kv_transfer_tokens",
                                           "Prompt tokens handed from prefill to decode workers", registry=r)
+        # Encoder-cache sharing (router/ec_stage.py): Encode calls by outcome, EC params attached to
+        # legs by where they came from (an encoder, or a worker that encoded the image earlier).
+        self.ec_encodes = hot.counter("pdcluster_router_ec_encodes", "Encode calls to encode workers, by result",
+                                      ("result",))
+        self.ec_attached = hot.counter("pdcluster_router_ec_params_attached",
+                                       "EC params attached to requests, by source", ("source",))
+        self.encode_leg = Histogram("pdcluster_router_encode_leg_seconds", "Encode call duration (encoder stage)",
+                                    buckets=_TTFT_BUCKETS, registry=r)
         r.register(hot)
 
         # Both modes are exported from the start (0 until used), as with labels() children.

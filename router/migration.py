@@ -100,6 +100,9 @@ class Migrator:
         wreq = worker_pb2.WorkerGenerateRequest(request_id=prep.request_id, prompt_token_ids=prep.prompt_token_ids,
                                                 sampling_params=params, stream=prep.stream,
                                                 prefill_output_token_ids=prior, images=prep.images)
+        # The images ride again (the router keeps them until the request ends); so do the EC
+        # params: a worker that cannot fetch them encodes locally.
+        wreq.ec_transfer_params.extend(state.ec_params)
         return self._leg(state, roles, wreq, len(prior))
 
     def _roles(self, state: RequestState) -> tuple[str, ...] | None:

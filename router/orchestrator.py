@@ -2,6 +2,8 @@
 
     open_request(prep)   admission control (bounded in-flight) and a unique request id
     stream(state)        choose the flow, run its legs, yield worker deltas to the frontend
+      multimodal:        first the encoder stage (ec_stage.py): Encode on an encode worker and/or
+                         EC params other workers hold for the same images, carried by every leg
       aggregated:        one leg on a `both` (or decode) worker
       disaggregated:     prefill leg (max_tokens=1, do_remote_decode) on a prefill worker, then a
                          decode leg with the kv_transfer_params it returned (DESIGN.md section 3);
@@ -30,6 +32,7 @@ from pdcluster._proto import common_pb2, worker_pb2
 
 from .config import RouterConfig
 from .convert import error_response
+from .ec_stage import EcStage
 from .errors import RouterError
 from .legs import LegRunner
 from .metrics import RouterMetrics
@@ -55,6 +58,7 @@ class Orchestrator:
         self.metrics = metrics
         self.legs = LegRunner(config, registry, policy, metrics)
         self.migrator = Migrator(config, registry, self.legs, metrics)
+        self.ec = EcStage(config, registry, metrics)
         self._running: dict[str, RequestState] = {}
         self._background: set[asyncio.Task] = set()
         self.stall_watch = StallWatch(config.stall_timeout_s, self._running)
@@ -148,7 +152,18 @@ class Orchestrator:
                                                 sampling_params=prep.sampling_params, stream=prep.stream,
                                                 images=prep.images)
         self.metrics.aggregated.inc()
+        if prep.images:
+            return self._aggregated_mm(state, wreq)
         return self.legs.run(state, AGGREGATED_ROLES, wreq, leg="decode")  # no wrapper: one layer less per delta
+
+    async def _aggregated_mm(self, state: RequestState,
+                             wreq: worker_pb2.WorkerGenerateRequest) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
+        await self.ec.prepare(state)
+        self.ec.attach(state, wreq)
+        async for resp in self.legs.run(state, AGGREGATED_ROLES, wreq, leg="decode"):
+            if resp.finished:
+                self.ec.record_leg(state, "decode", resp)
+            yield resp
 
     def _use_disaggregation(self, state: RequestState) -> bool:
         if not self.registry.candidates(("prefill",)) or not self.registry.candidates(("decode",)):
@@ -185,6 +200,9 @@ class Orchestrator:
         prefill = worker_pb2.WorkerGenerateRequest(
             request_id=prep.request_id, prompt_token_ids=prep.prompt_token_ids, sampling_params=prefill_params,
             stream=False, images=prep.images)
+        if prep.images:  # E before P: the prefill leg fetches encoder outputs instead of encoding
+            await self.ec.prepare(state)
+            self.ec.attach(state, prefill)
         if wanted > 1:
             # A hand-off: the prefill worker keeps the KV for the decode leg and holds back text
             # that may still become a stop string (the decode leg emits it). One token wanted:
@@ -195,6 +213,8 @@ class Orchestrator:
         async for resp in self.legs.run(state, ("prefill",), prefill, leg="prefill"):
             last = resp
         self.metrics.prefill_leg.observe(time.monotonic() - started)
+        if last is not None and prep.images:
+            self.ec.record_leg(state, "prefill", last)  # what the prefill worker now holds for others
         if last is None or last.finish_reason == common_pb2.FINISH_REASON_ERROR:
             raise RouterError(grpc.StatusCode.INTERNAL,
                               f"prefill leg failed: {last.error_message if last else 'no response'}")
@@ -215,6 +235,7 @@ class Orchestrator:
                                                   sampling_params=prep.sampling_params, stream=prep.stream,
                                                   prefill_output_token_ids=last.token_ids,
                                                   images=prep.images)  # same block hashes as the prefill leg
+        self.ec.attach(state, decode)  # only used if the decode worker must compute image positions
         if last.HasField("kv_transfer_params"):
             # The decode leg reads the KV instead of computing it; without params (the prefill
             # worker kept nothing) the decode worker computes the prompt itself, still after t0.

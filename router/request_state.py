@@ -35,6 +35,12 @@ class RequestState:
     num_migrations: int = 0
     stalled: str | None = None  # address of a worker whose leg the stall watch cancelled
     status: str = "OK"  # gRPC code name of the outcome, a metric label
+    # Multimodal requests (router/ec_stage.py): sha256 of each image's bytes, the EC params every
+    # leg carries (proto EcTransferParams), and the address each leg ran on (to record what a
+    # prefill leg now holds for others).
+    image_keys: list[str] = field(default_factory=list)
+    ec_params: list = field(default_factory=list)
+    leg_address: dict[str, str] = field(default_factory=dict)
 
     @property
     def request_id(self) -> str:

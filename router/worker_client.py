@@ -81,6 +81,11 @@ class WorkerClient:
             return self._stream.start(request, timeout_s)
         return self.stub.Generate(request, timeout=timeout_s)
 
+    async def encode(self, request_id: str, images: Sequence[bytes], timeout_s: float | None) -> worker_pb2.EncodeResponse:
+        """Worker.Encode: run the encoder on the images; where their outputs are held."""
+        return await self.stub.Encode(worker_pb2.EncodeRequest(request_id=request_id, images=list(images)),
+                                      timeout=timeout_s)
+
     async def abort(self, request_ids: Sequence[str], timeout_s: float = 5.0) -> list[str]:
         resp = await self.stub.Abort(common_pb2.AbortRequest(request_ids=list(request_ids)), timeout=timeout_s)
         return list(resp.aborted_request_ids)
