@@ -136,6 +136,7 @@ def ec_connector_options(config: WorkerConfig, role: WorkerRole) -> dict[str, An
         if options:
             raise ValueError("--ec-connector-options given without an EC connector (--ec-connector)")
         return {}
+    options.setdefault("role", role.ec_role)
     options.setdefault("host", config.host)
     options.setdefault("port", 0)
     if config.advertise_host:
@@ -156,14 +157,19 @@ def build_engine(config: WorkerConfig, role: WorkerRole, options: Mapping[str, A
     if config.kv_connector is not None:
         from pdcluster.connectors import engine_connector_factory as factory
     ec: dict[str, Any] = {}
+    ec_factory = None
     ec_name = ec_connector_name(config, role)
-    if ec_name:  # only then: EngineArgs without EC fields (older engines) still build the rest
+    if ec_name:
+        from pdcluster.connectors import ec_connector_factory as ec_factory
+
         ec.update(ec_connector=ec_name, ec_connector_options=ec_connector_options(config, role))
     if role.encoder_only:
         ec["encoder_only"] = True
     args = EngineArgs(**config.engine, kv_connector=config.kv_connector, kv_connector_options=dict(options),
                       kv_role=role.kv_role, **ec)
-    return AsyncEngine.from_engine_args(args, connector=factory)
+    if ec_factory is None:  # the EC arguments only when used: nothing changes for text-only workers
+        return AsyncEngine.from_engine_args(args, connector=factory)
+    return AsyncEngine.from_engine_args(args, connector=factory, ec_connector=ec_factory)
 
 
 def run_worker(config: WorkerConfig, on_ready: Callable[[WorkerServer, int, str], None]) -> None:

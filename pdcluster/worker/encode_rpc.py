@@ -43,6 +43,10 @@ async def encode(engine: AsyncEngine, request: worker_pb2.EncodeRequest, *, requ
     run = getattr(engine, "encode", None)
     if run is None:
         raise EncodeRefused(grpc.StatusCode.UNIMPLEMENTED, "this worker's engine cannot encode images")
+    endpoint = getattr(engine, "ec_endpoint", None)
+    if endpoint is not None and endpoint() is None:
+        raise EncodeRefused(grpc.StatusCode.UNIMPLEMENTED, "this worker holds no encoder outputs for others "
+                            "(no EC connector, or one that only consumes)")
     if not request.images:
         raise EncodeRefused(grpc.StatusCode.INVALID_ARGUMENT, "images: at least one image is required")
     if len(request.images) > MAX_EC_ITEMS:

@@ -46,8 +46,11 @@ class WorkerRole:
     metrics: tuple[str, ...] = ()
     # True: the engine loads and runs only the vision tower + projector (EngineArgs.encoder_only).
     encoder_only: bool = False
-    # The EC connector the role uses when the deployment names none ("" = none).
+    # The EC connector the role uses when the deployment names none ("" = none), and the half of
+    # it the role needs: "producer" (holds encoder outputs for others), "consumer" (fetches only)
+    # or "both" (a prefill worker fetches from an encoder and holds what it encoded itself).
     default_ec_connector: str = ""
+    ec_role: str = "both"
 
     def __post_init__(self) -> None:
         if self.kv_role not in KV_ROLES:

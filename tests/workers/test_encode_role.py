@@ -43,7 +43,7 @@ def test_ec_connector_options_default_from_the_worker() -> None:
     role = resolve_role("encode")
     config = WorkerConfig(role="encode", host="127.0.0.1", worker_id="encode-0", key_dir="/k", key_name="encode-0")
     assert ec_connector_name(config, role) == "p2p_ec"
-    assert ec_connector_options(config, role) == {"host": "127.0.0.1", "port": 0, "keys_dir": "/k",
+    assert ec_connector_options(config, role) == {"role": "producer", "host": "127.0.0.1", "port": 0, "keys_dir": "/k",
                                                   "key_name": "encode-0", "engine_id": "encode-0"}
     given = WorkerConfig(role="encode", ec_connector_options={"port": 7000, "lease_s": 5})
     assert ec_connector_options(given, role)["port"] == 7000
@@ -51,6 +51,8 @@ def test_ec_connector_options_default_from_the_worker() -> None:
     with pytest.raises(ValueError, match="without an EC connector"):
         ec_connector_options(off, role)
     assert ec_connector_options(WorkerConfig(role="prefill"), resolve_role("prefill")) == {}
+    decode = ec_connector_options(WorkerConfig(role="decode", ec_connector="p2p_ec"), resolve_role("decode"))
+    assert decode["role"] == "consumer"
 
 
 def test_only_the_router_may_encode() -> None:
@@ -59,6 +61,9 @@ def test_only_the_router_may_encode() -> None:
 
 class _Engine:
     is_healthy = True
+
+    def ec_endpoint(self):
+        return ("127.0.0.1:1", b"k")
 
     def __init__(self, result=None, error: BaseException | None = None, delay: float = 0.0) -> None:
         self.result, self.error, self.delay, self.calls = result, error, delay, []
@@ -89,6 +94,9 @@ def test_encode_rpc_returns_the_params_and_maps_failures() -> None:
     resp = _encode(engine, images=(b"a", b"b"))
     assert resp.ec_transfer_params.items[0].mm_hash == HASH and engine.calls == [("r1", [b"a", b"b"])]
     assert _code(object()) == grpc.StatusCode.UNIMPLEMENTED  # an engine without encode()
+    consumer_only = _Engine(params)
+    consumer_only.ec_endpoint = lambda: None
+    assert _code(consumer_only) == grpc.StatusCode.UNIMPLEMENTED
     assert _code(_Engine(error=NotImplementedError("no vision tower"))) == grpc.StatusCode.UNIMPLEMENTED
     assert _code(_Engine(params), images=()) == grpc.StatusCode.INVALID_ARGUMENT
     assert _code(_Engine(params), draining=True) == grpc.StatusCode.UNAVAILABLE
