@@ -5,7 +5,8 @@ positive integer, got 0`; unknown fields are refused with the list of known ones
     model: /models/qwen3-0.6b          # default: the built-in demo model
     namespace: pdcluster               # Ray namespace of the actors (status/down find them there)
     router: {host: 127.0.0.1, grpc_port: 50051, http_port: 8000, policy: prefix_aware}
-    pools:                             # `both` alone (aggregated) or `prefill` + `decode`
+    pools:                             # `both` alone (aggregated) or `prefill` + `decode`; either
+                                       # with an `encode` pool (multimodal: encoder-only instances)
       prefill:
         instances: 2
         tp: 1
@@ -13,6 +14,7 @@ positive integer, got 0`; unknown fields are refused with the list of known ones
         placement: {strategy: spread, resource: prefill_node}   # or node_label: "pool=prefill"
       decode: {instances: 1, tp: 2, placement: {strategy: pack, resource: decode_node}}
     connector: {name: p2p, options: {}}
+    ec_connector: {name: p2p_ec}       # encoder-cache sharing; default: p2p_ec with an encode pool
     key_dir: null                      # null: fresh keys in a private folder
     log_dir: null                      # null: worker logs go to Ray's log folder
 
@@ -30,7 +32,8 @@ from typing import Any
 
 from pdcluster.cluster.worker_flags import RESERVED_WORKER_FLAGS, worker_flag_actions
 
-ROLES = ("prefill", "decode", "both")
+ROLES = ("prefill", "decode", "both", "encode")
+EC_CONNECTORS = ("p2p_ec",)  # built-in EC connector names (a dotted path names a plugin)
 STRATEGIES = ("spread", "pack")
 _FALLBACK_CONNECTORS = ("p2p",)  # when the connector registry cannot be imported
 
@@ -98,6 +101,8 @@ class ClusterConfig:
     namespace: str = "pdcluster"
     router: RouterSection = field(default_factory=RouterSection)
     connector: ConnectorConfig | None = None
+    # Encoder-cache connector of every instance (None: p2p_ec when there is an encode pool, else none).
+    ec_connector: ConnectorConfig | None = None
     key_dir: str | None = None
     log_dir: str | None = None
     ready_timeout_s: float = 300.0
@@ -185,9 +190,9 @@ def _choice(v: Any, path: str, choices: tuple[str, ...] | list[str]) -> str:
 def _parse_cluster(raw: Any, connector_names: Callable[[], list[str]]) -> ClusterConfig:
     d = _mapping(raw, "", _names(ClusterConfig))
     pools_raw = _mapping(d["pools"] if d.get("pools") is not None else {"both": {}}, "pools", list(ROLES))
-    if set(pools_raw) not in ({"both"}, {"prefill", "decode"}):
-        raise ConfigError(f"pools: give either one `both` pool (aggregated) or `prefill` and `decode` pools, "
-                          f"got {sorted(pools_raw)}")
+    if set(pools_raw) - {"encode"} not in ({"both"}, {"prefill", "decode"}):
+        raise ConfigError(f"pools: give either one `both` pool (aggregated) or `prefill` and `decode` pools "
+                          f"(and optionally an `encode` pool), got {sorted(pools_raw)}")
     actions = worker_flag_actions()
     pools = {role: _parse_pool(role, pools_raw[role], actions) for role in ROLES if role in pools_raw}
     connector = None
@@ -196,7 +201,8 @@ def _parse_cluster(raw: Any, connector_names: Callable[[], list[str]]) -> Cluste
     elif "both" not in pools:
         raise ConfigError(f"connector: prefill and decode pools need a KV connector (e.g. name: "
                           f"{connector_names()[0] if connector_names() else 'p2p'})")
-    out: dict[str, Any] = {"pools": pools, "connector": connector,
+    ec_connector = _parse_ec_connector(d.get("ec_connector"), "encode" in pools)
+    out: dict[str, Any] = {"pools": pools, "connector": connector, "ec_connector": ec_connector,
                            "router": _parse_router(d.get("router"))}
     for key in ("model", "key_dir", "log_dir"):
         if d.get(key) is not None:
@@ -297,6 +303,25 @@ def _parse_router(raw: Any) -> RouterSection:
     if d.get("served_model_name") is not None:
         out["served_model_name"] = _str(d["served_model_name"], "router.served_model_name")
     return RouterSection(**out)
+
+
+def _parse_ec_connector(raw: Any, has_encoders: bool) -> ConnectorConfig | None:
+    """ec_connector: a name, {name, options}, or null/"none"; default p2p_ec with an encode pool."""
+    if raw is None or raw == "none":
+        if raw == "none" and has_encoders:
+            raise ConfigError("ec_connector: an encode pool needs an EC connector (e.g. name: p2p_ec), not none")
+        return ConnectorConfig("p2p_ec") if has_encoders and raw is None else None
+    if isinstance(raw, str):
+        raw = {"name": raw}
+    d = _mapping(raw, "ec_connector", _names(ConnectorConfig))
+    name = _str(d.get("name"), "ec_connector.name")
+    if ":" not in name and name not in EC_CONNECTORS:
+        raise ConfigError(f"ec_connector.name: unknown EC connector {name!r}; available: {list(EC_CONNECTORS)}, "
+                          f"or a dotted path 'package.module:Class'")
+    options = d.get("options") or {}
+    if not isinstance(options, Mapping):
+        raise ConfigError(f"ec_connector.options: must be a mapping, got {type(options).__name__}")
+    return ConnectorConfig(name, dict(options))
 
 
 def _parse_connector(raw: Any, connector_names: Callable[[], list[str]]) -> ConnectorConfig:

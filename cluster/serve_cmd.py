@@ -94,6 +94,12 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=None, help="number of aggregated workers (default 1)")
     p.add_argument("--prefill", type=int, default=0, help="prefill workers (disaggregated; needs --decode)")
     p.add_argument("--decode", type=int, default=0, help="decode workers (disaggregated; needs --prefill)")
+    p.add_argument("--encode", type=int, default=0,
+                   help="encode workers (multimodal models: encoder-only instances the router sends images to "
+                        "first; with --prefill/--decode or aggregated --workers)")
+    p.add_argument("--ec-connector", default="auto",
+                   help="encoder-cache connector between the instances: auto (p2p_ec for a multimodal model, "
+                        "none otherwise), none, p2p_ec or a plugin")
     p.add_argument("--connector", default="p2p", help="KV connector between the pools (p2p, store, plugin)")
     p.add_argument("--kvstore-node-size", default="1G",
                    help="--connector store: shared-memory bytes of the kvstore node started beside the workers")
@@ -271,10 +277,12 @@ def run_serve(args: argparse.Namespace) -> int:
         return 1
     launcher = LocalLauncher(ready_timeout_s=args.ready_timeout, env=env)
     specs = []
-    tp_of = {"both": args.tp, "prefill": args.prefill_tp, "decode": args.decode_tp}
+    tp_of = {"both": args.tp, "prefill": args.prefill_tp, "decode": args.decode_tp, "encode": 1}
     actions = worker_flag_actions()
+    ec = ec_connector_choice(args.ec_connector, model, pools)
     for role, count in pools:
-        connector = [] if role == "both" else ["--kv-connector", args.connector]
+        connector = [] if role in ("both", "encode") else ["--kv-connector", args.connector]
+        connector += ["--ec-connector", ec or "none"]
         connector += ["--tp", str(tp_of[role]), *engine_argv(forwarded_engine(args, role), actions)]
         # Workers are internal: loopback whatever --host says (the router, beside them, is the
         # only client-facing port of `serve`).
@@ -325,7 +333,7 @@ def _connector_env(args: argparse.Namespace, pools: list[tuple[str, int]],
     """The workers' environment for the pools' KV connector, the store processes started for it
     (or None), and what the ready line adds. Secrets and addresses reach the workers through the
     environment, never a command line."""
-    if pools == [("both", args.workers or 1)]:
+    if all(role in ("both", "encode") for role, _ in pools):  # no KV hand-off between pools
         return {}, None, {}
     if args.connector == "p2p":
         import secrets
@@ -356,21 +364,52 @@ def _connector_env(args: argparse.Namespace, pools: list[tuple[str, int]],
     return {}, None, {}  # a plugin: its options come from --worker-args / the environment
 
 
+def ec_connector_choice(name: str, model: str, pools: list[tuple[str, int]]) -> str:
+    """The EC connector the workers run ("" = none): `auto` is p2p_ec for a multimodal model (its
+    config.json has a vision_config) when instances can share (an encode pool, or two or more
+    instances that encode), none otherwise."""
+    if name == "none":
+        if any(role == "encode" for role, _ in pools):
+            raise ValueError("--encode needs an EC connector (--ec-connector auto or p2p_ec), not none")
+        return ""
+    if name != "auto":
+        return name
+    encoders = sum(count for role, count in pools if role in ("encode", "prefill", "both"))
+    if not any(role == "encode" for role, _ in pools) and encoders < 2:
+        return ""
+    return "p2p_ec" if _is_multimodal(model) else ""
+
+
+def _is_multimodal(model: str) -> bool:
+    import pathlib
+
+    try:
+        config = json.loads((pathlib.Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and isinstance(config.get("vision_config"), dict)
+
+
 def _pools(args: argparse.Namespace) -> list[tuple[str, int]]:
-    """[(role, count)]: one aggregated pool, or a prefill pool and a decode pool."""
+    """[(role, count)]: an encode pool (if any), then one aggregated pool, or a prefill pool and a
+    decode pool."""
+    encode = getattr(args, "encode", 0) or 0
+    if encode < 0:
+        raise ValueError(f"--encode must be at least 0, got {encode}")
+    head = [("encode", encode)] if encode else []
     if args.prefill or args.decode:
         if args.workers is not None:
             raise ValueError("--workers (aggregated) cannot be combined with --prefill/--decode")
         if args.prefill < 1 or args.decode < 1:
             raise ValueError(f"--prefill and --decode must both be at least 1, got {args.prefill} and {args.decode}")
-        return [("prefill", args.prefill), ("decode", args.decode)]
+        return [*head, ("prefill", args.prefill), ("decode", args.decode)]
     for name in ("tp", "prefill_tp", "decode_tp"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     workers = 1 if args.workers is None else args.workers
     if workers < 1:
         raise ValueError(f"--workers must be at least 1, got {workers}")
-    return [("both", workers)]
+    return [*head, ("both", workers)]
 
 
 def _raise_system_exit(signum: int, frame: Any) -> None:

@@ -70,7 +70,7 @@ ENGINE_HELP = {
     "max_model_len": "context length (default: the model's)",
     "enforce_eager": "accepted for vLLM compatibility: this engine never captures CUDA graphs",
 }
-POOL_PREFIXES = ("prefill", "decode")
+POOL_PREFIXES = ("prefill", "decode", "encode")
 
 
 def add_engine_flags(group: Any) -> None:
@@ -100,8 +100,8 @@ def engine_kwargs(args: Any) -> dict[str, Any]:
 def add_forwarded_engine_flags(parser: argparse.ArgumentParser) -> None:
     """`serve`/`up`: the engine flags for every pool, and --prefill-FLAG / --decode-FLAG for one
     pool (help suppressed: one line per flag and pool would bury the rest)."""
-    g = parser.add_argument_group("engine (vLLM's flags, forwarded to every worker; --prefill-FLAG and "
-                                  "--decode-FLAG set one pool, e.g. --decode-max-num-seqs 256)")
+    g = parser.add_argument_group("engine (vLLM's flags, forwarded to every worker; --prefill-FLAG, "
+                                  "--decode-FLAG and --encode-FLAG set one pool, e.g. --decode-max-num-seqs 256)")
     for prefix in ("", *POOL_PREFIXES):
         for flag, dest, kind in ENGINE_FLAGS:
             name = flag if not prefix else f"--{prefix}-{flag[2:]}"
@@ -116,7 +116,7 @@ def add_forwarded_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def forwarded_engine(args: Any, pool: str) -> dict[str, Any]:
-    """The engine flags given for `pool` ("both", "prefill" or "decode"), by serve-worker dest
+    """The engine flags given for `pool` ("both", "prefill", "decode" or "encode"), by serve-worker dest
     (a YAML pool's `engine` section): the every-pool value, then the pool's own over it."""
     out: dict[str, Any] = {}
     prefixes = ["", pool] if pool in POOL_PREFIXES else [""]
