@@ -21,6 +21,7 @@ fields are refused by name (`KVTransferParams.from_wire`).
 from __future__ import annotations
 
 from pdcluster.engine.block_pool import KVEvent
+from pdcluster.engine.ec_connector import ECConnectorBase, ECConnectorRole, ECTransferParams
 from pdcluster.engine.kv_connector import (
     KVCacheLayout,
     KVConnectorBase,
@@ -35,17 +36,22 @@ from pdcluster.engine.request import Request, RequestStatus
 from .registry import (
     BUILTIN_CONNECTORS,
     CONNECTORS,
+    EC_CONNECTORS,
     ENTRY_POINT_GROUP,
     available_connectors,
     create_connector,
+    create_ec_connector,
+    ec_connector_factory,
     engine_connector_factory,
     resolve_connector_class,
 )
 
 KVConnector = KVConnectorBase  # the name plugin authors see
+ECConnector = ECConnectorBase  # the EC contract (engine/ec_connector.py), group pdcluster.ec_connectors
 
 __all__ = [
-    "BUILTIN_CONNECTORS", "CONNECTORS", "ENTRY_POINT_GROUP", "KVCacheLayout", "KVConnector", "KVConnectorBase",
+    "BUILTIN_CONNECTORS", "CONNECTORS", "EC_CONNECTORS", "ECConnector", "ECConnectorBase", "ECConnectorRole",
+    "ECTransferParams", "ENTRY_POINT_GROUP", "create_ec_connector", "ec_connector_factory", "KVCacheLayout", "KVConnector", "KVConnectorBase",
     "KVConnectorMetadata", "KVConnectorRole", "KVEvent", "KVTransferFailure", "KVTransferParams", "Request", "RequestStatus",
     "SchedulerOutput", "available_connectors", "create_connector", "engine_connector_factory",
     "resolve_connector_class",

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from pdcluster.config import EngineConfig
+from pdcluster.engine.ec_connector import ECConnectorBase, ECConnectorRole
 from pdcluster.engine.kv_connector import KVConnectorBase, KVConnectorRole
 from pdcluster.registry import Registry
 
@@ -72,5 +73,46 @@ def engine_connector_factory(role: KVConnectorRole, engine_config: EngineConfig)
     return create_connector(engine_config.kv_connector, role, engine_config, engine_config.kv_connector_options)
 
 
-__all__ = ["BUILTIN_CONNECTORS", "CONNECTORS", "ENTRY_POINT_GROUP", "available_connectors", "create_connector",
-           "engine_connector_factory", "resolve_connector_class"]
+# -- EC connectors (pdcluster/engine/ec_connector.py): the same mechanism, their own group --------
+EC_ENTRY_POINT_GROUP = "pdcluster.ec_connectors"
+BUILTIN_EC_CONNECTORS: dict[str, str] = {
+    "p2p_ec": "pdcluster.connectors.ec:P2PECConnector",
+}
+
+
+def _ec_connector_class(obj: object) -> type[ECConnectorBase]:
+    if not (isinstance(obj, type) and issubclass(obj, ECConnectorBase)):
+        raise ValueError("not an ECConnectorBase subclass")
+    return obj
+
+
+def _build_ec_registry() -> Registry[type[ECConnectorBase]]:
+    registry: Registry[type[ECConnectorBase]] = Registry(
+        "EC connector", entry_point_group=EC_ENTRY_POINT_GROUP, check=_ec_connector_class, list_sources=True)
+    for name, path in BUILTIN_EC_CONNECTORS.items():
+        registry.register(name, path)
+    return registry
+
+
+EC_CONNECTORS = _build_ec_registry()
+
+
+def create_ec_connector(name: str, role: ECConnectorRole | str, engine_config: EngineConfig,
+                        options: dict[str, Any] | None = None) -> ECConnectorBase:
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"ec_connector must be a non-empty string, got {name!r}")
+    cls = EC_CONNECTORS.get(name)
+    return cls(ECConnectorRole(role), engine_config, dict(options or {}))
+
+
+def ec_connector_factory(role: ECConnectorRole, engine_config: EngineConfig) -> ECConnectorBase:
+    """What services hand the engine (`LLMEngine(config, ec_connector=ec_connector_factory)`): builds
+    engine_config.ec_connector with engine_config.ec_connector_options."""
+    if not engine_config.ec_connector:
+        raise ValueError("engine_config.ec_connector is not set")
+    return create_ec_connector(engine_config.ec_connector, role, engine_config, engine_config.ec_connector_options)
+
+
+__all__ = ["BUILTIN_CONNECTORS", "BUILTIN_EC_CONNECTORS", "CONNECTORS", "EC_CONNECTORS", "EC_ENTRY_POINT_GROUP",
+           "ENTRY_POINT_GROUP", "available_connectors", "create_connector", "create_ec_connector",
+           "ec_connector_factory", "engine_connector_factory", "resolve_connector_class"]

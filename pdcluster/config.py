@@ -79,6 +79,11 @@ class EngineConfig:
     kv_connector_options: dict[str, Any] = field(default_factory=dict)
     kv_role: str = "both"
     mm: MultiModalConfig = field(default_factory=MultiModalConfig)
+    # EC connector (engine/ec_connector.py): a name connectors/registry.py's EC_CONNECTORS resolves
+    # and its options; encoder_only: run only the vision tower + projector (no decoder, no KV).
+    ec_connector: str = ""
+    ec_connector_options: dict[str, Any] = field(default_factory=dict)
+    encoder_only: bool = False
 
 
 @dataclass
@@ -115,6 +120,10 @@ class EngineArgs:
     max_image_bytes: int = MultiModalConfig.max_image_bytes
     max_image_pixels: int = MultiModalConfig.max_image_pixels
     encoder_cache_bytes: int = MultiModalConfig.encoder_cache_bytes
+    # Encoder-cache sharing (engine/ec_connector.py): "" = none, built-in "p2p_ec".
+    ec_connector: str = ""
+    ec_connector_options: dict[str, Any] | None = None
+    encoder_only: bool = False  # load and run only the vision tower + projector (an encode instance)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -160,12 +169,16 @@ class EngineArgs:
                              "tensor_parallel_size=1 only (the vision tower is not sharded yet)")
         mm_cfg = _check_mm(self)
         cache_cfg = _resolve_cache(self, model_cfg, kv_dtype, device, tp)
+        if self.encoder_only is True:  # no KV cache is allocated: the scheduler's pool stays tiny
+            cache_cfg = dataclasses.replace(cache_cfg, num_blocks=-(-max_len // self.block_size),
+                                            kv_cache_memory_bytes=0)
         for name in ("attention_backend", "ops_backend"):
             if getattr(self, name) not in BACKENDS:
                 raise ValueError(f"{name} must be one of {BACKENDS}, got {getattr(self, name)!r}")
         # "auto": Triton on CUDA, the torch reference kernels on CPU.
         auto_backend = "triton" if device == "cuda" else "torch"
         kv_connector, kv_options = _check_kv_connector(self)
+        ec_connector, ec_options = _check_ec(self, model_cfg)
         return EngineConfig(
             model=model_cfg,
             cache=cache_cfg,
@@ -180,6 +193,9 @@ class EngineArgs:
             kv_connector_options=kv_options,
             kv_role=self.kv_role,
             mm=mm_cfg,
+            ec_connector=ec_connector,
+            ec_connector_options=ec_options,
+            encoder_only=bool(self.encoder_only),
         )
 
 
@@ -205,6 +221,23 @@ def _check_kv_connector(args: EngineArgs) -> tuple[str | None, dict[str, Any]]:
         raise ValueError("kv_connector_options must be a dict with string keys")
     if options and name is None:
         raise ValueError("kv_connector_options given without kv_connector")
+    return name, dict(options)
+
+
+def _check_ec(args: EngineArgs, model: ModelConfig) -> tuple[str, dict[str, Any]]:
+    name = args.ec_connector or ""
+    if not isinstance(name, str):
+        raise ValueError(f"ec_connector must be a connector name or 'pkg.module:Class', got {name!r}")
+    options = args.ec_connector_options or {}
+    if not isinstance(options, dict) or not all(isinstance(k, str) for k in options):
+        raise ValueError("ec_connector_options must be a dict with string keys")
+    if options and not name:
+        raise ValueError("ec_connector_options given without ec_connector")
+    if not isinstance(args.encoder_only, bool):
+        raise ValueError(f"encoder_only must be true or false, got {args.encoder_only!r}")
+    if (name or args.encoder_only) and model.architecture != "LlavaForConditionalGeneration":
+        what = "encoder_only" if args.encoder_only else f"ec_connector={name!r}"
+        raise ValueError(f"{what}: model {model.architecture} has no vision encoder")
     return name, dict(options)
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from pdcluster.config import EngineArgs, EngineConfig
 from pdcluster.engine.block_pool import KVEvent
+from pdcluster.engine.ec_transfer_params import ECTransferParams
 from pdcluster.engine.engine_counters import EngineCounters
 from pdcluster.engine.kv_transfer_params import KVTransferParams
 from pdcluster.engine.llm_engine import LLMEngine
@@ -68,8 +69,8 @@ class AsyncEngine:
         self._thread.start()
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, connector: Any = None) -> AsyncEngine:
-        return cls(LLMEngine.from_engine_args(args, connector=connector))
+    def from_engine_args(cls, args: EngineArgs, connector: Any = None, ec_connector: Any = None) -> AsyncEngine:
+        return cls(LLMEngine.from_engine_args(args, connector=connector, ec_connector=ec_connector))
 
     # -- the facade: what services read of the engine (nothing outside engine/ reaches further) --
     @property
@@ -96,6 +97,12 @@ class AsyncEngine:
         """One token's text, special tokens kept (for logprob entries)."""
         return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def ec_endpoint(self) -> tuple[str, bytes] | None:
+        """(host:port, CURVE public key) of this engine's EC producer endpoint (for GetInfo), or None
+        without an EC connector or when it only consumes."""
+        ec = self.engine.ec
+        return ec.connector.endpoint() if ec is not None else None
+
     async def take_kv_events(self) -> list[KVEvent]:
         """The prefix-cache events since the last call, taken on the engine thread."""
         return await self.call(_take_kv_events)
@@ -113,29 +120,34 @@ class AsyncEngine:
         kv_transfer_params: KVTransferParams | None = None,
         prefill_output_token_ids: Sequence[int] | None = None,
         multi_modal_data: dict[str, Any] | None = None,
+        ec_transfer_params: Sequence[ECTransferParams] = (),
     ) -> AsyncIterator[RequestOutput]:
         """Yield RequestOutput deltas until one with finished=True. ValueError for bad input;
         cancelling the iteration (or the task consuming it) aborts the request and frees its blocks.
         Decode leg: kv_transfer_params from the prefill leg (do_remote_prefill=True) and
         prefill_output_token_ids = the prefill leg's tokens (see LLMEngine.prepare_request).
-        multi_modal_data: {"image": PIL images or encoded bytes} (multimodal models)."""
+        multi_modal_data: {"image": PIL images or encoded bytes} (multimodal models).
+        ec_transfer_params: producers holding those images' encoder outputs: fetched (EC
+        connector) before the request is scheduled; any item that fails is encoded locally."""
         if self._dead is not None:
             raise EngineDeadError(f"engine is not running: {self._dead!r}")
         runner_error = self.engine.core.health_error()  # e.g. a tensor-parallel rank died while idle
         if runner_error is not None:
             raise EngineDeadError(f"engine is not running: {runner_error}")
         request, text = self.engine.prepare_request(prompt, sampling_params, request_id, kv_transfer_params,
-                                                prefill_output_token_ids, multi_modal_data=multi_modal_data)
+                                                prefill_output_token_ids, multi_modal_data=multi_modal_data,
+                                                ec_transfer_params=ec_transfer_params)
         request_id = request.request_id
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in flight")
             self._streams[request_id] = stream
-        self._cmds.put(("add", request, text, stream))
         finished = False
         counters, num_prompt_tokens = self.counters, request.num_prompt_tokens
         try:
+            await self._fetch_encoder_outputs(request)
+            self._cmds.put(("add", request, text, stream))
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -154,6 +166,29 @@ class AsyncEngine:
                 self._streams.pop(request_id, None)
             if not finished:
                 self._cmds.put(("abort", [request_id]))
+
+    async def _fetch_encoder_outputs(self, request: Any) -> None:
+        """EC consumer: fetch the request's items from their producers (connector threads; this
+        coroutine only waits) and hang each output on its feature for the embedder."""
+        ec = self.engine.ec
+        if ec is None or not request.ec_transfer_params or not request.mm_features:
+            return
+        meta = ec.connector.build_load_meta(request.request_id, request.mm_features, request.ec_transfer_params)
+        if not meta.loads:
+            return
+        report = await asyncio.wrap_future(ec.connector.start_load(meta))
+        for f in request.mm_features:
+            f.remote_output = report.loaded.get(f.mm_hash)
+
+    async def encode(self, request_id: str, images: Sequence[Any]) -> ECTransferParams:
+        """Encode images (encoded bytes or PIL) on this engine and hold the outputs in its EC
+        producer: preprocessing here, the tower on the engine thread (engine-local cache first).
+        Returns the producer's params: one item per distinct image, each under a lease.
+        ValueError for bad images or an engine without an EC producer."""
+        if self._dead is not None:
+            raise EngineDeadError(f"engine is not running: {self._dead!r}")
+        features = await asyncio.to_thread(self.engine.prepare_encode, images)
+        return await self.call(lambda engine: engine.encode_prepared(request_id, features))
 
     async def abort(self, request_id: str) -> None:
         self._cmds.put(("abort", [request_id]))
@@ -220,6 +255,8 @@ class AsyncEngine:
                 res, err = function(self.engine), None
             except Exception as e:
                 res, err = None, e
+            if self.engine.ec is not None:  # encode() runs no step (an encoder_only engine never steps)
+                self.stats = self.engine.get_stats()
             loop = fut.get_loop()
             loop.call_soon_threadsafe(_settle, fut, res, err)
 

@@ -21,6 +21,7 @@ from pdcluster.registry import Registry
 _BUILTIN_EXECUTORS = {
     "uniproc": "pdcluster.engine.model_runner:ModelRunner",
     "tp": "pdcluster.distributed.executor:TPExecutor",  # rank 0 in-process, ranks 1.. as children
+    "encoder": "pdcluster.engine.encoder_runner:EncoderRunner",  # encoder_only: vision tower + projector
 }
 
 
@@ -52,7 +53,10 @@ EXECUTORS = _build_registry()
 
 
 def default_executor(config: EngineConfig) -> ExecutorFactory:
-    """ModelRunner for one rank, the TP executor when tensor_parallel_size > 1."""
+    """ModelRunner for one rank, the TP executor when tensor_parallel_size > 1, the EncoderRunner
+    for an encoder_only engine."""
+    if getattr(config, "encoder_only", False):
+        return EXECUTORS.get("encoder")
     return EXECUTORS.get("tp" if config.parallel.tensor_parallel_size > 1 else "uniproc")
 
 

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from pdcluster.config import EngineArgs, EngineConfig
+from pdcluster.engine.ec_engine import ECConnectorArg, EngineEC, build_ec_connector
+from pdcluster.engine.ec_transfer_params import ECTransferParams, check_ec_params_list
 from pdcluster.engine.engine_core import ConnectorArg, EngineCore
 from pdcluster.engine.executor import ExecutorFactory, default_executor
 from pdcluster.engine.input_processor import process_prompt, validate_request_id
@@ -23,9 +25,10 @@ logger = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, connector: ConnectorArg = None,
-                 executor: ExecutorFactory | None = None) -> None:
+                 executor: ExecutorFactory | None = None, ec_connector: ECConnectorArg = None) -> None:
         """`executor`: what runs the model (engine/executor.py); by default a ModelRunner, or the
-        TP executor when tensor_parallel_size > 1."""
+        TP executor when tensor_parallel_size > 1 (the EncoderRunner for encoder_only).
+        `ec_connector`: the EC connector (engine/ec_connector.py), an instance or a factory."""
         from pdcluster.engine.output_processor import OutputProcessor
         from pdcluster.engine.tokenizer import Tokenizer
 
@@ -36,11 +39,15 @@ class LLMEngine:
         self._ids = itertools.count()
         self._grammar_cache: Any = None  # only when the executor has none (structured output)
         self.mm_processor = make_mm_processor(config)  # None for a text-only model
+        self.ec: EngineEC | None = None
+        ec = build_ec_connector(config, ec_connector)
+        if ec is not None:
+            self.ec = EngineEC(ec, getattr(self.core.runner, "mm", None))
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, connector: ConnectorArg = None,
-                         executor: ExecutorFactory | None = None) -> LLMEngine:
-        return cls(args.create_engine_config(), connector=connector, executor=executor)
+                         executor: ExecutorFactory | None = None, ec_connector: ECConnectorArg = None) -> LLMEngine:
+        return cls(args.create_engine_config(), connector=connector, executor=executor, ec_connector=ec_connector)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -63,6 +70,7 @@ class LLMEngine:
         kv_transfer_params: KVTransferParams | None = None,
         prefill_output_token_ids: Sequence[int] | None = None,
         multi_modal_data: dict[str, Any] | None = None,
+        ec_transfer_params: Sequence[ECTransferParams] = (),
     ) -> tuple[Request, str | None]:
         """Validate and tokenize (thread-safe, touches no engine state). Raises ValueError.
 
@@ -74,7 +82,11 @@ class LLMEngine:
         position 1: the same tokens as an aggregated run, greedy or seeded.
 
         multi_modal_data ({"image": PIL image(s)}): each `<image>` in the text prompt is expanded
-        to the image's placeholder tokens (engine/mm_inputs.py)."""
+        to the image's placeholder tokens (engine/mm_inputs.py). ec_transfer_params: producers
+        that hold the images' encoder outputs (the caller fetches them: AsyncEngine.generate)."""
+        if self.config.encoder_only:
+            raise ValueError("this engine is encoder_only: it serves encode(), not generate()")
+        ec_params = check_ec_params_list(tuple(ec_transfer_params or ()))
         params = params if params is not None else SamplingParams()
         request_id = validate_request_id(request_id if request_id is not None else self.new_request_id())
         mm_prompt, pixels = None, None
@@ -96,6 +108,7 @@ class LLMEngine:
             self._check_grammar(params)
         req = Request(request_id, ids, params, eos_token_ids=self.eos_token_ids,
                       kv_transfer_params=kv_transfer_params, output_token_ids=prior, mm_features=mm_features)
+        req.ec_transfer_params = ec_params
         return req, text
 
     def _check_grammar(self, params: SamplingParams) -> None:
@@ -119,6 +132,8 @@ class LLMEngine:
                                           continues_elsewhere=request.kv_transfer_params is not None
                                           and request.kv_transfer_params.do_remote_decode)
         self.core.add_request(request)
+        if self.ec is not None:
+            self.ec.on_added(request)
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
@@ -130,6 +145,8 @@ class LLMEngine:
         self.core.abort_requests(request_ids)
         for request_id in request_ids:
             self.output_processor.abort_request(request_id)
+        if self.ec is not None:
+            self.ec.on_aborted(request_ids)
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
@@ -140,7 +157,22 @@ class LLMEngine:
         if stopped:
             # A stop string matched in the text: the scheduler still thinks it is running.
             self.core.finish_stopped(stopped)
+        if self.ec is not None:
+            self.ec.on_outputs(outputs)
         return outputs
+
+    def prepare_encode(self, images: Sequence[Any]) -> list[Any]:
+        """encode()'s preprocessing (thread-safe): the distinct images as MultiModalFeatures."""
+        if self.mm_processor is None:
+            raise ValueError(f"encode: model {self.config.model.architecture} takes no images")
+        return EngineEC.prepare_encode(self.mm_processor, images)
+
+    def encode_prepared(self, request_id: str, features: list[Any]) -> ECTransferParams:
+        """Run the tower on features (engine-local cache first), hold the outputs in the EC producer
+        and return its params (one item per distinct image, each under a lease). Engine thread."""
+        if self.ec is None:
+            raise ValueError("encode: this engine has no EC connector (ec_connector)")
+        return self.ec.encode(validate_request_id(request_id), features)
 
     def get_final(self, request_id: str) -> RequestOutput:
         return self.output_processor.get_final(request_id)
@@ -153,10 +185,15 @@ class LLMEngine:
             stats.update({"mm_items_computed": s.num_encoded, "mm_items_local_cache": s.hits,
                           "encoder_cache_entries": s.num_entries, "encoder_cache_bytes": s.nbytes,
                           "encoder_cache_evictions": s.evictions})
+        if self.ec is not None:
+            stats["ec_connector"] = self.ec.stats()
         return stats
 
     def shutdown(self) -> None:
-        """Release the KV connector's resources (transfer agents, shared memory). Idempotent."""
+        """Release the KV and EC connectors' resources (transfer agents, shared memory). Idempotent."""
+        if self.ec is not None:
+            self.ec.shutdown()
+            self.ec = None
         self.core.shutdown()
 
 

@@ -10,10 +10,16 @@ so a chunk that ends (or a prefix-cache hit that stops) in the middle of an imag
 encoder output in slices. An image is encoded when its placeholders are first scheduled (all
 misses of one step in one batched tower call per pixel shape), looked up in the engine-local
 EncoderCache by mm_hash, and held by the request until it finishes.
+
+With an EC connector (engine/ec_connector.py, set as `self.ec` by LLMEngine): an output the
+connector fetched for the request (MultiModalFeature.remote_output) is used instead of the tower
+when its shape and dtype are what this encoder yields (else counted errors_malformed and encoded
+here); a producer connector gets every output the tower computed (`save`).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import torch
@@ -30,6 +36,10 @@ class MultiModalEmbedder:
         self.encoder_cache = EncoderCache(cache_bytes)
         self._features: dict[str, list[MultiModalFeature]] = {}
         self._held: dict[str, dict[str, torch.Tensor]] = {}  # request -> mm_hash -> output
+        self.ec: Any = None  # ec_connector.ECConnectorBase (worker side), when the engine has one
+        self.ec_saves = False  # the connector keeps what the tower computes (a producer)
+        self.num_remote = 0  # items taken from an EC fetch instead of the tower
+        self.errors: Counter[str] = Counter()  # fetched items refused here, by reason
 
     def update(self, scheduler_output: SchedulerOutput) -> None:
         for request_id in scheduler_output.finished_request_ids:
@@ -70,7 +80,8 @@ class MultiModalEmbedder:
                 out[f.mm_hash] = held[f.mm_hash]
                 continue
             if f.mm_hash not in out and f.mm_hash not in misses:
-                cached = self.encoder_cache.get(f.mm_hash)
+                remote = self._take_remote(request_id, f)
+                cached = remote if remote is not None else self.encoder_cache.get(f.mm_hash)
                 if cached is not None:
                     out[f.mm_hash] = cached
                 else:
@@ -90,6 +101,35 @@ class MultiModalEmbedder:
                 emb = emb.contiguous()
                 out[f.mm_hash] = emb
                 self.encoder_cache.put(f.mm_hash, emb, emb.numel() * emb.element_size())
+                if self.ec_saves:
+                    self.ec.save(f.mm_hash, emb)
         for request_id, f in wanted:
             self._held[request_id][f.mm_hash] = out[f.mm_hash]
         return out
+
+    def encode_features(self, features: list[MultiModalFeature]) -> dict[str, torch.Tensor]:
+        """Outputs of `features` outside any request (AsyncEngine.encode): cache first, tower for the
+        rest (saved to a producer connector like any other)."""
+        key = "\x00encode"  # not a valid request id (input_processor): never collides with one
+        try:
+            with torch.inference_mode():
+                return self._encode([(key, f) for f in features])
+        finally:
+            self._held.pop(key, None)
+
+    def _take_remote(self, request_id: str, f: MultiModalFeature) -> torch.Tensor | None:
+        """The EC-fetched output of f, if usable (and then also cached here)."""
+        emb, f.remote_output = f.remote_output, None  # consumed once; the request holds it from here on
+        if emb is None:
+            return None
+        hidden = self.model.vision_config.text_hidden_size
+        dtype = next(self.model.multi_modal_projector.parameters()).dtype
+        if not isinstance(emb, torch.Tensor) or tuple(emb.shape) != (f.length, hidden) or emb.dtype != dtype:
+            self.errors["malformed"] += 1
+            return None
+        emb = emb.to(self.device)
+        self.num_remote += 1
+        self.encoder_cache.put(f.mm_hash, emb, emb.numel() * emb.element_size())
+        if self.ec is not None:
+            self.ec.update_state_after_alloc(request_id, f.mm_hash)
+        return emb

@@ -38,6 +38,9 @@ class MultiModalFeature:
     offset: int  # index of the first placeholder token in the prompt
     length: int  # number of placeholder tokens (= encoder output rows)
     pixel_values: Any  # np.ndarray float32 (C, H, W)
+    # The encoder output an EC connector fetched for this request (engine/ec_connector.py), taken
+    # by the embedder instead of running the tower; None: encode (or hit the local cache).
+    remote_output: Any = None
 
     @property
     def end(self) -> int:

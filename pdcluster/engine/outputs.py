@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdcluster.engine.ec_transfer_params import ECTransferParams
 from pdcluster.engine.kv_transfer_params import KVTransferParams
 from pdcluster.sampling_params import SamplingParams
 
@@ -132,3 +133,6 @@ class RequestOutput:
     kv_transfer_params: KVTransferParams | None = None
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    # Final output only: encoder outputs of this request's images that this engine's EC producer
+    # now holds under leases for other instances (engine/ec_connector.py).
+    ec_transfer_params: ECTransferParams | None = None

@@ -29,6 +29,7 @@ from __future__ import annotations
 import enum
 import time
 
+from pdcluster.engine.ec_transfer_params import ECTransferParams
 from pdcluster.engine.kv_transfer_params import KVTransferParams
 from pdcluster.engine.mm_inputs import MultiModalFeature
 from pdcluster.sampling_params import SamplingParams
@@ -99,6 +100,9 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.kv_transfer_params = kv_transfer_params
         self.mm_features: list[MultiModalFeature] = list(mm_features or ())
+        # Producers holding encoder outputs of these images (engine/ec_connector.py); the EC fetch
+        # happens before the request reaches the scheduler (AsyncEngine.generate).
+        self.ec_transfer_params: tuple[ECTransferParams, ...] = ()
         self.stop_reason: int | str | None = None
         self.error: str | None = None
         self.first_token_time: float | None = None

@@ -39,16 +39,47 @@ class LlavaProjector(nn.Module):
         return self.linear_2(activation(self.act, self.linear_1(x)))
 
 
+_CHECKPOINT_RENAMES = (
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("model.vision_tower.", "vision_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+    ("vision_tower.vision_model.", "vision_tower."),
+)
+
+
+class LlavaEncoder(nn.Module):
+    """Only the vision tower + projector of a LLaVA checkpoint (an encode instance): the loader
+    skips every decoder tensor (lazy slices, never read), so no decoder weight is in memory."""
+
+    is_multimodal = True
+    CHECKPOINT_RENAMES = _CHECKPOINT_RENAMES
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.vision_config = load_llava_vision_config(config.model_path)
+        dtype = torch_dtype(config.dtype)
+        self.vision_tower = CLIPVisionTower(self.vision_config, dtype)
+        self.multi_modal_projector = LlavaProjector(self.vision_config, dtype)
+
+    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """(N, C, S, S) -> (N, num_image_tokens, hidden) in the model dtype."""
+        return self.multi_modal_projector(self.vision_tower(pixel_values))
+
+
+def load_llava_encoder(config: ModelConfig, device: str | torch.device = "cpu") -> LlavaEncoder:
+    from pdcluster.models.loader import load_weights
+
+    with torch.device(device):
+        encoder = LlavaEncoder(config)
+    load_weights(encoder, config.model_path)
+    return encoder.eval()
+
+
 class LlavaForConditionalGeneration(DecoderForCausalLM):
     is_multimodal = True
-    CHECKPOINT_RENAMES = (
-        ("model.language_model.", "model."),
-        ("language_model.model.", "model."),
-        ("language_model.lm_head.", "lm_head."),
-        ("model.vision_tower.", "vision_tower."),
-        ("model.multi_modal_projector.", "multi_modal_projector."),
-        ("vision_tower.vision_model.", "vision_tower."),
-    )
+    CHECKPOINT_RENAMES = _CHECKPOINT_RENAMES
 
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, ops_backend: str = "torch",
                  tp_rank: int = 0, tp_size: int = 1) -> None:
