@@ -47,6 +47,7 @@ class LaunchError(RuntimeError):
 class WorkerSpec:
     name: str
     args: Sequence[str]  # appended to the launcher's worker argv
+    env: Mapping[str, str] = field(default_factory=dict)  # over the launcher's environment, this worker only
 
 
 @dataclass
@@ -116,7 +117,7 @@ class LocalLauncher:
     def _spawn(self, spec: WorkerSpec) -> LaunchedProcess:
         argv = [*self.worker_argv, *spec.args]
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                env=self.env, start_new_session=True,
+                                env={**self.env, **spec.env} if spec.env else self.env, start_new_session=True,
                                 preexec_fn=_set_pdeathsig if sys.platform == "linux" else None)
         p = LaunchedProcess(spec.name, proc)
         self.processes.append(p)

@@ -25,6 +25,7 @@ import sys
 from typing import Any
 
 READY_PREFIX = "PDCLUSTER_READY"
+ENV_KV_OPTIONS = "PDCLUSTER_KV_CONNECTOR_OPTIONS"  # what serve-worker reads (cluster/worker_cmd.py)
 POLICIES = ("round_robin", "least_loaded", "power_of_two", "prefix_aware")
 log = logging.getLogger("pdcluster.serve")
 
@@ -289,7 +290,9 @@ def run_serve(args: argparse.Namespace) -> int:
         specs += [WorkerSpec(f"{role}-{i}", ["--role", role, "--host", "127.0.0.1", "--port", "0", "--model", model,
                                              "--worker-id", f"{role}-{i}", "--key-dir", key_dir, *connector,
                                              *(["--key-name", f"{role}-{i}"] if own_keys else []),
-                                             *_worker_tls_argv(internal_ca, f"{role}-{i}"), *extra])
+                                             *_worker_tls_argv(internal_ca, f"{role}-{i}"), *extra],
+                             # An encode worker runs no KV connector: the pools' KV secrets are not its business.
+                             env={ENV_KV_OPTIONS: ""} if role == "encode" else {})
                   for i in range(count)]
     try:
         try:

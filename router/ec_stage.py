@@ -2,8 +2,9 @@
 
     E -> P -> D   with encode workers: before the first leg, Worker.Encode on the encoder that
                   already encoded these images (EcDirectory affinity), else the least loaded one;
-                  its EcTransferParams ride on every leg (prefill, decode, aggregated, migration
-                  resume) in WorkerGenerateRequest.ec_transfer_params.
+                  its EcTransferParams ride on every leg that computes the prompt (prefill,
+                  aggregated, a decode leg without a KV hand-off, a migration resume) in
+                  WorkerGenerateRequest.ec_transfer_params.
     P <-> P       without them (or besides them): the final response of a leg that encoded images
                   carries what its worker now holds (WorkerGenerateResponse.ec_transfer_params);
                   the directory keeps it per image, and the next request with the same image

@@ -235,7 +235,6 @@ class Orchestrator:
                                                   sampling_params=prep.sampling_params, stream=prep.stream,
                                                   prefill_output_token_ids=last.token_ids,
                                                   images=prep.images)  # same block hashes as the prefill leg
-        self.ec.attach(state, decode)  # only used if the decode worker must compute image positions
         if last.HasField("kv_transfer_params"):
             # The decode leg reads the KV instead of computing it; without params (the prefill
             # worker kept nothing) the decode worker computes the prompt itself, still after t0.
@@ -243,6 +242,11 @@ class Orchestrator:
             decode.kv_transfer_params.do_remote_decode = False
             decode.kv_transfer_params.do_remote_prefill = True
             self.metrics.kv_transfer_tokens.inc(last.kv_transfer_params.num_tokens)
+        else:
+            # No hand-off: the decode worker computes the prompt, images included, so it fetches
+            # their encoder outputs too (with the KV it never needs them: none are attached, and
+            # nothing is fetched for nothing).
+            self.ec.attach(state, decode)
         async for resp in self.legs.run(state, ("decode",), decode, leg="decode"):
             if resp.HasField("usage"):
                 # The decode worker counts only what it sampled; t0 came from the prefill leg.

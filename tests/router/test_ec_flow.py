@@ -3,7 +3,8 @@ in-process gRPC servers that speak the Worker API and count, like an engine with
 which images they computed, served from their own cache or took from another instance's params.
 No model, no torch: the flow's rules in about a second.
 
-    1E+1P+1D   four requests with one image: encoded once in the cluster; P and D get the params
+    1E+1P+1D   four requests with one image: encoded once in the cluster; P gets the params (D the
+               KV, so none: it would fetch outputs it never uses)
     text-only  no Encode call, no params
     2P+1D      no encoder: the second prefill worker gets the first one's params
     encoder killed / failing: the request still answers (P encodes), the next one too
@@ -180,9 +181,11 @@ def test_epd_encodes_an_image_once_in_the_cluster_and_skips_e_for_text() -> None
             assert c.computed() == 1 and enc.mm == {"computed": 1, "local_cache": 3}
             assert pre.mm == {"remote": 1, "local_cache": 3}  # fetched once, then its own cache
             assert enc.encodes == 4
-            for req in pre.requests + dec.requests:  # every leg carries the encoder's params and the image
+            for req in pre.requests:  # the prefill leg carries the encoder's params and the image
                 assert [p.producer_id for p in req.ec_transfer_params][:1] == ["encode-0"]
                 assert list(req.images) == [IMAGE]
+            for req in dec.requests:  # the decode leg gets the KV: the image (block hashes), no params
+                assert not req.ec_transfer_params and list(req.images) == [IMAGE]
             await c.generate("text", [])
             assert enc.encodes == 4 and not pre.requests[-1].ec_transfer_params  # text-only: no E
     _run(main())
