@@ -8,7 +8,8 @@ them with the connector's Loader (handshake cached, open, multi-stream scatter R
 shared-memory copy, done), and times, on the same bytes:
 
     p2p_tcp   connector over TCP (num_streams streams, straight into scattered blocks), every
-              window checked against its payload MAC (the default, issue 16 item 6)
+              window checked against its payload MAC (the default, issue 16 item 6: AES-GMAC)
+    p2p_tcp_blake3 the same with the keyed-BLAKE3 MAC (what an older producer speaks)
     p2p_tcp_nomac  the same with the MAC off (data_mac=False): the cost of integrity
     raw_tcp   one connection, sendall / recv_into of the same blocks, no protocol
     p2p_shm   connector, same host: memcpy from the producer's shared-memory cache
@@ -19,7 +20,11 @@ its own range, as with a real paged cache. After one warm-up of each, the method
 interleaved rounds (--repeats rounds, each method once per round), so a shared machine's load
 swings hit all of them alike. Reported: GB/s (median over the rounds; the best is in the JSON),
 the ratios p2p_tcp/raw_tcp (issue 14 target >= 0.9 from 64 KiB), p2p_tcp/p2p_tcp_nomac and
-p2p_shm/memcpy (>= 0.5), and the load average before and after each block size.
+p2p_shm/memcpy (>= 0.5), and the load average before and after each block size. Also the CPU
+seconds per GB each method costs both processes together (median, time.process_time of this
+process and the producer's): on a machine whose cores are all busy, wall throughput is the
+share of the cores we get over that, so `cpu_ratio` (raw_tcp's CPU per byte over p2p_tcp's) is
+the ratio the wall clock shows once the machine is saturated, and the steadier figure.
 """
 
 from __future__ import annotations
@@ -97,8 +102,11 @@ def _producer_main() -> None:
 
     threading.Thread(target=raw_loop, daemon=True).start()
     print(json.dumps({"endpoint": side.endpoint, "epoch": agent.epoch, "raw_port": raw.getsockname()[1]}), flush=True)
-    for line in sys.stdin:  # {"request_id", "transfer_id", "lease_id", "block_ids"} -> lease
+    for line in sys.stdin:  # {"request_id", "transfer_id", "lease_id", "block_ids"} -> lease; {"cpu"}
         cmd = json.loads(line)
+        if "cpu" in cmd:
+            print(json.dumps({"cpu": time.process_time()}), flush=True)
+            continue
         agent.add_lease(cmd["request_id"], cmd["transfer_id"], cmd["lease_id"], cmd["block_ids"])
         print("{}", flush=True)
     side.close()
@@ -130,6 +138,12 @@ class _Producer:
         self.proc.stdout.readline()
         return ids
 
+    def cpu(self) -> float:
+        """The producer process's CPU seconds so far (all its threads)."""
+        self._send({"cpu": True})
+        assert self.proc.stdout is not None
+        return json.loads(self.proc.stdout.readline())["cpu"]
+
     def stop(self) -> None:
         try:
             if self.proc.stdin is not None:
@@ -146,30 +160,56 @@ def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
 
-def _interleaved(methods: dict[str, Any], nbytes: int, repeats: int) -> dict[str, dict[str, float]]:
+def _interleaved(methods: dict[str, Any], nbytes: int, repeats: int,
+                 peer_cpu: Any = None) -> dict[str, dict[str, float]]:
     """Warm each method up once, then time `repeats` rounds of every method in turn: the median
-    and best GB/s of each."""
+    and best GB/s of each, and the median CPU seconds per GB of this process plus `peer_cpu()`'s."""
     for fn in methods.values():
         fn()  # warm-up: connections, handshake, page faults
     times: dict[str, list[float]] = {name: [] for name in methods}
+    cpus: dict[str, list[float]] = {name: [] for name in methods}
     for _ in range(repeats):
         for name, fn in methods.items():
-            t = time.perf_counter()
+            p0 = peer_cpu() if peer_cpu else 0.0
+            c0, t = time.process_time(), time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t)
-    return {name: {"median": _gbps(nbytes, statistics.median(ts)), "best": _gbps(nbytes, min(ts))}
+            c1 = time.process_time()
+            p1 = peer_cpu() if peer_cpu else 0.0
+            cpus[name].append((c1 - c0 + p1 - p0) / (nbytes / 1e9))
+    return {name: {"median": _gbps(nbytes, statistics.median(ts)), "best": _gbps(nbytes, min(ts)),
+                   "cpu_s_per_gb": statistics.median(cpus[name])}
             for name, ts in times.items()}
+
+
+def _signalling_loader() -> type:
+    """The connector's Loader, plus an event set whenever a load ends (the engine polls
+    take_finished once per step; a benchmark waiting on one load should sleep, not spin)."""
+    from pdcluster.connectors.p2p.loader import Loader
+
+    class SignallingLoader(Loader):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.finished = threading.Event()
+
+        def _run(self, job: Any) -> None:
+            try:
+                super()._run(job)
+            finally:
+                self.finished.set()
+
+    return SignallingLoader
 
 
 def _bench_block(block_bytes: int, total: int, args: argparse.Namespace, pairs: dict[str, Any]) -> dict[str, Any]:
     import numpy as np
 
     from pdcluster.connectors.p2p.blocks import CacheGeometry
-    from pdcluster.connectors.p2p.loader import Loader
     from pdcluster.connectors.p2p.options import PeerEntry
     from pdcluster.engine.kv_connector import KVTransferParams
     from pdcluster.transfer.protocol import recv_exact
 
+    _SignallingLoader = _signalling_loader()  # noqa: N806 -- a class
     num_blocks = max(2, total // (2 * block_bytes))  # K and V per block: 2 ranges each
     nbytes = 2 * num_blocks * block_bytes
     geo = CacheGeometry(1, num_blocks, block_bytes)
@@ -179,10 +219,13 @@ def _bench_block(block_bytes: int, total: int, args: argparse.Namespace, pairs: 
     rng = random.Random(block_bytes)
     try:
         peers = {"bench-producer": PeerEntry(producer.info["endpoint"], pairs["producer"].public)}
-        loaders = {t: Loader(_opts("consumer", pairs, args.num_streams, t, peers), _FP, geo, memoryview(dst))
+        loaders = {t: _SignallingLoader(_opts("consumer", pairs, args.num_streams, t, peers), _FP, geo, memoryview(dst))
                    for t in ("tcp", "shm")}
-        loaders["tcp_nomac"] = Loader(_opts("consumer", pairs, args.num_streams, "tcp", peers, data_mac=False),
+        loaders["tcp_nomac"] = _SignallingLoader(_opts("consumer", pairs, args.num_streams, "tcp", peers, data_mac=False),
                                       _FP, geo, memoryview(dst))
+        loaders["tcp_blake3"] = _SignallingLoader(_opts("consumer", pairs, args.num_streams, "tcp", peers), _FP, geo,
+                                       memoryview(dst))
+        loaders["tcp_blake3"].reader.macs.mac = "blake3"  # the scheme an older producer speaks
         counter = iter(range(1 << 30))
 
         def pull(transport: str) -> None:
@@ -193,7 +236,10 @@ def _bench_block(block_bytes: int, total: int, args: argparse.Namespace, pairs: 
             loader = loaders[transport]
             loader.submit(request_id, dst_ids, 0, params)
             while request_id not in loader.take_finished():
-                time.sleep(0.0002)
+                # Woken by the load thread, not polled: a 0.2 ms poll loop cost this process
+                # 0.07 CPU s per s (~0.14 s/GB at 0.5 GB/s), charged to p2p in the CPU figures.
+                loader.finished.wait(1.0)
+                loader.finished.clear()
             if loader.take_failed_blocks():
                 raise RuntimeError(f"p2p {transport} load failed: {loader.last_errors.get(request_id)}")
 
@@ -212,12 +258,14 @@ def _bench_block(block_bytes: int, total: int, args: argparse.Namespace, pairs: 
                 np.copyto(dst[j * block_bytes:(j + 1) * block_bytes], src[i * block_bytes:(i + 1) * block_bytes])
 
         load_before = os.getloadavg()[0]
-        methods = {"p2p_tcp": lambda: pull("tcp"), "p2p_tcp_nomac": lambda: pull("tcp_nomac"), "raw_tcp": raw_tcp,
+        methods = {"p2p_tcp": lambda: pull("tcp"), "p2p_tcp_blake3": lambda: pull("tcp_blake3"),
+                   "p2p_tcp_nomac": lambda: pull("tcp_nomac"), "raw_tcp": raw_tcp,
                    "p2p_shm": lambda: pull("shm"), "memcpy": memcpy}
-        speeds = _interleaved(methods, nbytes, args.repeats)
+        speeds = _interleaved(methods, nbytes, args.repeats, producer.cpu)
         row = {"block_bytes": block_bytes, "num_ranges": 2 * num_blocks, "bytes": nbytes,
                **{name: v["median"] for name, v in speeds.items()},
                "best": {name: v["best"] for name, v in speeds.items()},
+               "cpu_s_per_gb": {name: v["cpu_s_per_gb"] for name, v in speeds.items()},
                "load_avg_1m": [load_before, os.getloadavg()[0]]}
         assert dst.min() == 7, "a transfer left bytes unwritten"
         raw.close()
@@ -227,18 +275,26 @@ def _bench_block(block_bytes: int, total: int, args: argparse.Namespace, pairs: 
         producer.stop()
     row["tcp_ratio"] = row["p2p_tcp"] / row["raw_tcp"]
     row["mac_ratio"] = row["p2p_tcp"] / row["p2p_tcp_nomac"]
+    row["blake3_ratio"] = row["p2p_tcp_blake3"] / row["raw_tcp"]
+    cpu = row["cpu_s_per_gb"]
+    row["cpu_ratio"] = cpu["raw_tcp"] / cpu["p2p_tcp"]
+    row["cpu_ratio_blake3"] = cpu["raw_tcp"] / cpu["p2p_tcp_blake3"]
     row["shm_ratio"] = row["p2p_shm"] / row["memcpy"]
     return row
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'block':>8} {'p2p_tcp':>8} {'raw_tcp':>8} {'ratio':>6} {'no_mac':>8} {'mac':>6} "
-            f"{'p2p_shm':>8} {'memcpy':>8} {'ratio':>6} {'load':>9}   (GB/s, medians)")
+    head = (f"{'block':>8} {'p2p_tcp':>8} {'raw_tcp':>8} {'ratio':>6} {'blake3':>7} {'ratio':>6} {'no_mac':>7} "
+            f"{'mac':>5} {'p2p_shm':>8} {'memcpy':>7} {'ratio':>6} | {'cpu s/GB: gmac':>14} {'blake3':>6} "
+            f"{'nomac':>6} {'raw':>6} {'raw/gmac':>8} {'raw/b3':>6} {'load':>9}   (GB/s, medians)")
     lines = [head]
     for r in rows:
+        c = r["cpu_s_per_gb"]
         lines.append(f"{r['block_bytes'] >> 10:>5}KiB {r['p2p_tcp']:8.2f} {r['raw_tcp']:8.2f} {r['tcp_ratio']:6.2f} "
-                     f"{r['p2p_tcp_nomac']:8.2f} {r['mac_ratio']:6.2f} "
-                     f"{r['p2p_shm']:8.2f} {r['memcpy']:8.2f} {r['shm_ratio']:6.2f} "
+                     f"{r['p2p_tcp_blake3']:7.2f} {r['blake3_ratio']:6.2f} {r['p2p_tcp_nomac']:7.2f} "
+                     f"{r['mac_ratio']:5.2f} {r['p2p_shm']:8.2f} {r['memcpy']:7.2f} {r['shm_ratio']:6.2f} | "
+                     f"{c['p2p_tcp']:14.3f} {c['p2p_tcp_blake3']:6.3f} {c['p2p_tcp_nomac']:6.3f} "
+                     f"{c['raw_tcp']:6.3f} {r['cpu_ratio']:8.2f} {r['cpu_ratio_blake3']:6.2f} "
                      f"{r['load_avg_1m'][0]:4.1f}-{r['load_avg_1m'][1]:<4.1f}")
     return "\n".join(lines)
 
@@ -254,7 +310,8 @@ def run_transfer_bench(args: argparse.Namespace) -> dict[str, Any]:
         print(format_table(rows[-1:]).splitlines()[-1], flush=True)
     result = {"unit": "GB/s", "total_bytes": total, "num_streams": args.num_streams, "cpu_count": os.cpu_count(),
               "rows": rows, "statistic": "median", "repeats": args.repeats,
-              "targets": {"tcp_ratio_from_64KiB": 0.9, "shm_ratio": 0.5}}
+              "targets": {"tcp_ratio_from_64KiB": 0.9, "shm_ratio": 0.5},
+              "cpu_note": "cpu_s_per_gb: both processes together; cpu_ratio = raw_tcp / p2p_tcp"}
     print(format_table(rows))
     if args.output_json:
         with open(args.output_json, "w") as f:
