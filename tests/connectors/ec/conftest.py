@@ -5,11 +5,15 @@ shut down (their sockets, threads and shared memory released) when the test ends
 from __future__ import annotations
 
 import asyncio
+import pathlib
+import sys
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from models.llava_tiny import make_tiny_llava
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # ec_parts
 
 from pdcluster.security.keys import KeyPair, generate_keypair, keypair_to_string
 
