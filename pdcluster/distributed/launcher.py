@@ -9,10 +9,15 @@ Liveness, both directions, without polling:
 
     rank 0 -> child   the child's stdin pipe stays open; EOF means rank 0 is gone (exit, crash,
                       SIGKILL): the child exits at once, so no rank outlives its instance
-    child  -> rank 0  one thread per child blocks in wait(); an exit we did not ask for calls
+    child  -> rank 0  one thread per child blocks in waitid(); an exit we did not ask for calls
                       on_death(rank, message), and the other children are killed (a half
                       instance can do nothing; killing them also breaks any collective rank 0
                       is blocked in, so the failing step returns promptly)
+    stopped child     waitid also reports a child stopped by a signal (SIGSTOP, SIGTSTP): every
+                      collective would block on it until the collective timeout while the worker
+                      still looked healthy. Still stopped after STOPPED_GRACE_S (a Ctrl-Z of the
+                      whole process group continues the children too, and is not a fault): it
+                      is reported like a death and the instance is killed
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import pdcluster
 log = logging.getLogger(__name__)
 _FRAME = struct.Struct(">I")  # bootstrap frame length prefix
 MAX_BOOTSTRAP_BYTES = 1 << 20
+STOPPED_GRACE_S = 2.0
 
 
 def write_frame(stream: IO[bytes], body: dict[str, Any]) -> None:
@@ -75,6 +81,7 @@ class RankLauncher:
         self._procs: dict[int, subprocess.Popen] = {}
         self._lock = threading.Lock()
         self._stopping = False
+        self._failed = False  # one report per instance: the first cause
 
     @property
     def pids(self) -> dict[int, int]:
@@ -102,15 +109,44 @@ class RankLauncher:
         return env
 
     def _watch(self, rank: int, proc: subprocess.Popen) -> None:
+        watching = os.WEXITED | os.WSTOPPED | os.WCONTINUED | os.WNOWAIT  # NOWAIT: Popen reaps the exit
+        while True:
+            try:
+                info = os.waitid(os.P_PID, proc.pid, watching)
+            except ChildProcessError:  # reaped by Popen meanwhile (stop(), kill_all())
+                break
+            except InterruptedError:
+                continue
+            if info is None or info.si_code not in (os.CLD_STOPPED, os.CLD_CONTINUED):
+                break
+            # Consume the stop/continue report (not the exit: that stays for Popen.wait).
+            os.waitid(os.P_PID, proc.pid, (os.WSTOPPED if info.si_code == os.CLD_STOPPED else os.WCONTINUED)
+                      | os.WNOHANG)
+            if info.si_code == os.CLD_STOPPED:
+                timer = threading.Timer(STOPPED_GRACE_S, self._still_stopped, args=(rank, proc, info.si_status))
+                timer.daemon = True
+                timer.start()
         code = proc.wait()
+        self._report(rank, describe_exit(rank, proc.pid, code))
+
+    def _still_stopped(self, rank: int, proc: subprocess.Popen, signo: int) -> None:
+        if proc.poll() is not None or _state(proc.pid) not in ("T", "t"):
+            return  # continued (or gone: its watcher reports that)
+        try:
+            name = signal.Signals(signo).name
+        except ValueError:
+            name = f"signal {signo}"
+        self._report(rank, f"tensor-parallel rank {rank} (pid {proc.pid}) stopped by {name} for over "
+                           f"{STOPPED_GRACE_S:g}s; the instance is down")
+
+    def _report(self, rank: int, msg: str) -> None:
         with self._lock:
-            expected = self._stopping
-        if expected:
-            return
-        msg = describe_exit(rank, proc.pid, code)
+            if self._stopping or self._failed:
+                return
+            self._failed = True
         log.error("%s", msg)
         self._on_death(rank, msg)
-        self.kill_all()
+        self.kill_all()  # a stopped child dies of SIGKILL too; its watcher then returns quietly
 
     def kill_all(self) -> None:
         """SIGKILL every child still running (by pid, ours only)."""
@@ -147,3 +183,12 @@ class RankLauncher:
                     log.warning("TP rank pid %d did not exit in %.0fs; killing it", proc.pid, timeout_s)
                     proc.kill()
                     proc.wait()
+
+
+def _state(pid: int) -> str:
+    """The process state letter from /proc (R, S, T stopped, t traced, Z ...), "" if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][:1]
+    except (OSError, IndexError):
+        return ""

@@ -36,6 +36,8 @@ class _MarkHolds:
         self.mark = {k: v for k, v in self.mark.items() if requests.get(k) is v[0]}
         self.held = {k: r for k, r in self.held.items() if requests.get(k) is r}
         if self.held and len(self.held) == len(requests):
+            if not llm.core.is_healthy():  # e.g. a TP rank died: the step fails, as a running request's would
+                return real_step()
             time.sleep(_SKIP_S)
             return []
         outputs = real_step()

@@ -60,6 +60,38 @@ def test_killed_rank_fails_requests_and_engine(tiny_ckpt, started_pids) -> None:
     assert wait_dead(pids, 10.0) == []
 
 
+def test_stopped_rank_takes_the_instance_down(tiny_ckpt, started_pids) -> None:
+    """SIGSTOP of rank 1 mid-request: alive to waitpid, silent to every collective. The launcher
+    sees the stop (waitid WSTOPPED), and once the rank stays stopped past its grace it reports it
+    and kills it, so the step blocked on it fails with an error naming the rank, long before the
+    collective timeout (600 s here), and the engine is down instead of looking healthy."""
+    engine = AsyncEngine.from_engine_args(EngineArgs(
+        model=tiny_ckpt("llama"), num_kv_blocks=48, tensor_parallel_size=2, tp_collective_timeout_s=600))
+    pids = list(engine.engine.core.runner.pids.values())
+    started_pids.extend(pids)
+
+    async def scenario() -> list:
+        sp = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        outs = []
+        with EngineHold(engine, "tp-stop", after=3) as hold:
+            async for out in engine.generate([5, 6, 7], sp, request_id="tp-stop"):
+                outs.append(out)
+                if len(outs) == 3:
+                    os.kill(pids[0], signal.SIGSTOP)
+                    hold.release()
+        return outs
+
+    try:
+        outs = asyncio.run(asyncio.wait_for(scenario(), 120))
+        last = outs[-1]
+        assert last.finished and last.outputs[0].finish_reason == "error"
+        assert "rank 1" in last.error and "stopped by SIGSTOP" in last.error, last.error
+        assert not engine.is_healthy
+    finally:
+        engine.shutdown()
+    assert wait_dead(pids, 10.0) == []
+
+
 def test_idle_rank_death_is_noticed_without_a_request(tiny_ckpt, started_pids) -> None:
     engine = AsyncEngine.from_engine_args(EngineArgs(model=tiny_ckpt("qwen2"), num_kv_blocks=48,
                                                      tensor_parallel_size=2))
