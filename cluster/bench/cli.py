@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-DATASETS = ("random", "prefix-repetition", "trace", "jsonl")
+DATASETS = ("random", "random-mm", "prefix-repetition", "trace", "jsonl")
 PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
 
 
@@ -62,6 +62,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="lengths drawn uniformly in [len * (1 - r), len * (1 + r)]")
     g.add_argument("--random-prefix-len", type=int, default=0, help="tokens of a prefix shared by all")
+    g.add_argument("--random-mm-base-items-per-request", type=int, default=1,
+                   help="random-mm: images per request around this number")
+    g.add_argument("--random-mm-num-mm-items-range-ratio", type=float, default=0.0,
+                   help="random-mm: items drawn uniformly in [floor(n(1-r)), ceil(n(1+r))], capped by the limits")
+    g.add_argument("--random-mm-limit-mm-per-prompt", default='{"image": 255, "video": 1}',
+                   help="random-mm: JSON caps per modality, e.g. '{\"image\": 3, \"video\": 0}'")
+    g.add_argument("--random-mm-bucket-config", default="{(256, 256, 1): 0.5, (720, 1280, 1): 0.5, (720, 1280, 16): 0.0}",
+                   help="random-mm: {(height, width, frames): probability}; images only (frames 1)")
     g.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
     g.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
     g.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)

@@ -10,6 +10,7 @@ clock nor add an ITL gap. Token counts come from the final usage chunk
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import time
@@ -77,9 +78,14 @@ class OpenAIBackend(Backend):
         if self.chat:
             if not isinstance(req.prompt, str):
                 raise ValueError("--backend openai-chat needs text prompts, not token ids")
-            body["messages"] = [{"role": "user", "content": req.prompt}]
+            content: Any = req.prompt
+            if req.images:  # vLLM's order: the text part, then one image_url part per image
+                content = [{"type": "text", "text": req.prompt}, *map(_image_part, req.images)]
+            body["messages"] = [{"role": "user", "content": content}]
             body["max_completion_tokens"] = req.expected_output_len
         else:
+            if req.images:
+                raise ValueError("images (--dataset-name random-mm) need --backend openai-chat")
             body["prompt"] = req.prompt  # the completions API takes text or a list of token ids
             body["max_tokens"] = req.expected_output_len
         if self.config.ignore_eos:
@@ -138,6 +144,11 @@ class OpenAIBackend(Backend):
             result.error = f"{type(e).__name__}: {e}"
             result.latency = time.perf_counter() - st
         return result
+
+
+def _image_part(image: bytes) -> dict[str, Any]:
+    mime = "image/png" if image.startswith(b"\x89PNG") else "image/jpeg"
+    return {"type": "image_url", "image_url": {"url": f"data:{mime};base64,{base64.b64encode(image).decode()}"}}
 
 
 async def _sse_data(resp: aiohttp.ClientResponse) -> AsyncIterator[str]:

@@ -17,6 +17,7 @@ class BenchRequest:
     prompt_len: int  # tokens of the prompt, without the special tokens a server may add
     expected_output_len: int  # becomes max_tokens
     request_id: str = ""
+    images: tuple[bytes, ...] = ()  # JPEG/PNG bytes (random-mm), sent as image_url parts after the text
 
 
 @dataclass

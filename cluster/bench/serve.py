@@ -96,6 +96,14 @@ def build_workload(args: argparse.Namespace, builder: PromptBuilder) -> Workload
         if not args.dataset_path:
             raise ValueError("--dataset-name jsonl needs --dataset-path")
         requests = load_jsonl(args.dataset_path, builder, n, args.jsonl_output_len)
+    elif dataset == "random-mm":
+        from pdcluster.cluster.bench.random_mm import sample_random_mm
+
+        requests = sample_random_mm(
+            builder, n or DEFAULT_NUM_PROMPTS, args.random_input_len, args.random_output_len, args.random_range_ratio,
+            args.random_prefix_len, seed=args.seed, base_items=args.random_mm_base_items_per_request,
+            items_range_ratio=args.random_mm_num_mm_items_range_ratio, limit=args.random_mm_limit_mm_per_prompt,
+            buckets=args.random_mm_bucket_config)
     elif dataset == "prefix-repetition":
         requests = sample_prefix_repetition(
             builder, n or DEFAULT_NUM_PROMPTS, args.prefix_repetition_prefix_len, args.prefix_repetition_suffix_len,
@@ -118,7 +126,7 @@ def warmup_requests(args: argparse.Namespace, builder: PromptBuilder, workload: 
     if n == 0:
         return []
     dataset = "trace" if args.trace_file else args.dataset_name
-    if dataset in ("random", "prefix-repetition"):
+    if dataset in ("random", "random-mm", "prefix-repetition"):
         warm = copy.copy(args)
         warm.num_prompts, warm.seed = n, args.seed + WARMUP_SEED_OFFSET
         pool = build_workload(warm, builder).requests
@@ -177,6 +185,9 @@ def run_serve(args: argparse.Namespace) -> int:
     percentiles = parse_percentiles(args.metric_percentiles)
     metadata = parse_metadata(args.metadata)
     config = backend_config(args)
+    if args.dataset_name == "random-mm" and config.backend != "openai-chat" and not args.trace_file:
+        raise ValueError("--dataset-name random-mm sends images as chat parts: use --backend openai-chat "
+                         "(--endpoint /v1/chat/completions)")
     tokenizer_id = args.tokenizer or args.model
     if tokenizer_id is None:
         raise ValueError("--tokenizer (or --model as a local HF directory) is required to build prompts")
@@ -210,6 +221,9 @@ def run_warmup(args: argparse.Namespace, n: int) -> RunResult:
     """Only the warm-up of `bench serve`'s flags (no initial test, no measured run): `n` requests
     shaped like the workload, all at once, awaited. `bench sweep` runs it once per cluster."""
     config = backend_config(args)
+    if args.dataset_name == "random-mm" and config.backend != "openai-chat" and not args.trace_file:
+        raise ValueError("--dataset-name random-mm sends images as chat parts: use --backend openai-chat "
+                         "(--endpoint /v1/chat/completions)")
     tokenizer_id = args.tokenizer or args.model
     if tokenizer_id is None:
         raise ValueError("--tokenizer (or --model as a local HF directory) is required to build prompts")
