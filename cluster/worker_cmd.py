@@ -93,6 +93,11 @@ def add_worker_flags(p: argparse.ArgumentParser, role: str | None = None) -> Non
 def run_serve_worker(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from pdcluster.cluster.cpu_pinning import apply_from_env
+
+    cpus = apply_from_env()  # before torch starts its thread pool (it sizes it from the mask)
+    if cpus is not None:
+        logging.getLogger(__name__).info("pinned to CPUs %s", ",".join(map(str, cpus)))
     from pdcluster.worker.assembly import run_worker
 
     config = worker_config(args)

@@ -120,10 +120,11 @@ class TPExecutor:
         self._store = store  # the TCPStore server lives as long as the instance
 
     def _threads_per_rank(self) -> int | None:
-        # CPU ranks share the host's cores: t processes with all cores each would oversubscribe.
+        # CPU ranks share the cores this process may use (its affinity mask: a pinned worker's slice):
+        # t processes with all of them each would oversubscribe.
         if self.config.device != "cpu" or os.environ.get("PDCLUSTER_NUM_THREADS"):
             return None
-        return max(1, (os.cpu_count() or 1) // self.world_size)
+        return max(1, len(os.sched_getaffinity(0)) // self.world_size)
 
     def _init_rank0(self, store: Any, threads: int | None) -> tuple[TPGroup, Any]:
         """Rendezvous, load rank 0's shard, and wait until every rank loaded its own. Runs in a

@@ -1,0 +1,53 @@
+"""CPU pinning: CPU lists, the partition between workers, and a real process pinned by $PDCLUSTER_CPUS."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pdcluster.cluster.cpu_pinning import ENV_CPUS, apply_from_env, format_cpu_list, parse_cpu_list, partition
+
+
+@pytest.mark.parametrize("text, cpus", [("0", (0,)), ("0-3,6", (0, 1, 2, 3, 6)), (" 3 , 1-2 ", (1, 2, 3)),
+                                        ("2,2,1-2", (1, 2))])
+def test_parse_and_format(text, cpus):
+    assert parse_cpu_list(text) == cpus
+    assert parse_cpu_list(format_cpu_list(cpus)) == cpus
+    assert format_cpu_list((0, 1, 2, 5, 7, 8)) == "0-2,5,7-8"
+
+
+@pytest.mark.parametrize("text", ["", "a", "3-1", "-1", "0-", "1,,2", "99999999"])
+def test_bad_lists_name_the_variable(text):
+    with pytest.raises(ValueError, match=ENV_CPUS):
+        parse_cpu_list(text)
+
+
+def test_partition_gives_disjoint_slices_sized_by_tp():
+    assert partition([0, 1], [1, 1]) == [(0,), (1,)]
+    assert partition([0, 1, 2, 3], [1, 1]) == [(0, 1), (2, 3)]
+    assert partition([0, 1, 2, 3, 4], [2, 1]) == [(0, 1, 2), (3, 4)]
+    assert partition([4, 0, 2], [1, 1, 1]) == [(0,), (2,), (4,)]
+    with pytest.raises(ValueError, match="need 3 cores.*only 2"):
+        partition([0, 1], [2, 1])
+    with pytest.raises(ValueError, match="at least one core"):
+        partition([0, 1], [0, 1])
+
+
+def test_a_real_process_is_pinned_and_torch_follows_the_mask():
+    cpu = min(os.sched_getaffinity(0))
+    code = ("import json, os\nfrom pdcluster.cluster.cpu_pinning import apply_from_env\n"
+            "pinned = apply_from_env()\nimport torch\n"
+            "print(json.dumps([list(pinned), sorted(os.sched_getaffinity(0)), torch.get_num_threads()]))")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, ENV_CPUS: str(cpu)},
+                         capture_output=True, text=True, timeout=120, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [[cpu], [cpu], 1]
+
+
+def test_unavailable_cpus_are_refused_by_name():
+    assert apply_from_env({}) is None
+    with pytest.raises(ValueError, match=rf"{ENV_CPUS}=65000: CPUs 65000 are not available"):
+        apply_from_env({ENV_CPUS: "65000"})
