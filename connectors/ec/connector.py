@@ -116,7 +116,10 @@ class P2PECConnector(ECConnectorBase):
         if self.producer is not None:
             out.update(self.producer.stats())
         if self.server is not None:
-            out["control_refused_handshakes"] = self.server.refusals()
+            # Hostile or broken peers on the control port, as errors_<reason> (pdcluster_ec_errors_total).
+            out["errors_control_handshake"] = int(self.server.refusals())
+            for reason in ("malformed", "too_large", "replayed"):
+                out[f"errors_control_{reason}"] = out.get(f"producer_refused_{reason}", 0)
         return out
 
     def shutdown(self) -> None:

@@ -65,6 +65,7 @@ class ECProducer:
                                          on_refusal=lambda reason: self._count(f"data_refused_{reason}"),
                                          authorize=self._grant_live)
             self.region_id = self.server.register(self.region)
+            self.data_address = self.server.address  # read once: a stopped server has no address
             self.server.start()
         except BaseException:
             self.region.close()
@@ -180,7 +181,7 @@ class ECProducer:
             serial = self._serial
         token = issue_token(self._data_key, bytes.fromhex(grant.lease_id), OP_READ, self.region_id,
                             [(item.offset, item.nbytes)], expiry_ms=expiry_ms, serial=serial)
-        host, port = self.server.address
+        host, port = self.data_address
         self._count("served")
         return self._reply(nonce, status=READY, grant_id=grant.lease_id, token=token,
                            mac_key=transfer_mac_key(self._data_key, token), region_id=self.region_id,

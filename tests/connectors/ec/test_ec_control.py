@@ -55,8 +55,8 @@ def test_fetch_round_trip(ec_keys, producer, transport) -> None:
         assert stats["release_released"] == 1
         # released by the consumer after the fetch: the announced lease and the grant are gone
         assert producer.store.stats()["store_leases_active"] == 0
-        if transport == "tcp":
-            assert producer.producer.stats()["producer_bytes_served"] == out.numel() * 4
+        if transport == "tcp":  # counted by the server thread after its send: wait for it, do not race it
+            _wait(lambda: producer.producer.stats()["producer_bytes_served"] == out.numel() * 4, "bytes counted")
     finally:
         fetcher.close()
 
@@ -114,6 +114,17 @@ def test_untrusted_key_and_incompatible_fingerprint(ec_keys, producer) -> None:
         finally:
             other.close()
         assert producer.producer.counters["refused_incompatible"] == 1
+    finally:
+        fetcher.close()
+
+
+def test_data_plane_failure_fails_the_item(ec_keys, producer) -> None:
+    producer.producer.save(H0, torch.randn(16, 8))
+    producer.producer.server.stop()  # the control plane answers, the TCP data plane is gone
+    fetcher = consumer(ec_keys, transport="tcp")
+    try:
+        assert fetch(fetcher, producer.params(), [(H0, 16)]).failed == {H0: ECFetchError.TRANSFER}
+        assert fetcher.stats()["release_released"] == 1  # its grant was still ended
     finally:
         fetcher.close()
 
