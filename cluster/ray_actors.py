@@ -8,9 +8,10 @@ WorkerActor supervises `pdcluster serve-worker` as a child process on its own no
                                     restarts the actor (max_restarts), which starts a new child
     restarted incarnation, once ready -> RouterActor.register(name, new address)
 
-The actor stays thin (no torch): the engine lives in the child, which owns its TP ranks. Keys
-reach the child through its environment (owner-only /proc/PID/environ), never its command line
-or a file. Everything crossing Ray calls is plain data (dicts of str/int/float).
+The actor stays thin (no torch): the engine lives in the child, which owns its TP ranks. CURVE
+keys reach the child through its environment (owner-only /proc/PID/environ), never its command
+line. Its TLS identity (ray_tls.py: PEM in the actor's env) is written to a private folder
+(0700, key 0600) and the child gets the paths. Everything crossing Ray calls is plain data.
 
 RouterActor runs the router in-process on the actor's event loop; the launcher and restarted
 workers update its registry with register(name, address) (remove the old address, add the new).
@@ -41,6 +42,7 @@ from typing import Any
 
 from pdcluster.cluster.ray_head import with_pdeathsig
 from pdcluster.cluster.ray_secrets import bind_host_into
+from pdcluster.cluster.ray_tls import router_worker_tls, split_env, write_identity
 
 READY_PREFIX = "PDCLUSTER_READY "
 SERVE_WORKER = (sys.executable, "-m", "pdcluster.cluster.cli", "serve-worker")
@@ -71,6 +73,7 @@ class WorkerActor:
         self._ready = threading.Event()
         self._stopping = False
         self._timed_out = False
+        self._tls: Any = None  # ray_tls.TLSPaths: this instance's certificate files on its node
         # The thread that forks must outlive the child: PDEATHSIG fires when the forking thread ends.
         threading.Thread(target=self._supervise, args=(env,), name="supervisor", daemon=True).start()
 
@@ -102,6 +105,7 @@ class WorkerActor:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        self._remove_tls()
         return {"child_pid": proc.pid, "returncode": proc.returncode}
 
     # -- the child ------------------------------------------------------------------------------
@@ -110,11 +114,16 @@ class WorkerActor:
         host = self.node_ip if spec.get("host", "node_ip") == "node_ip" else spec["host"]
         argv = [*SERVE_WORKER, *spec["argv"], "--host", host, "--port", "0", "--worker-id", spec["name"]]
         sink = self._open_log()
+        env, pems = split_env(env)  # the child gets the paths of its identity, never the PEMs
         try:
+            if pems is not None:
+                self._tls = write_identity(pems)
+                argv += self._tls.server_argv()
             self.proc = subprocess.Popen(with_pdeathsig(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                          stderr=subprocess.PIPE, env={**os.environ, **bind_host_into(env, host)},
                                          start_new_session=True)
         except OSError as e:
+            self._remove_tls()
             self._fail(f"{spec['name']}: cannot start serve-worker: {e}")
             return
         errs = threading.Thread(target=self._pump, args=(self.proc.stderr, sink), daemon=True)
@@ -128,6 +137,7 @@ class WorkerActor:
         watchdog.cancel()
         errs.join(2.0)
         if self._stopping:
+            self._remove_tls()
             return
         what = f"exited with {code}" if code >= 0 else f"killed by signal {-code}"
         if self._timed_out:
@@ -138,7 +148,13 @@ class WorkerActor:
         # A crash: exit the actor so Ray restarts it (up to max_restarts) with a fresh child.
         sys.stderr.write(f"[{spec['name']}] serve-worker (pid {self.proc.pid}) {what}; restarting the actor\n")
         sys.stderr.flush()
+        self._remove_tls()  # the next incarnation writes its own copy
         os._exit(1)
+
+    def _remove_tls(self) -> None:
+        if self._tls is not None:
+            self._tls.remove()
+            self._tls = None
 
     def _pump(self, stream: Any, sink: Any, watch_ready: bool = False) -> None:
         for raw in stream:
@@ -193,7 +209,8 @@ class WorkerActor:
 
 class RouterActor:
     """spec: the router's config fields (RouterConfig names) plus name; env: the router's key pair
-    ("PUBLIC,SECRET") and the workers' public key, for KV-event subscriptions."""
+    ("PUBLIC,SECRET") and the workers' public key, for KV-event subscriptions, and (mutual TLS)
+    the router certificate for its worker channels (ray_tls.py)."""
 
     def __init__(self, spec: dict[str, Any], env: dict[str, str]) -> None:
         self.spec = dict(spec)
@@ -203,6 +220,7 @@ class RouterActor:
         self._key_dir: str | None = None
         self.node_id, self.node_ip = _node()
         self.resumed: dict[str, Any] | None = None  # what resume() did, for status and tests
+        self._tls: Any = None  # ray_tls.TLSPaths of the router certificate (in _key_dir)
         if _reconstructed():
             import ray
 
@@ -216,8 +234,13 @@ class RouterActor:
         # A worker that restarted before the router started has registered its new address already.
         self.addresses = {**workers, **self.addresses}
         fields = {k: v for k, v in self.spec.items() if k not in _NOT_CONFIG}
-        if self._env and self._key_dir is None:
-            self._key_dir = _write_router_keys(self._env)
+        curve, pems = split_env(self._env)
+        if curve and self._key_dir is None:
+            self._key_dir = _write_router_keys(curve)
+        if pems is not None:  # mutual TLS to the workers: its files inside the private key folder
+            if self._tls is None:
+                self._tls = write_identity(pems, parent=self._key_dir)
+            fields["worker_tls"] = router_worker_tls(self._tls)
         config = RouterConfig(workers=tuple(self.addresses.values()), key_dir=self._key_dir, **fields)
         router = Router(config)
         await router.start()
@@ -318,6 +341,9 @@ class RouterActor:
         if self._key_dir is not None:
             shutil.rmtree(self._key_dir, ignore_errors=True)
             self._key_dir = None
+        if self._tls is not None:
+            self._tls.remove()
+            self._tls = None
 
 
 # Spec keys for the actor, not RouterConfig fields.
@@ -365,7 +391,9 @@ def _write_router_keys(env: dict[str, str]) -> str:
     (root / "public").mkdir(mode=0o700)
     router = keypair_from_string(env["router"], "router")
     _write_new(root / "secret" / "router.key_secret", _cert_text(router, True), 0o600, False)
-    for name in ("router", "worker"):
-        pub = keypair_from_string(env[name].partition(",")[0], name)
+    publics = {name: env[name].partition(",")[0] for name in ("router", "worker")}
+    publics.update(json.loads(env.get("publishers") or "{}"))  # per-instance worker keys
+    for name, key in publics.items():
+        pub = keypair_from_string(key, name)
         _write_new(root / "public" / f"{name}.key", _cert_text(pub, False), 0o600, False)
     return str(root)

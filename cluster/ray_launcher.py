@@ -47,11 +47,15 @@ def actor_name(namespace: str, name: str) -> str:
 
 class RayLauncher:
     def __init__(self, config: ClusterConfig, *, address: str = "local", detach: bool = False,
-                 insecure: bool = False) -> None:
+                 insecure: bool = False, insecure_internal: bool = False) -> None:
         self.config = config
         self.address = address
         self.detach = detach
         self.insecure = insecure  # the router may bind a non-loopback host without TLS or a key
+        # Router <-> worker gRPC in plaintext instead of mutual TLS (cluster/ray_tls.py).
+        self.insecure_internal = insecure_internal
+        self.tls: Any = None  # ray_tls.LauncherTLS: the CA that issues each actor its identity
+        self._secrets: Any = None  # ray_secrets.ClusterSecrets
         self.ns = config.namespace
         self.head: ray_head.LocalHead | None = None
         self.workers: dict[str, Any] = {}   # instance name -> actor handle
@@ -107,6 +111,13 @@ class RayLauncher:
                               "run `pdcluster down` first or pick another --namespace")
         found = cluster_secrets(self.config)
         self._key_tmp = found.key_dir
+        self._secrets = found
+        if not self.insecure_internal:
+            from pdcluster.cluster.ray_tls import LauncherTLS
+
+            self.tls = LauncherTLS(self.config.key_dir)
+            log.info("internal gRPC: mutual TLS, certificates from %s", self.tls.source)
+            return found.worker_env, {**found.router_env, **self.tls.router_env()}
         return found.worker_env, found.router_env
 
     def _connect(self) -> list[InstancePlan]:
@@ -192,7 +203,13 @@ class RayLauncher:
                 lifetime="detached" if self.detach else None, max_restarts=pool.max_restarts, max_task_retries=0,
                 max_concurrency=4, num_cpus=bundle.pop("CPU", 0), num_gpus=bundle.pop("GPU", 0), resources=bundle,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
-            ).remote(spec, env)
+            ).remote(spec, self._instance_env(plan.name, env))
+
+    def _instance_env(self, name: str, env: dict[str, str]) -> dict[str, str]:
+        """The environment of one worker actor: the shared secrets plus its own identities
+        (CURVE pair, TLS certificate)."""
+        own = self._secrets.instance_env.get(name, {}) if self._secrets is not None else {}
+        return {**env, **own, **(self.tls.worker_env(name) if self.tls is not None else {})}
 
     def _wait_workers(self) -> None:
         import ray

@@ -18,10 +18,11 @@ each worker actor replaces with the address it binds; usable in any connector's 
 from __future__ import annotations
 
 import json
+import logging
 import pathlib
 import secrets
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdcluster.cluster.config import ClusterConfig
 
@@ -29,6 +30,7 @@ HOST_PLACEHOLDER = "${PDCLUSTER_HOST}"
 ENV_WORKER_KEY = "PDCLUSTER_WORKER_KEY"          # read by serve-worker (service/kv_events.py)
 ENV_KV_EVENTS_ALLOWED = "PDCLUSTER_KV_EVENTS_ALLOWED"
 ENV_CONNECTOR_OPTIONS = "PDCLUSTER_KV_CONNECTOR_OPTIONS"  # read by serve-worker (worker_cmd.py)
+log = logging.getLogger("pdcluster.ray")
 
 
 @dataclass(frozen=True)
@@ -36,30 +38,60 @@ class ClusterSecrets:
     worker_env: dict[str, str]
     router_env: dict[str, str]
     key_dir: str | None  # a folder made here (to remove with the cluster), or None
+    # Per worker instance, over worker_env: its own CURVE pair (KV events, P2P), so servers tell
+    # the instances apart (the P2P lease owner is the consumer's key name).
+    instance_env: dict[str, dict[str, str]] = field(default_factory=dict)
+
+    def for_instance(self, name: str) -> dict[str, str]:
+        return {**self.worker_env, **self.instance_env.get(name, {})}
+
+
+def instance_names(config: ClusterConfig) -> list[str]:
+    """The worker instances' names, as placement.InstancePlan.name spells them."""
+    return [f"{role}-{i}" for role, pool in config.pools.items() for i in range(pool.instances)]
 
 
 def cluster_secrets(config: ClusterConfig) -> ClusterSecrets:
-    from pdcluster.security.keys import init_keys, keypair_to_string, load_keypair
+    from pdcluster.security.keys import (
+        KeyMaterialError,
+        ensure_instance_keys,
+        init_keys,
+        keypair_to_string,
+        load_keypair,
+    )
 
     made = None
+    names = instance_names(config)
     if config.key_dir:
         router, worker = (load_keypair(config.key_dir, n) for n in ("router", "worker"))
+        try:  # their own pairs, made in the folder when missing (as `serve --key-dir` does)
+            pairs = ensure_instance_keys(config.key_dir, names)
+        except (OSError, KeyMaterialError) as e:
+            log.warning("workers share the 'worker' key pair of %s (no per-instance pairs: %s)", config.key_dir, e)
+            pairs = {n: worker for n in names}
     else:
         made = tempfile.mkdtemp(prefix=f"pdcluster-{config.namespace}-keys-")
-        keys = init_keys(pathlib.Path(made) / "keys", ("router", "worker", "client")).keypairs
+        keys = init_keys(pathlib.Path(made) / "keys", ("router", "worker", "client", *names)).keypairs
         router, worker = keys["router"], keys["worker"]
+        pairs = {n: keys[n] for n in names}
     worker_env = {ENV_WORKER_KEY: keypair_to_string(worker), ENV_KV_EVENTS_ALLOWED: router.public.decode()}
+    instance_env: dict[str, dict[str, str]] = {n: {ENV_WORKER_KEY: keypair_to_string(kp)} for n, kp in pairs.items()}
     if config.connector is not None:
         options = dict(config.connector.options)
         if config.connector.name == "p2p":
-            options.setdefault("keypair", keypair_to_string(worker))
-            options.setdefault("allowed_keys", {"worker": worker.public.decode()})
+            options.setdefault("allowed_keys", {kp.name: kp.public.decode() for kp in pairs.values()})
             options.setdefault("params_secret", secrets.token_hex(32))
             options.setdefault("side_channel_bind", f"tcp://{HOST_PLACEHOLDER}:*")
             options.setdefault("data_host", HOST_PLACEHOLDER)
+            for n, kp in pairs.items():
+                own = {**options, "keypair": options.get("keypair", keypair_to_string(kp))}
+                instance_env[n][ENV_CONNECTOR_OPTIONS] = json.dumps(own)
+            options.setdefault("keypair", keypair_to_string(worker))
         worker_env[ENV_CONNECTOR_OPTIONS] = json.dumps(options)
-    router_env = {"router": keypair_to_string(router), "worker": worker.public.decode()}
-    return ClusterSecrets(worker_env, router_env, made)
+    publishers = {kp.name: kp.public.decode() for kp in pairs.values()}
+    router_env = {"router": keypair_to_string(router), "worker": worker.public.decode(),
+                  "publishers": json.dumps(publishers)}
+    return ClusterSecrets(worker_env, router_env, made, instance_env)
 
 
 def bind_host_into(env: dict[str, str], host: str) -> dict[str, str]:

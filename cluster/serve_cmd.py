@@ -260,12 +260,14 @@ def run_serve(args: argparse.Namespace) -> int:
     workdir = tempfile.mkdtemp(prefix="pdcluster-serve-")
     key_dir = args.key_dir
     pools = _pools(args)
-    own_keys = key_dir is None  # fresh keys: one CURVE pair per worker instance, named like it
+    names = [f"{role}-{i}" for role, count in pools for i in range(count)]
+    own_keys = True  # one CURVE pair per worker instance, named like it
     if key_dir is None:
         from pdcluster.security.keys import init_keys
 
-        names = [f"{role}-{i}" for role, count in pools for i in range(count)]
         key_dir = init_keys(f"{workdir}/keys", ("router", "worker", "client", *names)).root.as_posix()
+    else:
+        own_keys = _instance_keys(key_dir, names)
     extra = shlex.split(args.worker_args)
     # No worker certificates given: mutual TLS with a CA made for this run (cluster/internal_tls.py).
     given_tls = bool(args.worker_tls_ca or args.worker_tls_cert or args.worker_tls_key)
@@ -315,6 +317,19 @@ def run_serve(args: argparse.Namespace) -> int:
         if stores is not None:
             stores.stop()  # after the workers: they flush nothing more into it
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _instance_keys(key_dir: str, names: list[str]) -> bool:
+    """The instances' own pairs in the user's key folder (made there when missing, like `keys
+    issue` does for certificates); False: they share its "worker" pair (read-only folder)."""
+    from pdcluster.security.keys import KeyMaterialError, ensure_instance_keys
+
+    try:
+        ensure_instance_keys(key_dir, names)
+    except (OSError, KeyMaterialError) as e:
+        log.warning("workers share the 'worker' key pair of %s (no per-instance pairs: %s)", key_dir, e)
+        return False
+    return True
 
 
 def _internal_ca(workdir: str) -> Any:

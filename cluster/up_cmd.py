@@ -62,6 +62,9 @@ def add_up_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--insecure", action="store_true",
                    help="join a Ray cluster without token authentication, or bind the router to a non-loopback "
                         "--router-host (it has no TLS or API key under `up` yet)")
+    p.add_argument("--insecure-internal", action="store_true",
+                   help="plaintext gRPC between the router and the workers instead of mutual TLS with "
+                        "certificates from --key-dir's CA or one made for the cluster (the default)")
     p.add_argument("--demo-request", action="store_true",
                    help="once ready, stream one demo request through the router (the README's main job)")
     add_engine_overrides(p)
@@ -174,7 +177,8 @@ def run_up(args: argparse.Namespace) -> int:
 
     address = args.address or os.environ.get("RAY_ADDRESS") or "local"
     _check_access(config, address, args.insecure)
-    launcher = RayLauncher(config, address=address, detach=args.detach, insecure=args.insecure)
+    launcher = RayLauncher(config, address=address, detach=args.detach, insecure=args.insecure,
+                           insecure_internal=args.insecure_internal)
     stop = _StopFlag()
     try:
         try:

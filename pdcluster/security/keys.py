@@ -192,6 +192,22 @@ def init_keys(
     return KeySet(root, keypairs)
 
 
+def ensure_instance_keys(directory: str | os.PathLike[str], names: Iterable[str]) -> dict[str, KeyPair]:
+    """One CURVE pair per instance NAME in a key folder: loaded when it is there already (a
+    restart keeps its identity), else made (0600, exclusive create) beside the cluster's keys,
+    so every server that reads the folder allows it. Per-instance pairs let servers tell the
+    processes apart (P2P lease owners, refusal logs); one shared "worker" pair cannot."""
+    out: dict[str, KeyPair] = {}
+    for name in names:
+        try:
+            out[name] = load_keypair(directory, name)
+        except KeyMaterialError:
+            if (pathlib.Path(directory) / PUBLIC_DIR / f"{_check_name(name)}{PUBLIC_SUFFIX}").exists():
+                raise  # a public key without its secret: not ours to replace
+            out[name] = init_keys(directory, [name]).keypairs[name]
+    return out
+
+
 ROTATION_SUFFIX = ".next"  # the new pair during a rotation; curve.py gives it NAME's User-Id
 
 

@@ -101,9 +101,33 @@ class ClusterCA:
         except (OSError, ValueError) as e:
             raise KeyMaterialError(f"no usable cluster CA in {self.dir}: {e}") from e
 
+    @classmethod
+    def ephemeral(cls, common_name: str = "pdcluster cluster CA") -> ClusterCA:
+        """A CA that lives only in this process's memory (its key is never written): for a
+        launcher that hands every instance its certificate as PEM (`pdcluster up` on Ray)."""
+        ca = cls.__new__(cls)
+        ca.dir = None  # type: ignore[assignment]
+        ca._key, ca._cert = _make_ca(common_name)
+        return ca
+
     @property
     def ca_path(self) -> str:
         return str(self.dir / CA_CERT)
+
+    def ca_pem(self) -> bytes:
+        """The trust bundle peers get (during a CA rotation: new + old)."""
+        if self.dir is None:
+            return self._cert.public_bytes(serialization.Encoding.PEM)
+        return (self.dir / CA_CERT).read_bytes()
+
+    def issue_pem(self, role: str, name: str, hosts: Sequence[str] = ()) -> tuple[bytes, bytes]:
+        """(key PEM, certificate PEM) for an instance of ROLE, in memory only: the caller hands
+        them to that one instance (e.g. through a Ray actor's start-up environment)."""
+        if role not in ROLES:
+            raise KeyMaterialError(f"unknown role {role!r}; roles: {', '.join(ROLES)}")
+        _check_name(name)
+        key, cert = self._make_cert(role, name, hosts)
+        return _key_pem(key), cert.public_bytes(serialization.Encoding.PEM)
 
     def issue(self, role: str, name: str, hosts: Sequence[str] = ()) -> Identity:
         """Make NAME/{cert,key}.pem for an instance of ROLE (a new name: never overwrites)."""

@@ -54,12 +54,16 @@ def test_connector_secrets_go_through_the_environment_not_argv() -> None:
     assert not any("keypair" in a or "secret" in a for a in argv)
     found = cluster_secrets(c)
     try:
-        env = bind_host_into(found.worker_env, "10.1.2.3")
+        env = bind_host_into(found.for_instance("decode-0"), "10.1.2.3")
         opts = json.loads(env[ENV_CONNECTOR_OPTIONS])
         assert opts["num_streams"] == 2 and opts["keypair"] == env["PDCLUSTER_WORKER_KEY"]
         assert opts["side_channel_bind"] == "tcp://10.1.2.3:*" and opts["data_host"] == "10.1.2.3"
         assert len(bytes.fromhex(opts["params_secret"])) == 32
-        assert list(opts["allowed_keys"].values()) == [env["PDCLUSTER_WORKER_KEY"].split(",")[0]]
+        # Each instance has its own pair (issue 16 item 5), and every instance's key is allowed.
+        assert sorted(opts["allowed_keys"]) == ["decode-0", "prefill-0"]
+        assert opts["allowed_keys"]["decode-0"] == env["PDCLUSTER_WORKER_KEY"].split(",")[0]
+        other = json.loads(found.for_instance("prefill-0")[ENV_CONNECTOR_OPTIONS])
+        assert other["keypair"] != opts["keypair"] and other["params_secret"] == opts["params_secret"]
         assert HOST_PLACEHOLDER in found.worker_env[ENV_CONNECTOR_OPTIONS]  # filled by each actor
         # serve-worker itself accepts the options (names it knows, keys that parse).
         from pdcluster.connectors.p2p.options import _KNOWN

@@ -1,0 +1,107 @@
+"""Mutual TLS for `pdcluster up` (issue 16, item 1): the launcher holds the cluster CA and gives
+each actor only its own certificate, as PEM in the actor's start-up environment (the same path
+as its CURVE keys: Ray's actor creation arguments, never request data, a command line or a
+shared file). The actor writes its PEM into a private folder on its node (0700, key 0600) and
+hands serve-worker (or the in-process router) the paths, as `serve` does (internal_tls.py).
+
+    launcher:  CA = DIR/tls of --key-dir (`pdcluster keys init`), else one made in memory for
+               this cluster (its key is never written anywhere)
+               worker NAME -> env {cert, key, CA bundle} of spiffe://pdcluster/worker/NAME
+               router      -> env {cert, key, CA bundle} of spiffe://pdcluster/router/router
+    worker:    serve-worker --tls-cert --tls-key --tls-ca (mTLS required, role authz, reloads)
+    router:    channels to the workers present the router certificate, verify the CA and the
+               name WORKER_SERVER_NAME (in every worker certificate: a restarted actor may land
+               on another node, so its address is not known when the certificate is made)
+
+`--insecure-internal` keeps the old plaintext planes. The store connector reaches a kvstore
+master with the worker's own identity when its options say `"tls_identity": "worker"` (the
+master must then trust this CA: give `up` the --key-dir whose CA issued the master's certs).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+ENV_CERT = "PDCLUSTER_TLS_CERT_PEM"
+ENV_KEY = "PDCLUSTER_TLS_KEY_PEM"
+ENV_CA = "PDCLUSTER_TLS_CA_PEM"
+TLS_ENV = (ENV_CERT, ENV_KEY, ENV_CA)
+WORKER_SERVER_NAME = "pdcluster-worker"
+
+
+@dataclass(frozen=True)
+class TLSPaths:
+    folder: str
+    cert: str
+    key: str
+    ca: str
+
+    def server_argv(self) -> list[str]:
+        return ["--tls-cert", self.cert, "--tls-key", self.key, "--tls-ca", self.ca]
+
+    def remove(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+class LauncherTLS:
+    """The launcher's CA and the per-actor environments it issues."""
+
+    def __init__(self, key_dir: str | None) -> None:
+        from pdcluster.security.pki import CA_KEY, TLS_DIR, ClusterCA
+
+        if key_dir and (pathlib.Path(key_dir) / TLS_DIR / CA_KEY).is_file():
+            self.ca = ClusterCA(key_dir)
+            self.source = f"{key_dir}/{TLS_DIR}"
+        else:
+            self.ca = ClusterCA.ephemeral("pdcluster up CA")
+            self.source = "a CA made for this cluster (in memory)"
+        self._bundle = self.ca.ca_pem().decode()
+
+    def env(self, role: str, name: str, hosts: tuple[str, ...] = ()) -> dict[str, str]:
+        key, cert = self.ca.issue_pem(role, name, hosts)
+        return {ENV_CERT: cert.decode(), ENV_KEY: key.decode(), ENV_CA: self._bundle}
+
+    def worker_env(self, name: str) -> dict[str, str]:
+        return self.env("worker", name, (WORKER_SERVER_NAME,))
+
+    def router_env(self) -> dict[str, str]:
+        return self.env("router", "router")
+
+
+def split_env(env: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str] | None]:
+    """(env without the TLS PEMs, the PEMs or None): a child process never sees key material
+    in its environment, only the paths of its own files."""
+    rest = {k: v for k, v in env.items() if k not in TLS_ENV}
+    if not all(k in env for k in TLS_ENV):
+        return rest, None
+    return rest, {k: env[k] for k in TLS_ENV}
+
+
+def write_identity(pems: Mapping[str, str], parent: str | None = None) -> TLSPaths:
+    """The PEMs as files in a new private folder (0700; key 0600, created exclusively)."""
+    folder = tempfile.mkdtemp(prefix="pdcluster-tls-", dir=parent)  # mkdtemp: mode 0700
+    paths = TLSPaths(folder, f"{folder}/cert.pem", f"{folder}/key.pem", f"{folder}/ca.pem")
+    try:
+        for path, var, mode in ((paths.key, ENV_KEY, 0o600), (paths.cert, ENV_CERT, 0o644),
+                                (paths.ca, ENV_CA, 0o644)):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), mode)
+            try:
+                os.write(fd, pems[var].encode())
+            finally:
+                os.close(fd)
+    except BaseException:
+        paths.remove()
+        raise
+    return paths
+
+
+def router_worker_tls(paths: TLSPaths) -> object:
+    """The router's TLSConfig for its worker channels."""
+    from pdcluster.worker.tls import TLSConfig
+
+    return TLSConfig(ca=paths.ca, cert=paths.cert, key=paths.key, server_name=WORKER_SERVER_NAME)
