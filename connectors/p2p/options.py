@@ -78,6 +78,7 @@ class P2POptions:
     open_retry_s: float = 2.0
     debug_pause_before_read_s: float = 0.0
     data_mac: bool = True
+    keys_dir: str | None = None  # allowed_keys came from keys_dir/public: the server follows it
 
     @property
     def is_producer(self) -> bool:
@@ -120,7 +121,8 @@ class P2POptions:
             raise ValueError(f"failure_policy must be 'fail' or 'recompute', got {kw['failure_policy']!r}")
         return cls(engine_id=engine_id, kv_role=engine_config.kv_role, keypair=keypair, allowed_keys=allowed,
                    peers=_peers(o.get("peers") or {}), params_secret=_secret(o.get("params_secret")),
-                   transport=transport, **kw)
+                   transport=transport,
+                   keys_dir=str(o["keys_dir"]) if o.get("keys_dir") and o.get("allowed_keys") is None else None, **kw)
 
 
 def _positive(name: str, value: Any, allow_zero: bool = False) -> float:

@@ -17,6 +17,7 @@ import threading
 import zmq
 
 from pdcluster.security.curve import CurveAuthenticator, make_server_socket
+from pdcluster.security.rotation import KeyDirWatcher
 
 from .agent import ProducerAgent
 from .options import P2POptions
@@ -43,6 +44,8 @@ class SideChannelServer:
             self._ctx.term()
             raise
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # replies to a vanished peer are dropped
+        # Rotation: the allow-list follows the key folder (keys rotate/revoke) without a restart.
+        self._watcher = KeyDirWatcher(self._auth, {self._sock: opts.keys_dir}).start() if opts.keys_dir else None
         bound = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         host_port = bound[len("tcp://"):]
         host, _, port = host_port.rpartition(":")
@@ -60,6 +63,8 @@ class SideChannelServer:
         return self._auth.metrics.value(_SOCKET_NAME)
 
     def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.stop()
         self._stop.set()
         self._thread.join(5.0)
         self._sock.close(linger=0)
@@ -85,6 +90,10 @@ class SideChannelServer:
         frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
         if len(frames) < 2:
             return  # no identity: nothing to answer
+        if not self._auth.session_allowed(self._sock, frames[1]):
+            # A session whose key was revoked since its handshake: nothing it sends is served.
+            self._auth.metrics.count(_SOCKET_NAME, "session_revoked")
+            return
         # The ZAP handler's User-Id: the name of the sender's allow-listed CURVE key, set by
         # libzmq on every frame of an authenticated connection (never by the peer).
         try:

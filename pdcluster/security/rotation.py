@@ -33,13 +33,13 @@ import logging
 import os
 import pathlib
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 import grpc
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
-from .keys import KeyMaterialError, load_allowed_public_keys
+from .keys import ROTATION_SUFFIX, KeyMaterialError, load_allowed_public_keys
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +62,14 @@ class KeyDirWatcher:
     """Keeps the allow-list of CURVE server sockets equal to their public-key folders."""
 
     def __init__(self, auth: object, sockets: Mapping[object, str | os.PathLike[str]],
-                 poll_s: float = DEFAULT_POLL_S) -> None:
+                 poll_s: float = DEFAULT_POLL_S, only: Collection[str] | None = None) -> None:
+        """only: admit just the keys of these names (and their NAME.next), e.g. the routers
+        of a KV-event publisher; None: every key in the folder."""
         self._auth = auth  # a CurveAuthenticator (typed loosely: curve.py imports nothing of us)
         self._sockets = {s: pathlib.Path(d) for s, d in sockets.items()}
         self._poll_s = poll_s
-        self._stamps: dict[pathlib.Path, object] = {}
+        self._only = None if only is None else frozenset(only)
+        self._stamps: dict[object, object] = {}  # per socket: two sockets may share one folder
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -80,14 +83,17 @@ class KeyDirWatcher:
             for sock, directory in self._sockets.items():
                 try:
                     stamp = _dir_stamp(directory)
-                    if not force and self._stamps.get(directory) == stamp:
+                    if not force and self._stamps.get(sock) == stamp:
                         continue
                     allowed = load_allowed_public_keys(directory)
+                    if self._only is not None:
+                        allowed = {n: k for n, k in allowed.items()
+                                   if n.removesuffix(ROTATION_SUFFIX) in self._only}
                 except (OSError, KeyMaterialError) as e:
                     log.error("key reload of %s failed, keeping the current allow-list: %s", directory, e)
                     continue
                 gone = self._auth.set_allowed(sock, allowed)  # type: ignore[attr-defined]
-                self._stamps[directory] = stamp
+                self._stamps[sock] = stamp
                 self.applied += 1
                 if gone:
                     log.warning("CURVE keys revoked on %s: %s", sock.zap_domain.decode(), ", ".join(gone))

@@ -55,6 +55,9 @@ class KVEventsConfig:
     advertise_host: str | None = None  # host put in the reported endpoints (default: bind_host)
     interval_s: float = 0.05
     heartbeat_s: float = 1.0
+    # From a key folder: the allow-list follows it (security/rotation.py), names as allow_names.
+    key_dir: str | None = None
+    allow_names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.keypair.has_secret:
@@ -70,7 +73,8 @@ class KVEventsConfig:
         allowed = {n: public[n] for n in allow_names if n in public}
         if not allowed:
             raise KeyMaterialError(f"KV events: none of the subscriber keys {list(allow_names)} is in {key_dir}/public")
-        return cls(load_keypair(key_dir, key_name), allowed, **kwargs)
+        return cls(load_keypair(key_dir, key_name), allowed, key_dir=str(key_dir),
+                   allow_names=tuple(allow_names), **kwargs)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **kwargs: Any) -> KVEventsConfig | None:
@@ -99,6 +103,12 @@ class KVEventService:
             self._auth.stop()
             self._ctx.term()
             raise
+        self._watcher = None
+        if config.key_dir:  # rotation: a revoked router key is refused without a restart
+            from pdcluster.security.rotation import KeyDirWatcher
+
+            self._watcher = KeyDirWatcher(self._auth, {s: config.key_dir for s in self.publisher.server_sockets},
+                                          only=config.allow_names).start()
         self._mirror: set[bytes] = set()
         self._last_send = 0.0
         self._task: asyncio.Task | None = None
@@ -186,6 +196,8 @@ class KVEventService:
             self._task = None
         if self._pending is not None:
             self._pending.cancel()
+        if self._watcher is not None:
+            self._watcher.stop()
         # zmq lifecycle: sockets, then the ZAP handler, then the context (term() hangs otherwise).
         self.publisher.close()
         self._auth.stop()

@@ -266,6 +266,8 @@ class KVEventPublisher:
         self.keypair = keypair
         self._snapshot_fn = snapshot_fn
         self._clock = clock
+        self._auth = auth
+        self.num_revoked_requests = 0
         self._pub = make_server_socket(ctx, zmq.PUB, keypair, allowed, events_addr, auth=auth, name="kv_events")
         try:
             self._rep = make_server_socket(
@@ -274,6 +276,11 @@ class KVEventPublisher:
         except BaseException:
             self._pub.close()
             raise
+
+    @property
+    def server_sockets(self) -> tuple[zmq.Socket, zmq.Socket]:
+        """(events PUB, snapshot ROUTER): for a KeyDirWatcher that keeps their allow-lists."""
+        return self._pub, self._rep
 
     @property
     def events_endpoint(self) -> str:
@@ -311,7 +318,13 @@ class KVEventPublisher:
         """Answer pending snapshot requests (waiting up to timeout_ms for the first one)."""
         served = 0
         while served < max_requests and self._rep.poll(timeout_ms if served == 0 else 0, zmq.POLLIN):
-            frames = self._rep.recv_multipart()
+            msg = self._rep.recv_multipart(copy=False)
+            if len(msg) == 2 and not self._auth.session_allowed(self._rep, msg[1]):
+                # The subscriber's key was revoked after its handshake (rotation.py): not served.
+                self.num_revoked_requests += 1
+                self._auth.metrics.count("kv_snapshot", "session_revoked")
+                continue
+            frames = [f.bytes for f in msg]
             try:
                 if len(frames) != 2:
                     raise MalformedMessage(f"expected 2 frames, got {len(frames)}")
