@@ -21,11 +21,11 @@ def _read(path: str) -> bytes:
 
 
 def server_credentials(cert_file: str, key_file: str, client_ca_file: str | None = None) -> grpc.ServerCredentials:
-    return grpc.ssl_server_credentials(
-        [(_read(key_file), _read(cert_file))],
-        root_certificates=_read(client_ca_file) if client_ca_file else None,
-        require_client_auth=client_ca_file is not None,
-    )
+    """Credentials that follow the files: gRPC re-reads a reissued certificate or CA bundle at
+    the next handshake (pdcluster/security/rotation.py), so rotation needs no restart."""
+    from pdcluster.security.rotation import dynamic_server_credentials
+
+    return dynamic_server_credentials(cert_file, key_file, client_ca_file)[0]
 
 
 def make_channel(addr: str, *, tls_ca: str | None = None, tls_cert: str | None = None,

@@ -27,6 +27,7 @@ from .circuit_breaker import CircuitBreaker
 from .config import RouterConfig
 from .kv_sync import KVEventSync
 from .policies import WorkerStats, WorkerView
+from .tls_reload import ChannelRebuilder
 from .worker_client import WorkerClient
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class WorkerHandle:
     stats_at: float = 0.0  # monotonic time of the last Stats answer
     num_inflight: int = 0  # requests this router has on the worker and not seen finish
     task: asyncio.Task | None = field(default=None, repr=False)
+    tls_stamp: object = None  # the TLS files `client` was built from (tls_reload.py)
 
     @property
     def worker_id(self) -> str:
@@ -86,19 +88,24 @@ class WorkerRegistry:
         self._handles: dict[str, WorkerHandle] = {}
         self._started = False
         self._changed = asyncio.Event()
+        # Worker channels follow the router's TLS files (rotation without restart).
+        self._tls = ChannelRebuilder(config.worker_tls, self._client, config.request_timeout_s)
 
     # -- membership -----------------------------------------------------------------------------
     def add(self, address: str) -> WorkerHandle:
         """Register a worker (idempotent); it takes traffic after its first SERVING check."""
         if address in self._handles:
             return self._handles[address]
-        client = WorkerClient(address, max_message_bytes=self.config.max_message_bytes, tls=self.config.worker_tls,
-                              multiplex=self.config.worker_channel == "stream")
-        handle = WorkerHandle(address, client, CircuitBreaker(self.config.eject_after_failures))
+        handle = WorkerHandle(address, self._client(address), CircuitBreaker(self.config.eject_after_failures),
+                              tls_stamp=self._tls.current())
         self._handles[address] = handle
         if self._started:
             self._start_probe(handle)
         return handle
+
+    def _client(self, address: str) -> WorkerClient:
+        return WorkerClient(address, max_message_bytes=self.config.max_message_bytes, tls=self.config.worker_tls,
+                            multiplex=self.config.worker_channel == "stream")
 
     async def remove(self, address: str) -> None:
         handle = self._handles.pop(address, None)
@@ -123,6 +130,7 @@ class WorkerRegistry:
     async def stop(self) -> None:
         for address in list(self._handles):
             await self.remove(address)
+        await self._tls.close()
         self._started = False
 
     # -- queries --------------------------------------------------------------------------------
@@ -187,6 +195,7 @@ class WorkerRegistry:
     async def probe(self, handle: WorkerHandle) -> None:
         """One health check (+ GetInfo + Stats when SERVING); updates the breaker."""
         timeout = self.config.health_timeout_s
+        self._tls.rebuild_if_changed(handle)
         serving = await handle.client.check_health(timeout)
         if serving:
             serving = await self._refresh(handle, timeout)

@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from pdcluster._proto import common_pb2, router_pb2, router_pb2_grpc
+from pdcluster.security.rotation import dynamic_server_credentials
 from pdcluster.worker.tls import server_credentials
 
 from .admission import Admission
@@ -144,7 +145,11 @@ def build_grpc_server(config: RouterConfig, servicer: RouterServicer, health: Ro
     address = f"[{config.host}]:{config.grpc_port}" if ":" in config.host else f"{config.host}:{config.grpc_port}"
     try:
         if config.tls is not None:
-            port = server.add_secure_port(address, server_credentials(config.tls))
+            # server_credentials for its checks and messages; then credentials that follow the
+            # files (a reissued certificate or CA bundle is served without a restart).
+            server_credentials(config.tls)
+            port = server.add_secure_port(address, dynamic_server_credentials(
+                str(config.tls.cert), str(config.tls.key), config.tls.ca)[0])
         else:
             port = server.add_insecure_port(address)
     except RuntimeError:  # newer grpcio raises where older ones returned 0

@@ -90,6 +90,11 @@ class WorkerClient:
         resp = await self.stub.Abort(common_pb2.AbortRequest(request_ids=list(request_ids)), timeout=timeout_s)
         return list(resp.aborted_request_ids)
 
+    @property
+    def num_active(self) -> int:
+        """Requests on the multiplexed stream now (0 for per-call channels: their close waits)."""
+        return len(self._stream._calls) if self._stream is not None else 0
+
     async def close(self) -> None:
         if self._stream is not None:
             await self._stream.close()
