@@ -333,6 +333,14 @@ class RouterActor:
                         "kv_usage": s.kv_usage if s else None})
         return out
 
+    async def drain_workers(self, timeout_s: float) -> dict[str, Any]:
+        """Worker.Drain on every worker at once (`pdcluster down`, before stop): router/drain_workers.py."""
+        if self.router is None or self.router.registry is None:
+            return {}
+        from pdcluster.router.drain_workers import drain_workers
+
+        return await drain_workers(self.router.registry, timeout_s)
+
     async def stop(self) -> None:
         _kv_put(self.spec, None)  # a stopped router is not to be resumed
         if self.router is not None:

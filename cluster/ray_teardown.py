@@ -1,5 +1,9 @@
 """Take a pdcluster on Ray down: nothing of it left running.
 
+    router.drain_workers(drain_timeout_s)
+                    Worker.Drain on every worker at once, through the router (the one identity
+                    allowed to call it): no new requests, running ones finish and stream out
+                    through the still running router until the timeout, the rest end UNAVAILABLE
     router.stop()   (frontends closed, worker channels closed)
     worker.stop()   each actor SIGTERMs its serve-worker child by pid, SIGKILL after a grace period
     ray.kill        every actor of the namespace, no restart (a child whose actor dies this way gets
@@ -19,6 +23,9 @@ from typing import Any
 
 from pdcluster.cluster import ray_head
 
+DEFAULT_DRAIN_TIMEOUT_S = 10.0  # serve-worker's --drain-timeout default
+DRAIN_RPC_MARGIN_S = 30.0  # beyond the drain itself: the RPC's and Ray's own latency
+
 log = logging.getLogger("pdcluster.ray")
 
 
@@ -30,17 +37,19 @@ def named_actors(namespace: str) -> list[str]:
 
 
 def teardown(namespace: str, *, head: ray_head.LocalHead | None = None, grace_s: float = 10.0,
-             shutdown: bool = True, namespace_too: bool = True) -> dict[str, Any]:
+             shutdown: bool = True, namespace_too: bool = True,
+             drain_timeout_s: float | None = DEFAULT_DRAIN_TIMEOUT_S) -> dict[str, Any]:
     """Stop everything of `namespace`; returns what was stopped and anything left over.
     shutdown: disconnect from Ray afterwards (always when `head` is given: it goes away);
-    namespace_too=False: only the head and the connection (nothing in the namespace is ours)."""
+    namespace_too=False: only the head and the connection (nothing in the namespace is ours);
+    drain_timeout_s: how long the workers' in-flight requests may run on (None: no drain)."""
     import ray
 
-    report: dict[str, Any] = {"actors": [], "placement_groups": [], "children": {}, "left": []}
+    report: dict[str, Any] = {"actors": [], "placement_groups": [], "children": {}, "left": [], "drained": {}}
     if ray.is_initialized():
         try:
             if namespace_too:
-                _stop_actors(namespace, grace_s, report)
+                _stop_actors(namespace, grace_s, report, drain_timeout_s)
                 _remove_groups(namespace, report)
         finally:
             if shutdown or head is not None:
@@ -51,7 +60,7 @@ def teardown(namespace: str, *, head: ray_head.LocalHead | None = None, grace_s:
     return report
 
 
-def _stop_actors(namespace: str, grace_s: float, report: dict[str, Any]) -> None:
+def _stop_actors(namespace: str, grace_s: float, report: dict[str, Any], drain_timeout_s: float | None) -> None:
     import ray
 
     names = named_actors(namespace)
@@ -62,6 +71,10 @@ def _stop_actors(namespace: str, grace_s: float, report: dict[str, Any]) -> None
         except ValueError:  # gone meanwhile
             continue
     router = handles.pop(f"{namespace}:router", None)
+    if router is not None and drain_timeout_s is not None:
+        drained = _call(router.drain_workers.remote(drain_timeout_s), drain_timeout_s + 2 * DRAIN_RPC_MARGIN_S,
+                        "router.drain_workers")
+        report["drained"] = drained or {}
     if router is not None:
         _call(router.stop.remote(), 15.0, "router.stop")
     stops = {name: a.stop.remote(grace_s) for name, a in handles.items()}

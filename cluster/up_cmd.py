@@ -4,7 +4,7 @@
                  [--prefill N --decode M | --workers N] [--tp T] [--connector NAME]
                  [--grpc-port P] [--http-port Q] [--policy NAME] [--namespace NS] [--detach]
     pdcluster status [--namespace NS] [--json]
-    pdcluster down [--namespace NS]
+    pdcluster down [--namespace NS] [--drain-timeout S]
 
 Flags override the file's fields (cluster/config.py). `up` prints the endpoints and one line
 
@@ -77,6 +77,9 @@ def add_up_commands(sub: argparse._SubParsersAction) -> None:
     d = sub.add_parser("down", help="stop everything `up` started")
     _add_namespace(d)
     d.add_argument("--address", default=None, help="Ray address (default: the one `up` recorded)")
+    d.add_argument("--drain-timeout", type=float, default=10.0, metavar="S",
+                   help="first drain every worker: requests in flight may finish for up to S seconds "
+                        "(the rest end with UNAVAILABLE); 0 ends them at once")
     d.set_defaults(func=run_down)
 
 
@@ -335,10 +338,16 @@ def run_down(args: argparse.Namespace) -> int:
     head = None
     if state and state.get("head_pid"):
         head = ray_head.LocalHead(state["head_pid"], state["ray_address"], "", state.get("head_start", 0.0))
-    report = teardown(ns, head=head)
+    report = teardown(ns, head=head, drain_timeout_s=max(0.0, args.drain_timeout))
     if state and state.get("key_dir"):
         shutil.rmtree(state["key_dir"], ignore_errors=True)
     ray_head.remove_state(ns)
+    drained = report.get("drained") or {}
+    if drained:
+        finished = sum(r.get("finished", 0) for r in drained.values())
+        moved = sum(r.get("moved", 0) for r in drained.values())
+        print(f"pdcluster down: drained {len(drained)} worker(s): {finished} request(s) finished, "
+              f"{moved} ended at the drain timeout")
     print(f"pdcluster down: stopped {len(report['actors'])} actor(s), removed {len(report['placement_groups'])} "
           f"placement group(s)" + (", stopped the local Ray head" if report["head_stopped"] else ""))
     if report["left"]:
