@@ -56,7 +56,8 @@ class EngineCore:
         sched_conn, worker_conn = build_connectors(config, connector)
         runner = executor(config, connector=worker_conn)
         self.runner = runner
-        self.scheduler = Scheduler(config.scheduler, config.cache, connector=sched_conn)
+        self.scheduler = Scheduler(config.scheduler, config.cache, connector=sched_conn,
+                                   sliding_window=config.model.kv_window)
         self.connector = sched_conn
         if sched_conn is not None and hasattr(runner, "handshake_metadata_all"):
             # Every TP rank's metadata, gathered by the executor; the scheduler side learns

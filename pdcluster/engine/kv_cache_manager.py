@@ -11,9 +11,22 @@ Invariants:
   - blocks[:num_cached_blocks[request_id]] are published in the prefix cache (or are duplicates of a
     published block); a block is published only once every one of its tokens' KV is computed
     (locally, or loaded by a connector whose load has finished)
-  - allocate_slots either allocates everything asked for or changes nothing (returns None)
+  - allocate_slots either allocates everything asked for or changes nothing (returns None), except
+    that blocks behind a sliding window (below) are freed either way
   - request.block_hashes[i] is the chained hash of tokens [i*bs, (i+1)*bs); hashes are computed
     for every full block, cached or not, so connectors and the router can use them as keys
+
+Sliding window (`sliding_window` w: set only when EVERY layer slides, to the widest window; a
+model with any full-attention layer reads every position, so nothing is freed). The token at
+position p reads keys (p - w, p]; once a request has computed c tokens, no later token reads a
+position below c - w + 1, so blocks wholly before it are freed (vLLM's SlidingWindowManager does
+the same): their entries become `null_block`, a placeholder that holds no reference (its id, 0,
+is never read: the attention backends read only a query's window). Freed blocks that were
+published stay in the prefix cache until evicted. A prefix-cache hit needs only the blocks a
+hit's end can still see: earlier ones are not held (placeholders), whether cached or not.
+
+    tokens   | t0 .. t3 | t4 .. t7 | t8 .. t11 | t12 t13 |      w = 6, c = 14: keys >= 9 are read
+    blocks   |   null   |   null   |    b9     |   b4    |      (9 // 4 = block 2 is the first held)
 """
 
 from __future__ import annotations
@@ -73,15 +86,20 @@ class KVCacheStats:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, max_model_len: int,
-                 enable_kv_events: bool = True) -> None:
+                 enable_kv_events: bool = True, sliding_window: int | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.max_model_len = max_model_len
+        self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks, enable_caching, enable_kv_events)
+        self.null_block = KVCacheBlock(0)  # placeholder for a block behind the window (not in the pool)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
+        self.num_skipped_blocks: dict[str, int] = {}  # leading null_block entries per request
         self._prefix_queries = 0
         self._prefix_hits = 0
         self._external_hits = 0
@@ -118,6 +136,8 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
+        if self.sliding_window is not None:
+            return self._window_hit(request.block_hashes[:max_blocks])
         hits: list[KVCacheBlock] = []
         for h in request.block_hashes[:max_blocks]:
             b = self.pool.get_cached_block(h)
@@ -125,6 +145,38 @@ class KVCacheManager:
                 break
             hits.append(b)
         return hits, len(hits) * self.block_size
+
+    def _first_needed_block(self, num_computed_tokens: int) -> int:
+        """The first block a token computed after num_computed_tokens can still read."""
+        assert self.sliding_window is not None
+        return max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
+
+    def _window_hit(self, hashes: list[bytes]) -> tuple[list[KVCacheBlock], int]:
+        """Longest hit of k blocks whose last blocks, those the (k * bs)-th token's window covers,
+        are all cached; the blocks before them are placeholders (not held, not needed)."""
+        found = [self.pool.get_cached_block(h) for h in hashes]
+        best, run = 0, 0
+        for k in range(1, len(found) + 1):
+            run = run + 1 if found[k - 1] is not None else 0
+            if run >= k - self._first_needed_block(k * self.block_size):
+                best = k
+        skip = self._first_needed_block(best * self.block_size)
+        hits = [self.null_block] * skip + [b for b in found[skip:best] if b is not None]
+        return hits, best * self.block_size
+
+    def _free_behind_window(self, request_id: str, num_computed_tokens: int) -> None:
+        """Free the request's blocks that no token after num_computed_tokens reads (tail first)."""
+        blocks = self.req_to_blocks.get(request_id)
+        if self.sliding_window is None or not blocks:
+            return
+        skipped = self.num_skipped_blocks.get(request_id, 0)
+        first = min(self._first_needed_block(num_computed_tokens), len(blocks))
+        if first <= skipped:
+            return
+        freed = [b for b in blocks[skipped:first] if b is not self.null_block]
+        blocks[skipped:first] = [self.null_block] * (first - skipped)
+        self.num_skipped_blocks[request_id] = first
+        self.pool.free_blocks(reversed(freed))
 
     def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks: list[KVCacheBlock] | None = None,
@@ -146,21 +198,24 @@ class KVCacheManager:
         num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_external_tokens + num_new_tokens
         if num_tokens > self.max_model_len:
             raise ValueError(f"{request_id}: {num_tokens} tokens exceed max_model_len={self.max_model_len}")
+        self._free_behind_window(request_id, request.num_computed_tokens)
         num_held = len(held) if held else 0
         num_to_allocate = max(0, _cdiv(num_tokens, self.block_size) - num_held - len(new_computed_blocks))
-        # Hits sitting in the free list stop being allocatable once touched.
-        num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        # Hits sitting in the free list stop being allocatable once touched (placeholders hold nothing).
+        held_hits = [b for b in new_computed_blocks if b is not self.null_block]
+        num_free_hits = sum(1 for b in held_hits if b.ref_cnt == 0)
         if num_to_allocate > self.pool.num_free_blocks - num_free_hits:
             return None
 
         if held is None:
             held = self.req_to_blocks[request_id] = []
             self.num_cached_blocks[request_id] = len(new_computed_blocks)
+            self.num_skipped_blocks[request_id] = len(new_computed_blocks) - len(held_hits)
             # One lookup per admission (a resumed request counts again: it looked up again).
             self._prefix_queries += request.num_tokens
             self._prefix_hits += num_new_computed_tokens
             self._external_hits += num_external_tokens
-        self.pool.touch(new_computed_blocks)
+        self.pool.touch(held_hits)
         new_blocks = self.pool.get_new_blocks(num_to_allocate)
         held.extend(new_computed_blocks)
         held.extend(new_blocks)
@@ -174,7 +229,8 @@ class KVCacheManager:
         blocks = self.req_to_blocks.get(request_id)
         if not self.enable_caching or not blocks:
             return
-        num_cached = self.num_cached_blocks[request_id]
+        # Placeholders are never published (an invalidation may have cut the count back past them).
+        num_cached = max(self.num_cached_blocks[request_id], self.num_skipped_blocks.get(request_id, 0))
         num_full = min(num_computed_tokens // self.block_size, len(request.block_hashes), len(blocks))
         if num_full <= num_cached:
             return
@@ -191,7 +247,7 @@ class KVCacheManager:
         self.pool.evict_blocks(bad)
         for request_id, blocks in self.req_to_blocks.items():
             for i, b in enumerate(blocks[:self.num_cached_blocks[request_id]]):
-                if b.block_id in bad:
+                if b is not self.null_block and b.block_id in bad:
                     self.num_cached_blocks[request_id] = i
                     break
 
@@ -199,8 +255,9 @@ class KVCacheManager:
         """Release the request's blocks (no-op when it holds none). Tail first: see BlockPool."""
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
+        self.num_skipped_blocks.pop(request.request_id, None)
         if blocks:
-            self.pool.free_blocks(reversed(blocks))
+            self.pool.free_blocks(b for b in reversed(blocks) if b is not self.null_block)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]

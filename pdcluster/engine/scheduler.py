@@ -37,13 +37,15 @@ logger = logging.getLogger(__name__)
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  connector: KVConnectorBase | None = None, log_stats: bool = True,
-                 enable_kv_events: bool = True) -> None:
+                 enable_kv_events: bool = True, sliding_window: int | None = None) -> None:
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.max_model_len = scheduler_config.max_model_len
+        # Blocks behind the window are freed only without a KV connector: a hand-off or a store
+        # save reads every block of a request (kv_cache_manager.py).
         self.kv = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
                                  cache_config.enable_prefix_caching, scheduler_config.max_model_len,
-                                 enable_kv_events)
+                                 enable_kv_events, sliding_window if connector is None else None)
         self.connector = connector
         self.log_stats = log_stats
         self.requests: dict[str, Request] = {}  # every unfinished request, whatever its state

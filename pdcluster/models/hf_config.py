@@ -95,6 +95,13 @@ class ModelConfig:
         """Layer `layer`'s sliding window in tokens, or None for full causal attention."""
         return (self.layer_windows[layer] or None) if self.layer_windows else None
 
+    @property
+    def kv_window(self) -> int | None:
+        """The window every layer's reads fit in: the widest window when every layer slides, else
+        None (a full-attention layer reads every position, so no block can ever be freed)."""
+        windows = self.layer_windows
+        return max(windows) if windows and all(windows) else None
+
     def is_moe(self, layer: int) -> bool:
         return bool(self.layer_moe) and self.layer_moe[layer]
 

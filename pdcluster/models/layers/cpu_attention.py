@@ -14,6 +14,11 @@ Why this shape (measured on torch 2.13, AVX512 CPU; see /work/notes/perf.md):
     group as the query rows, in the cache dtype; mask and softmax in float32.
 
 StepPlan is derived from one AttentionMetadata and reused by every layer of that step.
+
+A sliding window w: a token at position p sees (p - w, p]. Nothing before a query's window is read
+from the cache: prefill chunks over a prefix gather from their first query's window start, decode
+gathers only each request's last w positions. So blocks that left every layer's window may be
+freed and reused (kv_cache_manager.py) while the request's block table still names them.
 """
 
 from __future__ import annotations
@@ -32,23 +37,32 @@ class DecodePlan:
     """The decode rows of a step: gather index and masks shared by every layer."""
 
     tokens: torch.Tensor | None  # (B,) token rows of q/out; None when every token is a decode
-    slots: torch.Tensor  # (B * S,) int64 cache slot of key position p of request b at b * S + p
+    tables: torch.Tensor  # (B, max_blocks) block tables of the decode rows
     seq_lens: torch.Tensor  # (B,) int64
     num_reqs: int
     max_seq_len: int
-    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> (B, 1, S)
+    block_size: int
+    # window (None: full) -> (slots (B * S,) int64: key j of request b at b * S + j, additive mask (B, 1, S))
+    views: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
-    def mask(self, window: int | None) -> torch.Tensor:
-        """Additive float32 mask: 0 where key position p is visible to the new token (p < seq_len,
-        and p >= seq_len - window with a window), -inf elsewhere (padding)."""
-        if window not in self.masks:
-            key_pos = torch.arange(self.max_seq_len, device=self.slots.device)[None, :]
-            valid = key_pos < self.seq_lens[:, None]
-            if window is not None:
-                valid &= key_pos >= self.seq_lens[:, None] - window
-            mask = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
-            self.masks[window] = mask.masked_fill_(~valid, float("-inf"))[:, None, :]
-        return self.masks[window]
+    def view(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys the new tokens read and their float32 mask (0 visible, -inf padding). Full:
+        positions 0..max_seq_len-1. Window w (when some sequence is longer): each request's last
+        w positions [seq_len - w, seq_len), so no earlier (possibly freed) block is read."""
+        if window is not None and window >= self.max_seq_len:
+            window = None  # the window hides nothing this step
+        if window not in self.views:
+            dev = self.tables.device
+            if window is None:
+                pos = torch.arange(self.max_seq_len, device=dev)[None, :].expand(self.num_reqs, -1)
+            else:
+                pos = (self.seq_lens - window).clamp(min=0)[:, None] + torch.arange(window, device=dev)[None, :]
+            valid = pos < self.seq_lens[:, None]
+            pos = torch.minimum(pos, (self.seq_lens - 1).clamp(min=0)[:, None])  # inside the request's blocks
+            slots = self.tables.long().gather(1, pos // self.block_size) * self.block_size + pos % self.block_size
+            mask = torch.zeros(valid.shape, dtype=torch.float32, device=dev).masked_fill_(~valid, float("-inf"))
+            self.views[window] = (slots.reshape(-1), mask[:, None, :])
+        return self.views[window]
 
 
 @dataclass
@@ -81,16 +95,15 @@ def build_plan(meta: AttentionMetadata, block_size: int) -> StepPlan:
         tables = meta.block_tables if rows is None else meta.block_tables[rows]
         seq_lens = (meta.seq_lens if rows is None else meta.seq_lens[rows]).long()
         max_seq_len = max(meta.seq_lens_cpu[i] for i in decode_rows)
-        slots = _slots(tables, max_seq_len, block_size).reshape(-1)
         tokens = None if all_decode else torch.tensor([starts[i] for i in decode_rows], device=dev)
-        decode = DecodePlan(tokens, slots, seq_lens, len(decode_rows), max_seq_len)
+        decode = DecodePlan(tokens, tables, seq_lens, len(decode_rows), max_seq_len, block_size)
     return StepPlan(fresh_runs, prefills, decode)
 
 
-def _slots(tables: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
-    """(B, max_blocks) block tables -> (B, seq_len) int64 cache slots of positions 0..seq_len-1."""
-    pos = torch.arange(seq_len, device=tables.device)
-    return tables[:, pos // block_size].long() * block_size + pos % block_size
+def _slots(table: torch.Tensor, lo: int, hi: int, block_size: int) -> torch.Tensor:
+    """(max_blocks,) block table -> (hi - lo,) int64 cache slots of positions lo..hi-1."""
+    pos = torch.arange(lo, hi, device=table.device)
+    return table[pos // block_size].long() * block_size + pos % block_size
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -135,11 +148,13 @@ def _over_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, t
     n = q.shape[0]
     seq_len = context_len + n
     hk, d = k_cache.shape[2], k_cache.shape[3]
-    slots = _slots(table, seq_len, k_cache.shape[1])[0]
+    # The first query (position context_len) sees nothing before context_len - window + 1.
+    lo = 0 if window is None else max(0, context_len - window + 1)
+    slots = _slots(table[0], lo, seq_len, k_cache.shape[1])
     kc = k_cache.view(-1, hk, d).index_select(0, slots).to(q.dtype)  # (S, Hk, D)
     vc = v_cache.view(-1, hk, d).index_select(0, slots).to(q.dtype)
     # Query j sits at position context_len + j and sees [0, context_len + j] (the last `window`).
-    key_pos = torch.arange(seq_len, device=q.device)
+    key_pos = torch.arange(lo, seq_len, device=q.device)
     query_pos = torch.arange(context_len, seq_len, device=q.device)
     mask = key_pos[None, :] <= query_pos[:, None]  # (n, S)
     if window is not None:
@@ -158,19 +173,20 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, dec: 
     = q @ K^T, float32 mask and softmax, P @ V. (bmm copies a strided K view per call in bf16: a
     head-major copy once is cheaper.) The products run in the cache dtype, like transformers'
     eager attention: a float32 copy of K costs more than the matmul."""
-    b, s = dec.num_reqs, dec.max_seq_len
+    slots, mask = dec.view(window)
+    b, s = dec.num_reqs, mask.shape[-1]
     hq, d = q.shape[1], q.shape[2]
     hk = k_cache.shape[2]
     group = hq // hk
 
     def gather(cache: torch.Tensor) -> torch.Tensor:
-        rows = cache.view(-1, hk, d).index_select(0, dec.slots).view(b, s, hk, d)
+        rows = cache.view(-1, hk, d).index_select(0, slots).view(b, s, hk, d)
         return rows.permute(2, 0, 1, 3).reshape(hk * b, s, d)
 
     kc, vc = gather(k_cache), gather(v_cache)
     qs = q.to(kc.dtype).view(b, hk, group, d).transpose(0, 1).reshape(hk * b, group, d)
     scores = torch.bmm(qs, kc.transpose(1, 2)).float().mul_(scale).view(hk, b, group, s)
-    probs = scores.add_(dec.mask(window)).softmax(dim=-1).to(vc.dtype)  # mask (B, 1, S) broadcasts
+    probs = scores.add_(mask).softmax(dim=-1).to(vc.dtype)  # mask (B, 1, S) broadcasts
     out = torch.bmm(probs.view(hk * b, group, s), vc)  # (Hk * B, G, D)
     return out.view(hk, b, group, d).permute(1, 0, 2, 3).reshape(b, hq, d).to(q.dtype)
 
