@@ -1,7 +1,8 @@
 """ECFetcher: the consumer half. Fetches planned items (ECConnectorMetadata) from their producers
 on its own threads and reports outputs and per-item failures; it never raises into the engine.
 
-Per producer (one CURVE DEALER socket per load, to a key that must be on the cluster allow-list):
+Per producer (a CURVE DEALER socket per load thread, kept for the next load; the producer's key must
+be on the cluster allow-list):
 
     fetch(mm_hash, lease_id, fingerprint) --> ready:     read the bytes (shared memory when the
                                                          producer is on this host, else TCP with the
@@ -51,6 +52,7 @@ log = logging.getLogger(__name__)
 _STATUS_REASON = {MISSING: ECFetchError.MISSING, EVICTED: ECFetchError.EVICTED,
                   "incompatible": ECFetchError.INCOMPATIBLE, "malformed": ECFetchError.MALFORMED}
 _MAX_BACKOFF_S = 0.05
+_MAX_SOCKETS = 64
 
 
 class _Failed(Exception):
@@ -72,6 +74,8 @@ class ECFetcher:
         self._host_id = local_host_id()
         self._lock = threading.Lock()
         self.counters: Counter[str] = Counter()
+        # (thread, address, key) -> its DEALER: one CURVE handshake per producer per load thread.
+        self._socks: dict[tuple[int, str, bytes], zmq.Socket] = {}
 
     def start(self, meta: ECConnectorMetadata) -> Future[ECLoadReport]:
         return self._pool.submit(self._load, meta)
@@ -81,7 +85,11 @@ class ECFetcher:
             return dict(self.counters)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        self._pool.shutdown(wait=True)  # no load thread uses a socket any more: close them here
+        with self._lock:
+            socks, self._socks = list(self._socks.values()), {}
+        for sock in socks:
+            sock.close(linger=0)
         self._transfer.close()
         self._shm.close()
         self._ctx.term()
@@ -115,23 +123,41 @@ class ECFetcher:
             for load in loads:
                 report.failed[load.mm_hash] = problem
             return
-        sock = make_client_socket(self._ctx, zmq.DEALER, self.opts.keypair, producer.public_key,
-                                  f"tcp://{producer.address}")
-        try:
-            for i, load in enumerate(loads):
-                try:
-                    out = self._load_item(sock, load)
-                except _Failed as e:
-                    log.debug("ec fetch of %s from %s: %s", load.mm_hash[:12], producer.address, e)
-                    report.failed[load.mm_hash] = e.reason
-                    if e.reason is ECFetchError.TIMEOUT:  # the producer is gone: do not wait again per item
-                        for rest in loads[i + 1:]:
-                            report.failed[rest.mm_hash] = ECFetchError.TIMEOUT
-                        return
-                    continue
-                report.loaded[load.mm_hash] = out
-                report.nbytes += out.numel() * out.element_size()
-        finally:
+        sock = self._socket(producer.address, producer.public_key)
+        for i, load in enumerate(loads):
+            try:
+                out = self._load_item(sock, load)
+            except _Failed as e:
+                log.debug("ec fetch of %s from %s: %s", load.mm_hash[:12], producer.address, e)
+                report.failed[load.mm_hash] = e.reason
+                if e.reason is ECFetchError.TIMEOUT:  # the producer is gone: do not wait again per item
+                    self._drop_socket(producer.address, producer.public_key)
+                    for rest in loads[i + 1:]:
+                        report.failed[rest.mm_hash] = ECFetchError.TIMEOUT
+                    return
+                continue
+            report.loaded[load.mm_hash] = out
+            report.nbytes += out.numel() * out.element_size()
+
+    def _socket(self, address: str, key: bytes) -> zmq.Socket:
+        k = (threading.get_ident(), address, key)
+        with self._lock:
+            sock = self._socks.get(k)
+        if sock is None:
+            sock = make_client_socket(self._ctx, zmq.DEALER, self.opts.keypair, key, f"tcp://{address}")
+            with self._lock:
+                # Addresses come from request data: keep at most _MAX_SOCKETS, closing this thread's oldest.
+                mine = [other for other in self._socks if other[0] == k[0]]
+                old = self._socks.pop(mine[0]) if len(self._socks) >= _MAX_SOCKETS and mine else None
+                self._socks[k] = sock
+            if old is not None:
+                old.close(linger=0)
+        return sock
+
+    def _drop_socket(self, address: str, key: bytes) -> None:
+        with self._lock:
+            sock = self._socks.pop((threading.get_ident(), address, key), None)
+        if sock is not None:
             sock.close(linger=0)
 
     def _check_producer(self, producer: Any) -> ECFetchError | None:
