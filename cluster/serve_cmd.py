@@ -79,13 +79,18 @@ def _add_router_flags(p: argparse.ArgumentParser, *, grpc_port: int = 50051, htt
     b.add_argument("--params-cache-bytes", type=int, default=None, help="memo of validated sampling parameters")
     b.add_argument("--max-concurrent-streams", type=int, default=None,
                    help="gRPC calls at once on one client connection (default max-inflight + 64)")
+    b.add_argument("--max-http-connections-per-peer", type=int, default=None,
+                   help="HTTP connections one client address may hold (default max-inflight + 64; more: 503)")
+    b.add_argument("--max-http-requests-per-peer", type=int, default=None,
+                   help="HTTP requests one client address may run at once (default max-inflight + 64; more: 429)")
     b.add_argument("--max-images-per-request", type=int, default=None, help="image parts per chat (default 8)")
     b.add_argument("--max-image-bytes", type=int, default=None, help="bytes of one decoded image (default 20 MiB)")
     p.add_argument("--log-level", default="INFO")
 
 
 _BOUNDS = ("max_stop_token_ids", "max_json_depth", "max_message_bytes", "params_cache_bytes",
-           "max_concurrent_streams", "max_images_per_request", "max_image_bytes")
+           "max_concurrent_streams", "max_images_per_request", "max_image_bytes",
+           "max_http_connections_per_peer", "max_http_requests_per_peer")
 
 
 def add_serve(sub: argparse._SubParsersAction) -> None:

@@ -115,10 +115,16 @@ class Router:
 
     async def _start_http(self) -> None:
         assert self.preprocessor and self.orchestrator and self.registry
+        from .peer_limits import PeerLimits
+
+        limits = PeerLimits(self.config.http_connections_per_peer, self.config.http_requests_per_peer,
+                            self.metrics.registry)
         frontend = HttpFrontend(self.config, self.preprocessor, self.orchestrator, self.registry, self.metrics,
-                                self.admission)
+                                self.admission, peer_limits=limits)
         runner = web.AppRunner(frontend.app(), handler_cancellation=True, access_log=None)
         await runner.setup()
+        assert runner.server is not None
+        limits.install(runner.server)
         self._http_runner = runner
         site = web.TCPSite(runner, self.config.host, self.config.http_port, reuse_port=False,
                            ssl_context=_ssl_context(self.config.tls) if self.config.tls else None)

@@ -63,6 +63,11 @@ class RouterConfig:
     # Per HTTP/2 connection (one peer's channel) and in all; None = derived from max_inflight.
     max_concurrent_streams: int | None = None
     max_concurrent_rpcs: int | None = None
+    # HTTP frontend, per client address (router/peer_limits.py); None = max_inflight + 64 each,
+    # above the global cap, so by default the global admission answers first (set them lower
+    # to keep one client from taking every place).
+    max_http_connections_per_peer: int | None = None
+    max_http_requests_per_peer: int | None = None
     # Client authentication (vLLM's --api-key): `Authorization: Bearer <key>` on HTTP and gRPC.
     api_key: str | None = field(default=None, repr=False)
     # Allow a non-loopback host with neither TLS nor an API key (refused otherwise).
@@ -80,7 +85,8 @@ class RouterConfig:
             raise ValueError(f"worker_channel: {self.worker_channel!r} is not one of {WORKER_CHANNELS}")
         if not 0 <= self.max_stop_token_ids <= MAX_STOP_TOKEN_IDS:
             raise ValueError(f"max_stop_token_ids must be in [0, {MAX_STOP_TOKEN_IDS}], got {self.max_stop_token_ids}")
-        for name in ("max_concurrent_streams", "max_concurrent_rpcs"):
+        for name in ("max_concurrent_streams", "max_concurrent_rpcs", "max_http_connections_per_peer",
+                     "max_http_requests_per_peer"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.api_key is not None and not self.api_key:
@@ -106,6 +112,14 @@ class RouterConfig:
     @property
     def streams_per_connection(self) -> int:
         return self.max_concurrent_streams or self.max_inflight + 64  # headroom: health, Abort
+
+    @property
+    def http_connections_per_peer(self) -> int:
+        return self.max_http_connections_per_peer or self.max_inflight + 64
+
+    @property
+    def http_requests_per_peer(self) -> int:
+        return self.max_http_requests_per_peer or self.max_inflight + 64
 
     @property
     def concurrent_rpcs(self) -> int:

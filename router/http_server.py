@@ -35,6 +35,7 @@ from .openai_protocol import OpenAIOptions, parse_chat, parse_completions
 from .openai_responses import FINISH_REASONS, ResponseBuilder, stop_reason
 from .openai_tokenize import detokenize, tokenize
 from .orchestrator import Orchestrator
+from .peer_limits import PeerLimits
 from .preprocess import Preprocessor
 from .registry import WorkerRegistry
 from .request_state import RequestState
@@ -54,8 +55,10 @@ def _dumps(obj: Any) -> bytes:
 
 class HttpFrontend:
     def __init__(self, config: RouterConfig, preprocessor: Preprocessor, orchestrator: Orchestrator,
-                 registry: WorkerRegistry, metrics: RouterMetrics, admission: Admission | None = None) -> None:
+                 registry: WorkerRegistry, metrics: RouterMetrics, admission: Admission | None = None,
+                 peer_limits: PeerLimits | None = None) -> None:
         self.config = config
+        self.peer_limits = peer_limits
         self.admission = admission or Admission(config.max_inflight, orchestrator, metrics)
         self.pre = preprocessor
         self.orch = orchestrator
@@ -67,6 +70,8 @@ class HttpFrontend:
         middlewares: list[Any] = [_json_errors]
         if self.config.api_key is not None:
             middlewares.append(ApiKey(self.config.api_key).http_middleware())
+        if self.peer_limits is not None:  # after the key check: strangers hold no place
+            middlewares.append(self.peer_limits.middleware())
         app = web.Application(client_max_size=self.config.max_message_bytes, middlewares=middlewares)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
