@@ -301,8 +301,10 @@ def _worker_argv(config: ClusterConfig, role: str) -> list[str]:
     argv = ["--role", role, *(["--model", config.model] if config.model else []), *engine_argv(pool.engine, actions)]
     if pool.tp > 1:
         argv += [str(worker_flag(actions, "tp")), str(pool.tp)]
-    if config.connector is not None:  # its options (with secrets) go through the environment
+    if config.connector is not None and role != "encode":  # its options (with secrets) go through the environment
         argv += [str(worker_flag(actions, "connector")), config.connector.name]
+    if config.ec_connector is not None:  # likewise (ray_secrets: the instance's pair, the allow-list)
+        argv += ["--ec-connector", config.ec_connector.name]
     return argv
 
 

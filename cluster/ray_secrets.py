@@ -30,6 +30,7 @@ HOST_PLACEHOLDER = "${PDCLUSTER_HOST}"
 ENV_WORKER_KEY = "PDCLUSTER_WORKER_KEY"          # read by serve-worker (service/kv_events.py)
 ENV_KV_EVENTS_ALLOWED = "PDCLUSTER_KV_EVENTS_ALLOWED"
 ENV_CONNECTOR_OPTIONS = "PDCLUSTER_KV_CONNECTOR_OPTIONS"  # read by serve-worker (worker_cmd.py)
+ENV_EC_OPTIONS = "PDCLUSTER_EC_CONNECTOR_OPTIONS"  # read by serve-worker (worker_cmd.py)
 log = logging.getLogger("pdcluster.ray")
 
 
@@ -88,10 +89,30 @@ def cluster_secrets(config: ClusterConfig) -> ClusterSecrets:
                 instance_env[n][ENV_CONNECTOR_OPTIONS] = json.dumps(own)
             options.setdefault("keypair", keypair_to_string(worker))
         worker_env[ENV_CONNECTOR_OPTIONS] = json.dumps(options)
+    _ec_secrets(config, pairs, instance_env)
     publishers = {kp.name: kp.public.decode() for kp in pairs.values()}
     router_env = {"router": keypair_to_string(router), "worker": worker.public.decode(),
                   "publishers": json.dumps(publishers)}
     return ClusterSecrets(worker_env, router_env, made, instance_env)
+
+
+def _ec_secrets(config: ClusterConfig, pairs: dict, instance_env: dict[str, dict[str, str]]) -> None:
+    """The EC connector's keys per instance (its own pair; every instance's public key may fetch),
+    and no KV connector options for encode instances (they run none)."""
+    from pdcluster.security.keys import keypair_to_string
+
+    for name in instance_env:
+        if name.startswith("encode-"):
+            instance_env[name][ENV_CONNECTOR_OPTIONS] = ""  # empty: serve-worker reads nothing
+    if config.ec_connector is None:
+        return
+    options = dict(config.ec_connector.options)
+    if config.ec_connector.name == "p2p_ec":
+        options.setdefault("allowed_keys", {kp.name: kp.public.decode() for kp in pairs.values()})
+    for name, kp in pairs.items():
+        own = {**options, "keypair": options.get("keypair", keypair_to_string(kp))} \
+            if config.ec_connector.name == "p2p_ec" else options
+        instance_env[name][ENV_EC_OPTIONS] = json.dumps(own)
 
 
 def bind_host_into(env: dict[str, str], host: str) -> dict[str, str]:

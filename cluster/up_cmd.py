@@ -1,7 +1,7 @@
 """`pdcluster up`, `pdcluster status`, `pdcluster down`: a cluster on Ray.
 
     pdcluster up [--config FILE] [--address local|auto|ray://HOST:PORT|HOST:PORT] [--model PATH]
-                 [--prefill N --decode M | --workers N] [--tp T] [--connector NAME]
+                 [--prefill N --decode M | --workers N] [--encode E] [--tp T] [--connector NAME]
                  [--grpc-port P] [--http-port Q] [--policy NAME] [--namespace NS] [--detach]
     pdcluster status [--namespace NS] [--json]
     pdcluster down [--namespace NS] [--drain-timeout S]
@@ -39,6 +39,9 @@ def add_up_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill", type=int, default=None, help="prefill instances (disaggregated)")
     p.add_argument("--decode", type=int, default=None, help="decode instances (disaggregated)")
     p.add_argument("--workers", type=int, default=None, help="aggregated instances (one `both` pool)")
+    p.add_argument("--encode", type=int, default=None,
+                   help="encode instances (multimodal models: encoder-only, beside the other pools; 0 removes them)")
+    p.add_argument("--ec-connector", default=None, help="encoder-cache connector (p2p_ec, none, a dotted path)")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size of every pool")
     p.add_argument("--connector", default=None, help="KV connector name or 'package.module:Class'")
     p.add_argument("--grpc-port", type=int, default=None)
@@ -96,7 +99,7 @@ def add_engine_overrides(p: argparse.ArgumentParser) -> None:
     add_forwarded_engine_flags(p)
 
 
-_OVERRIDES = ("model", "prefill", "decode", "workers", "tp", "connector", "grpc_port", "http_port", "router_host",
+_OVERRIDES = ("model", "prefill", "decode", "workers", "encode", "ec_connector", "tp", "connector", "grpc_port", "http_port", "router_host",
               "policy", "key_dir", "log_dir", "max_restarts", "ready_timeout_s", "num_cpus", "namespace", "dashboard",
               "disagg_min_uncached_tokens", "max_migrations")
 
@@ -139,13 +142,19 @@ def apply_overrides(raw: Mapping[str, Any], overrides: Mapping[str, Any]) -> dic
     pools = out.get("pools") or {}
     if isinstance(pools, Mapping):
         pools = dict(pools)
+        encode = {"encode": pools["encode"]} if "encode" in pools else {}  # kept beside either layout
         if "workers" in ov:
-            pools = {"both": _merge(pools.get("both"), instances=ov["workers"])}
+            pools = {"both": _merge(pools.get("both"), instances=ov["workers"]), **encode}
         elif "prefill" in ov or "decode" in ov:
             pools.pop("both", None)
             for role in ("prefill", "decode"):
                 if role in ov:
                     pools[role] = _merge(pools.get(role), instances=ov[role])
+        if "encode" in ov:
+            if ov["encode"] == 0:
+                pools.pop("encode", None)
+            else:
+                pools["encode"] = _merge(pools.get("encode"), instances=ov["encode"])
         per_pool = {k: ov[k] for k in ("tp", "max_restarts") if k in ov}
         pools = {role: _merge(p, **per_pool) for role, p in pools.items()}
         out["pools"] = pools
@@ -157,6 +166,10 @@ def apply_overrides(raw: Mapping[str, Any], overrides: Mapping[str, Any]) -> dic
         out["router"] = _merge(out.get("router"), **router)
     if "connector" in ov:
         out["connector"] = _merge(out.get("connector"), name=ov["connector"])
+    if "ec_connector" in ov:
+        out["ec_connector"] = "none" if ov["ec_connector"] == "none" else \
+            _merge(out.get("ec_connector") if isinstance(out.get("ec_connector"), Mapping) else None,
+                   name=ov["ec_connector"])
     for key in ("model", "namespace", "key_dir", "log_dir", "ready_timeout_s", "num_cpus", "dashboard"):
         if key in ov:
             out[key] = ov[key]

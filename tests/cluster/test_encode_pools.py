@@ -77,3 +77,43 @@ def test_yaml_encode_pool_and_ec_connector() -> None:
         ClusterConfig.from_dict({"pools": {"both": {}}, "ec_connector": "nope"})
     with pytest.raises(ConfigError, match="optionally an `encode` pool"):
         ClusterConfig.from_dict({"pools": {"encode": {}}})
+
+
+def test_up_overrides_keep_or_size_the_encode_pool() -> None:
+    from pdcluster.cluster.up_cmd import apply_overrides
+
+    raw = {"pools": {"encode": {"instances": 2}, "prefill": {}, "decode": {}}, "connector": "p2p"}
+    assert set(apply_overrides(raw, {"workers": 1})["pools"]) == {"both", "encode"}
+    assert apply_overrides(raw, {"encode": 3})["pools"]["encode"]["instances"] == 3
+    assert "encode" not in apply_overrides(raw, {"encode": 0})["pools"]
+    assert apply_overrides({}, {"encode": 1, "prefill": 1, "decode": 1})["pools"] == {
+        "prefill": {"instances": 1}, "decode": {"instances": 1}, "encode": {"instances": 1}}
+    assert apply_overrides({}, {"ec_connector": "none"})["ec_connector"] == "none"
+    assert apply_overrides({}, {"ec_connector": "p2p_ec"})["ec_connector"] == {"name": "p2p_ec"}
+
+
+def test_ray_encode_instances_get_the_ec_connector_and_no_kv_connector() -> None:
+    import json
+
+    from pdcluster.cluster.ray_launcher import _worker_argv
+    from pdcluster.cluster.ray_secrets import ENV_CONNECTOR_OPTIONS, ENV_EC_OPTIONS, cluster_secrets
+
+    raw = {"pools": {"encode": {}, "prefill": {}, "decode": {}}, "connector": "p2p"}
+    c = ClusterConfig.from_dict(raw, connector_names=lambda: ["p2p"])
+    encode, prefill = _worker_argv(c, "encode"), _worker_argv(c, "prefill")
+    assert "--kv-connector" not in encode and encode[encode.index("--ec-connector") + 1] == "p2p_ec"
+    assert prefill[prefill.index("--kv-connector") + 1] == "p2p" and "--ec-connector" in prefill
+    secrets = cluster_secrets(c)
+    try:
+        env = secrets.for_instance("encode-0")
+        assert env[ENV_CONNECTOR_OPTIONS] == ""  # no KV connector there, so none of its secrets
+        ec = json.loads(env[ENV_EC_OPTIONS])
+        assert set(ec["allowed_keys"]) == {"encode-0", "prefill-0", "decode-0"}
+        assert ec["keypair"].split(",")[0] == ec["allowed_keys"]["encode-0"]  # its own pair
+        assert json.loads(secrets.for_instance("prefill-0")[ENV_EC_OPTIONS])["keypair"] != ec["keypair"]
+        assert json.loads(secrets.for_instance("prefill-0")[ENV_CONNECTOR_OPTIONS])["params_secret"]
+    finally:
+        import shutil
+
+        if secrets.key_dir:
+            shutil.rmtree(secrets.key_dir, ignore_errors=True)
