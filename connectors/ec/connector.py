@@ -37,6 +37,15 @@ from .wire import engine_fingerprint
 log = logging.getLogger(__name__)
 
 
+def _row_bytes(engine_config: EngineConfig) -> int:
+    """Bytes of one encoder-output row here: a producer's item of any other size is refused unread."""
+    from pdcluster.dtypes import ITEMSIZE
+    from pdcluster.models.llava_config import load_llava_vision_config
+
+    m = engine_config.model
+    return load_llava_vision_config(m.model_path).text_hidden_size * ITEMSIZE[m.dtype]
+
+
 class P2PECConnector(ECConnectorBase):
     name = "p2p_ec"
 
@@ -53,7 +62,7 @@ class P2PECConnector(ECConnectorBase):
                 self.producer = ECProducer(self.opts, self.fingerprint)
                 self.server = ECControlServer(self.producer, self.opts)
             if self.opts.role in ("both", "consumer"):
-                self.fetcher = ECFetcher(self.opts, self.fingerprint)
+                self.fetcher = ECFetcher(self.opts, self.fingerprint, _row_bytes(engine_config))
         except BaseException:
             self.shutdown()
             raise

@@ -62,9 +62,12 @@ class _Failed(Exception):
 
 
 class ECFetcher:
-    def __init__(self, opts: ECOptions, fingerprint: str) -> None:
+    def __init__(self, opts: ECOptions, fingerprint: str, row_bytes: int | None = None) -> None:
+        """row_bytes: the size of one output row here (text hidden x itemsize); an item of another size
+        is refused before anything is allocated for it."""
         self.opts = opts
         self.fingerprint = fingerprint
+        self.row_bytes = row_bytes
         self._trusted = {normalize_public_key(k) for k in opts.allowed_keys.values()}
         self._ctx = zmq.Context()
         self._pool = ThreadPoolExecutor(opts.num_load_threads, thread_name_prefix="ec-load")
@@ -230,7 +233,9 @@ class ECFetcher:
         if not shape or dtype not in ITEMSIZE or "float8" in str(dtype) or nbytes is None \
                 or any(reply.get(k) is None for k in fields):
             raise _Failed(ECFetchError.MALFORMED, "ready reply without a complete item description")
-        if math.prod(shape) * ITEMSIZE[dtype] != nbytes or shape[0] != load.num_tokens:
+        expected = None if self.row_bytes is None else load.num_tokens * self.row_bytes
+        if math.prod(shape) * ITEMSIZE[dtype] != nbytes or shape[0] != load.num_tokens \
+                or (expected is not None and nbytes != expected):
             raise _Failed(ECFetchError.MALFORMED, f"item shape {shape} {dtype} does not fit {nbytes} bytes / "
                                                   f"{load.num_tokens} placeholders")
         dest = torch.empty(nbytes, dtype=torch.uint8)

@@ -173,10 +173,15 @@ class AsyncEngine:
         ec = self.engine.ec
         if ec is None or not request.ec_transfer_params or not request.mm_features:
             return
-        meta = ec.connector.build_load_meta(request.request_id, request.mm_features, request.ec_transfer_params)
-        if not meta.loads:
+        try:
+            meta = ec.connector.build_load_meta(request.request_id, request.mm_features, request.ec_transfer_params)
+            if not meta.loads:
+                return
+            report = await asyncio.wrap_future(ec.connector.start_load(meta))
+        except Exception:  # a connector bug: this request encodes its images itself
+            logger.exception("EC fetch for %s failed; encoding locally", request.request_id)
+            ec.embedder.errors["connector"] += 1
             return
-        report = await asyncio.wrap_future(ec.connector.start_load(meta))
         for f in request.mm_features:
             f.remote_output = report.loaded.get(f.mm_hash)
 

@@ -31,8 +31,9 @@ class Producer:
         self.producer.close()
 
 
-def consumer(keys: Any, name: str = "prefill", fingerprint: str = FP, **opts: Any) -> ECFetcher:
-    return ECFetcher(ECOptions.from_dict(keys.options(name, role="consumer", **opts)), fingerprint)
+def consumer(keys: Any, name: str = "prefill", fingerprint: str = FP, row_bytes: int | None = None,
+             **opts: Any) -> ECFetcher:
+    return ECFetcher(ECOptions.from_dict(keys.options(name, role="consumer", **opts)), fingerprint, row_bytes)
 
 
 def fetch(fetcher: ECFetcher, params: ECTransferParams, wanted: list[tuple[str, int]]) -> ECLoadReport:

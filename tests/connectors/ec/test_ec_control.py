@@ -98,6 +98,17 @@ def test_missing_evicted_and_shape_checked(ec_keys, producer) -> None:
         fetcher.close()
 
 
+def test_item_of_another_width_refused_before_allocation(ec_keys, producer) -> None:
+    producer.producer.save(H0, torch.randn(16, 8))
+    producer.producer.save(H1, torch.randn(16, 9))
+    fetcher = consumer(ec_keys, row_bytes=8 * 4)  # this engine's rows: 8 float32
+    try:
+        report = fetch(fetcher, producer.params(), [(H0, 16), (H1, 16)])
+        assert list(report.loaded) == [H0] and report.failed == {H1: ECFetchError.MALFORMED}
+    finally:
+        fetcher.close()
+
+
 def test_untrusted_key_and_incompatible_fingerprint(ec_keys, producer) -> None:
     producer.producer.save(H0, torch.randn(16, 8))
     fetcher = consumer(ec_keys)
