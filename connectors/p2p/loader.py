@@ -42,6 +42,7 @@ from pdcluster.transfer import SharedRegionCache, TransferError, local_host_id
 
 from .blocks import CacheGeometry, block_ranges, chunk_block_ids, copy_blocks
 from .heartbeat import Heartbeats
+from .load_times import LoadTimes
 from .options import P2POptions, check_endpoint
 from .params import producer_ranks
 from .peer import ChannelPool, Handshake, HandshakeCache, LoadError, Producer, call, resolve_producer
@@ -79,7 +80,9 @@ class Loader:
         self._jobs: dict[str, LoadJob] = {}
         self._finished: set[str] = set()
         self._failed: set[int] = set()
-        self.counters = {"loads_ok": 0, "loads_failed": 0, "bytes_tcp": 0, "bytes_shm": 0}
+        self.counters = {"loads_ok": 0, "loads_failed": 0, "bytes_tcp": 0, "bytes_shm": 0, "failed_blocks": 0,
+                         "open_retries": 0}
+        self.load_seconds = LoadTimes()  # successful pulls, handshake to the producer's "released"
         self.last_errors: dict[str, str] = {}  # request id -> why its load failed (bounded)
 
     # -- engine thread ---------------------------------------------------------------------------
@@ -111,7 +114,8 @@ class Loader:
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            return {f"p2p_{k}": v for k, v in self.counters.items()} | {"p2p_loads_in_flight": len(self._jobs)}
+            return {f"p2p_{k}": v for k, v in self.counters.items()} | {"p2p_loads_in_flight": len(self._jobs),
+                                                                       "p2p_load_seconds": self.load_seconds.snapshot()}
 
     def close(self) -> None:
         with self._lock:
@@ -128,6 +132,7 @@ class Loader:
     def _run(self, job: LoadJob) -> None:
         error: str | None = None
         producer: Producer | None = None
+        started = time.monotonic()
         try:
             producer = resolve_producer(job.params, self.opts)
             self._load(job, producer)
@@ -145,8 +150,10 @@ class Loader:
             self._finished.add(job.request_id)
             if error is None:
                 self.counters["loads_ok"] += 1
+                self.load_seconds.observe(time.monotonic() - started)
             else:
                 self.counters["loads_failed"] += 1
+                self.counters["failed_blocks"] += len(job.local_block_ids)
                 self._failed.update(job.local_block_ids)
                 self.last_errors[job.request_id] = error
                 while len(self.last_errors) > 256:
@@ -292,6 +299,7 @@ class Loader:
             # right away is not final.
             if "lease unknown" not in (reply.get("error") or "") or time.monotonic() > deadline:
                 raise LoadError(f"producer {hs.producer.producer_id!r} refused to open the transfer: {reply.get('error')}")
+            self._add("open_retries", 1)  # NOT_READY: counted, so a producer that is slow to register shows
             if job.cancelled.wait(0.02):
                 raise LoadError("cancelled")
 

@@ -81,6 +81,9 @@ CONNECTOR_COUNTERS: Mapping[str, tuple[str, Mapping[str, str], str]] = {
     "store_load_blocks": ("pdcluster_connector_loaded_blocks", {}, "KV blocks loaded"),
     "store_save_blocks": ("pdcluster_connector_saved_blocks", {}, "KV blocks queued for saving"),
     "store_load_failed_blocks": ("pdcluster_connector_failed_blocks", {"op": "load"}, "KV blocks that failed"),
+    "p2p_failed_blocks": ("pdcluster_connector_failed_blocks", {"op": "load"}, "KV blocks that failed"),
+    "p2p_open_retries": ("pdcluster_connector_not_ready_retries", {},
+                         "Transfer opens retried because the producer had not registered the lease yet"),
     "store_save_failed_blocks": ("pdcluster_connector_failed_blocks", {"op": "save"}, "KV blocks that failed"),
     "store_save_dropped_blocks": ("pdcluster_connector_dropped_blocks", {}, "KV blocks not saved (queue full)"),
     "store_load_cancelled": ("pdcluster_connector_cancelled_loads", {}, "KV loads cancelled"),
@@ -98,6 +101,11 @@ CONNECTOR_GAUGES: Mapping[str, tuple[str, str]] = {
     "p2p_leases_active": ("pdcluster_connector_active_leases", "Leases held by peers now"),
     "p2p_loads_in_flight": ("pdcluster_connector_loads_in_flight", "KV loads running now"),
     "store_hit_rate": ("pdcluster_connector_hit_ratio", "Store hit rate since start"),
+}
+# Connector stats key -> (histogram name, labels): the value is {"bounds", "counts", "sum"}
+# (per-bucket counts, the last one +Inf; connectors/p2p/load_times.py).
+CONNECTOR_HISTOGRAMS: Mapping[str, tuple[str, Mapping[str, str]]] = {
+    "p2p_load_seconds": ("pdcluster_connector_transfer_duration_seconds", {"op": "load"}),
 }
 # Counted by reason: "p2p_refused_lease_unknown" -> reason="lease_unknown" (the producer's answer
 # to a consumer that opened before the lease was registered: the consumer retries it).
@@ -179,6 +187,9 @@ def connector_families(stats: Mapping[str, Any]) -> Iterator[Metric]:
     other = GaugeMetricFamily("pdcluster_connector_stat_value", "Connector counters without a mapped name",
                               labels=["name"])
     for key, value in sorted(stats.items()):
+        if key in CONNECTOR_HISTOGRAMS and isinstance(value, Mapping):
+            yield histogram_family(*CONNECTOR_HISTOGRAMS[key], value)
+            continue
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
         if key in CONNECTOR_COUNTERS:
@@ -201,6 +212,17 @@ def connector_families(stats: Mapping[str, Any]) -> Iterator[Metric]:
     for family in (refusals, requests, other):
         if family.samples:
             yield family
+
+
+def histogram_family(name: str, labels: Mapping[str, str], value: Mapping[str, Any]) -> Metric:
+    """A connector's {"bounds", "counts", "sum"} as one Prometheus histogram (cumulative buckets)."""
+    family = HistogramMetricFamily(name, "KV transfer time (successful pulls)", labels=sorted(labels))
+    buckets, running = [], 0
+    for bound, count in zip((*value.get("bounds", ()), float("inf")), value.get("counts", ())):
+        running += int(count)
+        buckets.append((floatToGoString(bound), running))
+    family.add_metric([labels[k] for k in sorted(labels)], buckets, float(value.get("sum", 0.0)))
+    return family
 
 
 def handshake_families(registry: Any, connector_stats: Any) -> Iterator[Metric]:

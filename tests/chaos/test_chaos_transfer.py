@@ -96,6 +96,7 @@ def _case(plane: Any, chaos_rows: list[ResultRow], name: str, policy: str, seed:
     want_tokens = list(want.outputs[0].token_ids)
     loader = _worker(made[policy]).loader
     failed_before = loader.counters["loads_failed"]
+    metrics_before = _connector_metrics(loader.stats())
     producer = made["producer"]
     pre = run_requests(producer, [(rid, prompt, GREEDY.replace(max_tokens=1), PREFILL_LEG, None)], [])[rid]
     FAULTS[name](proxy)
@@ -122,16 +123,48 @@ def _case(plane: Any, chaos_rows: list[ResultRow], name: str, policy: str, seed:
     leases = _worker(producer).agent.stats().get("p2p_leases_active", 0)
     if leases:
         leaks.append(f"producer leases {leases}")
-    shown = f"loads_failed +{failed}; last error: {loader.last_errors.get(rid, '-')[:60]}"
+    metrics = {k: v - metrics_before.get(k, 0.0) for k, v in _connector_metrics(loader.stats()).items()}
+    shown = (f"loads_failed +{failed}, /metrics failed_blocks +{metrics.get(FAILED_BLOCKS, 0):g}, "
+             f"transfer_duration count +{metrics.get(LOAD_COUNT, 0):g}; WARNING 'p2p load of request {rid} failed: "
+             f"{loader.last_errors.get(rid, '-')[:60]}'" if failed else
+             f"loads_failed +0, transfer_duration count +{metrics.get(LOAD_COUNT, 0):g}")
     chaos_rows.append(ResultRow(f"{name} ({policy})", "transfer plane D->P data", 1, end == "right",
                                 end == "error", end == "lost", leaks, took, shown))
     assert leaks == [], leaks
+    if name in DEGRADED:  # the pull's time is in the histogram
+        assert metrics.get(LOAD_COUNT) == 1, metrics
+    else:  # the fault shows on the worker's /metrics: the blocks that failed
+        assert metrics.get(FAILED_BLOCKS, 0) >= 1 and metrics.get(LOAD_COUNT, 0) == 0, metrics
     if name in DEGRADED:
         assert end == "right" and failed == 0, (end, error)
     elif policy == "recompute":
         assert end == "right" and failed == 1, (end, error, got, want_tokens)
     else:
         assert end == "error" and failed == 1, (end, error)
+
+
+FAILED_BLOCKS = 'pdcluster_connector_failed_blocks_total{op="load"}'
+LOAD_COUNT = 'pdcluster_connector_transfer_duration_seconds_count{op="load"}'
+
+
+def _connector_metrics(stats: dict[str, Any]) -> dict[str, float]:
+    """The loader's stats as the worker's /metrics renders them (WorkerCollector's connector part)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from pdcluster.worker.metrics_collector import connector_families
+
+    class One:
+        def collect(self) -> Iterator[Any]:
+            return connector_families(stats)
+
+    registry = CollectorRegistry()
+    registry.register(One())
+    out = {}
+    for line in generate_latest(registry).decode().splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
 
 
 def test_smoke_reset_pull_recomputes(plane, chaos_rows):

@@ -113,3 +113,24 @@ def test_a_taken_port_is_a_clear_error() -> None:
                                  port=first.port)
     finally:
         first.stop()
+
+
+def test_connector_fault_counters_and_transfer_time() -> None:
+    """P2P failed blocks, NOT_READY open retries and the pull-time histogram (connectors/p2p/load_times.py)."""
+    from pdcluster.connectors.p2p.load_times import LoadTimes
+
+    times = LoadTimes()
+    for s in (0.0005, 0.02, 0.02, 40.0):
+        times.observe(s)
+    role = WorkerRole("decode", "pdcluster.worker.roles:AggregatedRole", kv_role="consumer", metrics=())
+    stats = {"p2p_failed_blocks": 7, "p2p_open_retries": 3, "p2p_load_seconds": times.snapshot()}
+    got = samples(WorkerCollector(FakeEngine({"kv_connector": stats}), role, worker_id="d0", connector="p2p"))
+    assert got[("pdcluster_connector_failed_blocks_total", (("op", "load"),))] == 7
+    assert got[("pdcluster_connector_not_ready_retries_total", ())] == 3
+    name = "pdcluster_connector_transfer_duration_seconds"
+    assert got[(f"{name}_count", (("op", "load"),))] == 4
+    assert got[(f"{name}_sum", (("op", "load"),))] == pytest.approx(40.0405)
+    assert got[(f"{name}_bucket", (("le", "0.001"), ("op", "load")))] == 1
+    assert got[(f"{name}_bucket", (("le", "0.025"), ("op", "load")))] == 3
+    assert got[(f"{name}_bucket", (("le", "30.0"), ("op", "load")))] == 3
+    assert got[(f"{name}_bucket", (("le", "+Inf"), ("op", "load")))] == 4
