@@ -30,6 +30,7 @@ from typing import Any
 from pdcluster.config import EngineConfig
 from pdcluster.security.envelope import Field, MessageSchema, schema_registry
 
+FP8_KV_DTYPES = ("float8_e4m3fn",)  # resolved kv_cache_dtype names whose bytes are scaled
 CONNECTOR_VERSION = 1
 BODY_VERSION = 1
 MAX_FRAME_BYTES = 64 << 10  # control messages are small; a block list of 8k ids fits easily
@@ -46,6 +47,7 @@ FINGERPRINT = MessageSchema("p2p_fp", 1, {
     "model": Field(str, True, (1, 128)), "dtype": Field(str, True, (1, 32)), "kv_dtype": Field(str, True, (1, 32)),
     "num_layers": _COUNT, "num_kv_heads": _COUNT, "head_dim": _COUNT, "block_size": _COUNT,
     "layout": Field(str, True, (1, 16)), "connector_version": _COUNT, "body_version": _COUNT,
+    "kv_scales": Field(str, False, (1, 64)),  # fp8 caches only
 })
 HS_REQ = MessageSchema("p2p_hs_req", 1, {"nonce": _NONCE, "ts_ms": _TS, "consumer_id": _ID,
                                           "fingerprint": Field(dict, True, (0, 32))})
@@ -103,10 +105,15 @@ def fingerprint(engine_config: EngineConfig) -> dict[str, Any]:
     """What must be equal for a producer's blocks to be valid in a consumer's cache. TP sizes are
     not in it: they are checked at run time from the handshake body."""
     m, c = engine_config.model, engine_config.cache
-    return {"model": model_digest(engine_config), "dtype": m.dtype, "kv_dtype": c.kv_cache_dtype,
-            "num_layers": m.num_hidden_layers, "num_kv_heads": m.num_key_value_heads, "head_dim": m.head_dim,
-            "block_size": c.block_size, "layout": "NHD", "connector_version": CONNECTOR_VERSION,
-            "body_version": BODY_VERSION}
+    fp = {"model": model_digest(engine_config), "dtype": m.dtype, "kv_dtype": c.kv_cache_dtype,
+          "num_layers": m.num_hidden_layers, "num_kv_heads": m.num_key_value_heads, "head_dim": m.head_dim,
+          "block_size": c.block_size, "layout": "NHD", "connector_version": CONNECTOR_VERSION,
+          "body_version": BODY_VERSION}
+    if c.kv_cache_dtype in FP8_KV_DTYPES:  # fp8 bytes mean value / scale: the scales must match too
+        from pdcluster.models.layers.kv_quant import kv_scales_digest  # lazy: torch
+
+        fp["kv_scales"] = kv_scales_digest(m.model_path, m.num_hidden_layers, m.num_key_value_heads)
+    return fp
 
 
 def fingerprint_mismatch(ours: dict[str, Any], theirs: dict[str, Any]) -> str | None:
@@ -118,4 +125,7 @@ def fingerprint_mismatch(ours: dict[str, Any], theirs: dict[str, Any]) -> str | 
     if "kv_dtype" in diff:  # the deployment knob to fix, by its option name
         problem += " (producer and consumer must run with the same kv_cache_dtype: an fp8 cache's bytes are not " \
                    "another dtype's)"
+    elif "kv_scales" in diff:
+        problem += " (the fp8 KV cache scales differ: producer and consumer must load the same checkpoint's " \
+                   "k_scale/v_scale, or both none)"
     return problem

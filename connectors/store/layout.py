@@ -76,6 +76,7 @@ class StoreLayout:
     compute_dtype: str = ""  # KV values depend on the dtype the model computes in, too
     namespace: str = "pdcluster"
     pp_rank: int = 0
+    kv_scales: str = ""  # fp8 caches: digest of the checkpoint's k/v scales (kv_quant.kv_scales_digest)
     fingerprint: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -99,6 +100,8 @@ class StoreLayout:
                  "kv_heads": self.total_num_kv_heads, "head_dim": self.head_dim, "block": self.block_size,
                  "kv_dtype": self.kv_dtype, "compute_dtype": self.compute_dtype, "layout": self.layout,
                  "store_tp": self.store_tp_size}
+        if self.kv_scales:  # only fp8 layouts carry it: other layouts' keys are unchanged
+            facts["kv_scales"] = self.kv_scales
         blob = json.dumps(facts, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 

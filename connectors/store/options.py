@@ -124,10 +124,15 @@ def build_layout(o: dict[str, Any], engine_config: EngineConfig) -> StoreLayout:
     if c.kv_cache_dtype not in ITEMSIZE:
         raise ValueError(f"the store connector cannot move a {c.kv_cache_dtype!r} KV cache")
     model_id = str(o.get("model_id") or f"{os.path.basename(os.path.normpath(m.model_path))}:{m.architecture}")
+    kv_scales = ""
+    if ITEMSIZE[c.kv_cache_dtype] == 1:  # fp8: stored bytes are value / scale, so keys name the scales
+        from pdcluster.models.layers.kv_quant import kv_scales_digest  # lazy: torch
+
+        kv_scales = kv_scales_digest(m.model_path, m.num_hidden_layers, m.num_key_value_heads)
     out = StoreLayout(model_id=model_id, num_layers=m.num_hidden_layers, total_num_kv_heads=m.num_key_value_heads,
                       head_dim=m.head_dim, block_size=c.block_size, kv_dtype=c.kv_cache_dtype,
                       itemsize=ITEMSIZE[c.kv_cache_dtype], store_tp_size=int(store_tp), layout=layout,
-                      compute_dtype=m.dtype, namespace=str(o.get("namespace", "pdcluster")))
+                      compute_dtype=m.dtype, namespace=str(o.get("namespace", "pdcluster")), kv_scales=kv_scales)
     out.check_tp(local_tp)
     return out
 

@@ -152,8 +152,8 @@ class StoreScheduler:
         if prefix not in self._warned_prefixes and len(self._warned_prefixes) < 64:
             self._warned_prefixes.add(prefix)
             log.warning("store connector: request %s's producer stored its prompt under key prefix %r, this "
-                        "instance uses %r: they differ in namespace, model, dtype, layout, block size or "
-                        "store_tp_size (give every instance sharing the store the same tp_sizes or "
+                        "instance uses %r: they differ in namespace, model, dtype, kv_cache_dtype (or fp8 KV "
+                        "scales), layout, block size or store_tp_size (give every instance sharing the store the same tp_sizes or "
                         "store_tp_size), so this instance computes the prompt itself",
                         req.request_id, prefix, self.layout.key_prefix)
 

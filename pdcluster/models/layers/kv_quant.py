@@ -112,6 +112,21 @@ def load_kv_scales(model_path: str, num_layers: int, num_kv_heads: int, device: 
     return KVScales(ks, vs, "checkpoint" if found else "default 1.0")
 
 
+def kv_scales_digest(model_path: str, num_layers: int, num_kv_heads: int) -> str:
+    """A digest of every layer's k/v scales as this checkpoint resolves them (1.0 where it has none),
+    each widened to all num_kv_heads, so it is the same on every TP rank and for equal values of
+    either granularity. Two instances may exchange fp8 bytes only when their digests are equal: the
+    same bytes decoded with another scale are other values (connectors put it in their fingerprints)."""
+    import hashlib
+
+    scales = load_kv_scales(model_path, num_layers, num_kv_heads, torch.device("cpu"))
+    h = hashlib.sha256(b"pdcluster-kv-scales-v1")
+    for k, v in zip(scales.k, scales.v):
+        for s in (k, v):
+            h.update(s.float().expand(num_kv_heads).contiguous().numpy().tobytes())
+    return h.hexdigest()[:32]
+
+
 def dequant_blocks(cache: torch.Tensor, blocks: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """float8 cache (num_blocks, block_size, Hk, D), block ids (U,) -> (U, block_size, Hk, D) float32."""
     return dequantize(cache.index_select(0, blocks), scale)
