@@ -46,11 +46,13 @@ def _chat(ready: dict, image) -> str:
     import openai
 
     client = openai.OpenAI(base_url=ready["http"] + "/v1", api_key="unused", timeout=120, max_retries=0)
-    url = "data:image/png;base64," + base64.b64encode(_png(image)).decode()
+    content: list = [{"type": "text", "text": "t5 t6"}]
+    if image is not None:
+        url = "data:image/png;base64," + base64.b64encode(_png(image)).decode()
+        content.insert(0, {"type": "image_url", "image_url": {"url": url}})
     out = client.chat.completions.create(
         model="ckpt", max_tokens=MAX_NEW, temperature=0, extra_body={"ignore_eos": True},
-        messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                               {"type": "text", "text": "t5 t6"}]}])
+        messages=[{"role": "user", "content": content}])
     return out.choices[0].message.content
 
 
@@ -92,6 +94,8 @@ def offline(ckpt: str):
     llm = LLM(ckpt, num_kv_blocks=64, block_size=4)
     try:
         def text(image) -> str:
+            if image is None:  # the text-only chat of the same words
+                return llm.generate([{"prompt": "USER: t5 t6 ASSISTANT:"}], greedy)[0].outputs[0].text
             return llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": image}}], greedy)[0].outputs[0].text
         yield text
     finally:
@@ -115,6 +119,7 @@ def test_epd_text_equals_offline_image_computed_once_and_encoder_loss(ckpt: str,
         assert _settled(ready, "computed", 1) == 1  # once, in the whole cluster
         assert _mm(ready, "computed", {"encode-0"}) == 1  # ... on the encoder
         assert _settled(ready, "remote", 4, {"prefill-0"}) >= 1  # the prefill worker fetched it
+        assert _chat(ready, None) == offline(None)  # text-only: no encoder step
 
         # the encoder dies: requests with new images still answer (P encodes locally), the next too
         os.kill(ready["instances"]["encode-0"]["pid"], signal.SIGKILL)
