@@ -19,6 +19,7 @@ locally, and so does any worker a migration resumes the request on.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -27,6 +28,7 @@ import grpc
 
 from pdcluster._proto import worker_pb2
 from pdcluster.engine.ec_transfer_params import MAX_EC_PRODUCERS
+from pdcluster.proto_convert import ec_params_from_proto
 
 from .config import RouterConfig
 from .ec_directory import EcDirectory, image_keys
@@ -86,6 +88,8 @@ class EcStage:
         handle.num_inflight += 1
         try:
             resp = await handle.client.encode(state.request_id, state.prep.images, timeout)
+        except asyncio.CancelledError:
+            raise
         except grpc.aio.AioRpcError as e:
             code = e.code()
             if code in _FAULTS:
@@ -95,10 +99,21 @@ class EcStage:
             log.info("request %s: Encode on %s failed (%s: %s); going on without encoder outputs",
                      state.request_id, handle.address, code.name, e.details())
             return None
+        except Exception as e:  # noqa: BLE001 - whatever went wrong, the request goes on without E
+            self.metrics.ec_encodes.labels("error").inc()
+            log.warning("request %s: Encode on %s failed (%r); going on without encoder outputs",
+                        state.request_id, handle.address, e)
+            return None
         finally:
             handle.num_inflight -= 1
             self.metrics.encode_leg.observe(time.monotonic() - started)
         self.registry.report_success(handle)
+        if not _valid(resp.ec_transfer_params):
+            # A consumer would refuse the whole request over malformed params: drop them here.
+            self.metrics.ec_encodes.labels("invalid").inc()
+            log.warning("request %s: encoder %s returned malformed EC params; ignored", state.request_id,
+                        handle.address)
+            return None
         self.metrics.ec_encodes.labels("ok").inc()
         return resp.ec_transfer_params
 
@@ -114,13 +129,22 @@ class EcStage:
             return
         address = state.leg_address.get(leg)
         handle = self.registry.get(address) if address else None
-        if handle is not None:
+        if handle is not None and _valid(resp.ec_transfer_params):
             self.directory.record_held(state.image_keys, resp.ec_transfer_params, address, _epoch(handle))
         resp.ClearField("ec_transfer_params")  # the worker's business, not the client's
 
     def _live(self, address: str, epoch: int) -> bool:
         handle = self.registry.get(address)
         return handle is not None and handle.healthy and _epoch(handle) == epoch
+
+
+def _valid(params: object) -> bool:
+    """Whether params would pass a consumer's check (proto_convert: every field, bounded)."""
+    try:
+        ec_params_from_proto(params)  # type: ignore[arg-type]
+    except ValueError:
+        return False
+    return True
 
 
 def _epoch(handle: WorkerHandle) -> int:

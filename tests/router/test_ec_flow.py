@@ -50,6 +50,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.requests: list[worker_pb2.WorkerGenerateRequest] = []
         self.encodes = 0
         self.fail_encode: grpc.StatusCode | None = None
+        self.bad_params = False  # Encode answers params a consumer would refuse
         self.server: grpc.aio.Server | None = None
         self.address = ""
 
@@ -92,7 +93,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             await context.abort(self.fail_encode, "encoder failed (test)")
         hashes = [_hash(i) for i in request.images]
         self._encode_images(request.images, [])
-        return worker_pb2.EncodeResponse(ec_transfer_params=self._params(dict.fromkeys(hashes)))
+        params = self._params(dict.fromkeys(hashes))
+        if self.bad_params:
+            params.items[0].mm_hash = "not-a-sha256"
+        return worker_pb2.EncodeResponse(ec_transfer_params=params)
 
     async def Generate(self, request, context) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:  # noqa: N802
         if self.role == "encode":
@@ -218,6 +222,17 @@ def test_a_failing_encoder_does_not_fail_the_request(code: grpc.StatusCode) -> N
             assert not pre.requests[0].ec_transfer_params and pre.mm["computed"] == 1  # encoded locally
             assert c.metrics.ec_encodes.labels(code.name.lower()).value == 1
             assert await c.generate("r1", [b"another image"]) == [5, 6, 7]  # the next one works too
+    _run(main())
+
+
+def test_malformed_encoder_params_are_dropped_not_forwarded() -> None:
+    async def main() -> None:
+        async with Cluster(["encode", "prefill", "decode"]) as c:
+            (enc,), (pre,) = c.by_role("encode"), c.by_role("prefill")
+            enc.bad_params = True
+            assert await c.generate("r0", [IMAGE]) == [5, 6, 7]
+            assert not pre.requests[0].ec_transfer_params  # the worker would refuse the whole request
+            assert c.metrics.ec_encodes.labels("invalid").value == 1
     _run(main())
 
 
