@@ -14,7 +14,7 @@ EncoderCache by mm_hash, and held by the request until it finishes.
 With an EC connector (engine/ec_connector.py, set as `self.ec` by LLMEngine): an output the
 connector fetched for the request (MultiModalFeature.remote_output) is used instead of the tower
 when its shape and dtype are what this encoder yields (else counted errors_malformed and encoded
-here); a producer connector gets every output the tower computed (`save`).
+here); a producer connector gets every output the tower computed or it fetched (`save`).
 """
 
 from __future__ import annotations
@@ -132,4 +132,6 @@ class MultiModalEmbedder:
         self.encoder_cache.put(f.mm_hash, emb, emb.numel() * emb.element_size())
         if self.ec is not None:
             self.ec.update_state_after_alloc(request_id, f.mm_hash)
+        if self.ec_saves:  # a producer holds what it fetched too, so it can serve the next instance
+            self.ec.save(f.mm_hash, emb)
         return emb

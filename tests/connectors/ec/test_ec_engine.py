@@ -87,6 +87,13 @@ def test_embeddings_over_ec_token_exact(trio, llava_path, consumer) -> None:
     assert after["transfer_bytes"] > before["transfer_bytes"]
     assert tokens == hf_greedy(llava_path, prompt, [fetched, local], GREEDY.max_tokens)
     assert ec_stats(e)["mm_items_computed"] >= 1
+    held = final.ec_transfer_params  # P produces too: it now holds both images for the next instance
+    if consumer == "P":
+        assert held is not None and {i.mm_hash for i in held.items} == {f.mm_hash for f in
+                                                                        c.engine.prepare_encode([png(fetched),
+                                                                                                 png(local)])}
+    else:
+        assert held is None
 
 
 def test_prefill_engine_announces_what_it_encoded(trio) -> None:
