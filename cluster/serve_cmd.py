@@ -18,11 +18,16 @@ This module imports only the standard library at import time (`pdcluster --help`
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
+import os
 import shlex
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pdcluster.cluster.local_launcher import WorkerSpec
 
 READY_PREFIX = "PDCLUSTER_READY"
 ENV_KV_OPTIONS = "PDCLUSTER_KV_CONNECTOR_OPTIONS"  # what serve-worker reads (cluster/worker_cmd.py)
@@ -115,6 +120,9 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--worker-args", default="", help="extra serve-worker flags (after the engine flags, so they "
                    "win), e.g. \"--kv-connector-options '{...}'\"")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for each worker")
+    p.add_argument("--pin-cpus", action="store_true",
+                   help="give each worker cores of its own (disjoint slices of this process's CPUs, one core per "
+                        "TP rank at least), so prefill and decode do not compete for the same cores")
     p.add_argument("--demo-request", action="store_true",
                    help="once ready, stream one demo request through the router (the README's main job)")
     from pdcluster.cluster.worker_flags import add_forwarded_engine_flags
@@ -303,8 +311,10 @@ def run_serve(args: argparse.Namespace) -> int:
                   for i in range(count)]
     try:
         try:
+            if args.pin_cpus:
+                specs = _pinned(specs, [tp_of[spec.name.rsplit("-", 1)[0]] for spec in specs])
             workers = launcher.start(specs)
-        except LaunchError as e:
+        except (LaunchError, ValueError) as e:
             print(f"pdcluster serve: error: {e}", file=sys.stderr)
             return 1
         addresses = tuple(p.address for p in workers)
@@ -322,6 +332,17 @@ def run_serve(args: argparse.Namespace) -> int:
         if stores is not None:
             stores.stop()  # after the workers: they flush nothing more into it
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _pinned(specs: list[WorkerSpec], tps: list[int]) -> list[WorkerSpec]:
+    """Each worker pinned to its own slice of our CPUs ($PDCLUSTER_CPUS, cluster/cpu_pinning.py)."""
+    from pdcluster.cluster.cpu_pinning import ENV_CPUS, format_cpu_list, partition
+
+    slices = partition(sorted(os.sched_getaffinity(0)), tps)
+    for spec, cpus in zip(specs, slices):
+        log.info("%s pinned to CPUs %s", spec.name, format_cpu_list(cpus))
+    return [dataclasses.replace(spec, env={**spec.env, ENV_CPUS: format_cpu_list(cpus)})
+            for spec, cpus in zip(specs, slices)]
 
 
 def _instance_keys(key_dir: str, names: list[str]) -> bool:

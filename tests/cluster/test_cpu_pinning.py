@@ -51,3 +51,41 @@ def test_unavailable_cpus_are_refused_by_name():
     assert apply_from_env({}) is None
     with pytest.raises(ValueError, match=rf"{ENV_CPUS}=65000: CPUs 65000 are not available"):
         apply_from_env({ENV_CPUS: "65000"})
+
+
+def test_serve_pin_cpus_refuses_more_workers_than_cores_by_name():
+    """`serve --pin-cpus` with more TP ranks than this process's CPUs stops before any worker starts."""
+    cores = len(os.sched_getaffinity(0))
+    out = subprocess.run([sys.executable, "-m", "pdcluster.cluster.cli", "serve", "--model", "/nonexistent",
+                          "--workers", str(cores + 1), "--pin-cpus", "--grpc-port", "0", "--http-port", "-1"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert f"--pin-cpus: {cores + 1} workers need {cores + 1} cores" in out.stderr
+
+
+def _allowed(pid: int) -> str:
+    with open(f"/proc/{pid}/status") as f:
+        return next(line.split(":", 1)[1].strip() for line in f if line.startswith("Cpus_allowed_list"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_serve_pin_cpus_gives_prefill_and_decode_cores_of_their_own(tmp_path):
+    from serve_procs import start_serve, stop_serve
+
+    from pdcluster import SamplingParams
+    from pdcluster.client import Client
+    from pdcluster.models.demo import ensure_demo_model
+
+    model = str(ensure_demo_model(tmp_path / "model"))
+    proc, ready = start_serve(["--model", model, "--prefill", "1", "--decode", "1", "--connector", "p2p",
+                               "--pin-cpus", "--max-model-len", "256"])
+    try:
+        slices = partition(sorted(os.sched_getaffinity(0)), [1, 1])
+        pinned = {name: _allowed(inst["pid"]) for name, inst in ready["instances"].items()}
+        assert pinned == {"prefill-0": format_cpu_list(slices[0]), "decode-0": format_cpu_list(slices[1])}
+        with Client(ready["grpc"], timeout=120) as client:
+            out = client.generate(list(range(5, 45)), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        assert len(out.token_ids) == 8
+    finally:
+        stop_serve(proc)
