@@ -49,6 +49,7 @@ from .protocol import (
     ST_UNAUTHORIZED,
     TOKEN_STATUS,
     ProtocolError,
+    blocking_with_os_timeouts,
     recv_exact,
     send_views,
     unpack_ranges,
@@ -293,6 +294,10 @@ class TransferServer:
             pieces = window_segments(ranges, start, length)
             if self._single_use is not None:  # after every other check: a refused try uses nothing up
                 self._single_use.claim(token, cap, start, length)
+            # The payload phase on a blocking socket with the I/O timeout in the kernel: one
+            # sendmsg per batch (one MSG_WAITALL recv per piece for WRITE) instead of Python's
+            # poll before every partial send. The next header read sets Python timeouts again.
+            blocking_with_os_timeouts(sock, self._io_timeout)
             if op == OP_READ:
                 hdr = RESP_HEADER.pack(RESP_MAGIC, ST_OK, 0, 0, length)
                 if flags == FLAG_GMAC:
