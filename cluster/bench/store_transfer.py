@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import socket
+import statistics
 import struct
 import subprocess
 import sys
@@ -48,6 +49,8 @@ def add_store_bench_args(p: argparse.ArgumentParser, shared: bool = False) -> No
     p.add_argument("--sizes", default=",".join(str(s >> 10) for s in SIZES), help="object sizes in KiB")
     p.add_argument("--batch", type=int, default=16, help="objects per batch_put_from / batch_get_into call")
     p.add_argument("--repeat", type=int, default=3, help="runs per figure; the best is reported")
+    p.add_argument("--statistic", choices=("best", "median"), default="best",
+                   help="which of the --repeat runs a figure reports")
     p.add_argument("--backends", default="kvstore,kvstore_tcp,mooncake")
     p.add_argument("--skip-throughput", action="store_true")
     p.add_argument("--skip-prefix", action="store_true")
@@ -116,19 +119,20 @@ class _RawPeer:
 
 
 # -- timing -------------------------------------------------------------------------------------
-def _best_gbps(fn: Callable[[], None], nbytes: int, repeat: int, before: Callable[[], None] | None = None) -> float:
-    best = float("inf")
+def _best_gbps(fn: Callable[[], None], nbytes: int, repeat: int, before: Callable[[], None] | None = None,
+               statistic: str = "best") -> float:
+    times = []
     for _ in range(repeat):
         if before is not None:
             before()
         t = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - t)
-    return nbytes / best / 1e9
+        times.append(time.perf_counter() - t)
+    return nbytes / (min(times) if statistic == "best" else statistics.median(times)) / 1e9
 
 
 def _store_rows(backend: Any, src: np.ndarray, dst: np.ndarray, size: int, batch: int, repeat: int,
-                tag: str) -> tuple[float, float]:
+                tag: str, statistic: str = "best") -> tuple[float, float]:
     import numpy as np
     import torch
 
@@ -157,8 +161,8 @@ def _store_rows(backend: Any, src: np.ndarray, dst: np.ndarray, size: int, batch
             time.sleep(REUSE_WAIT_S)  # untimed: let the store reclaim that space
         run[0] += 1
 
-    put_gbps = _best_gbps(put, src.nbytes, repeat, before=fresh)
-    get_gbps = _best_gbps(get, src.nbytes, repeat)
+    put_gbps = _best_gbps(put, src.nbytes, repeat, before=fresh, statistic=statistic)
+    get_gbps = _best_gbps(get, src.nbytes, repeat, statistic=statistic)
     assert np.array_equal(dst, src), f"{tag}: bytes read back differ"
     backend.remove(keys())
     time.sleep(REUSE_WAIT_S)
@@ -197,12 +201,14 @@ def run_throughput(args: argparse.Namespace, workdir: str) -> list[dict[str, Any
     dst = np.zeros(total, dtype=np.uint8)
     rows = [{"size": s} for s in sizes]
     for row in rows:
-        row["memcpy"] = _best_gbps(lambda: np.copyto(dst, src), total, args.repeat)
+        row["memcpy"] = _best_gbps(lambda: np.copyto(dst, src), total, args.repeat, statistic=args.statistic)
     raw = _RawPeer()
     try:
         for row in rows:
-            row["raw_tcp_put"] = _best_gbps(lambda s=row["size"]: raw.run(1, src, s), total, args.repeat)
-            row["raw_tcp_get"] = _best_gbps(lambda s=row["size"]: raw.run(0, dst, s), total, args.repeat)
+            row["raw_tcp_put"] = _best_gbps(lambda s=row["size"]: raw.run(1, src, s), total, args.repeat,
+                                            statistic=args.statistic)
+            row["raw_tcp_get"] = _best_gbps(lambda s=row["size"]: raw.run(0, dst, s), total, args.repeat,
+                                            statistic=args.statistic)
     finally:
         raw.close()
     with LocalStores(workdir) as stores:
@@ -231,7 +237,7 @@ def run_throughput(args: argparse.Namespace, workdir: str) -> list[dict[str, Any
             for row in rows:
                 dst[:] = 0
                 row[f"{name}_put"], row[f"{name}_get"] = _store_rows(b, src, dst, row["size"], args.batch,
-                                                                     args.repeat, name)
+                                                                     args.repeat, name, args.statistic)
                 print(f"  {name} {row['size'] >> 10} KiB: put {row[f'{name}_put']:.2f} GB/s, "
                       f"get {row[f'{name}_get']:.2f} GB/s", file=sys.stderr, flush=True)
         for b in backends.values():
@@ -254,7 +260,7 @@ def run_store_bench(args: argparse.Namespace) -> int:
     if not args.skip_throughput:
         rows = run_throughput(args, workdir)
         result["throughput_gbps"] = rows
-        print(f"\nThroughput (GB/s, best of {args.repeat}, {args.total_mib} MiB per figure, "
+        print(f"\nThroughput (GB/s, {args.statistic} of {args.repeat}, {args.total_mib} MiB per figure, "
               f"batch {args.batch}):\n")
         print(throughput_table(rows))
     if not args.skip_prefix:
