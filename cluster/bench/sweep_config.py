@@ -16,6 +16,7 @@ the field: `configs.disaggregated.decode: must be a positive integer, got 0`.
     configs:
       aggregated: {workers: 2}
       disaggregated: {prefill: 1, decode: 1, connector: p2p, engine: {max_model_len: 1024}}
+      pinned: {prefill: 1, decode: 1, pin_cpus: true}   # local only: each worker on cores of its own
     ray: {address: local, num_cpus: 4}   # --launcher ray only: `pdcluster up` fields
 
 A configuration is translated into a `pdcluster up` cluster config and validated by its schema
@@ -38,7 +39,7 @@ LAUNCHERS = ("local", "ray")
 RESERVED_WORKLOAD = frozenset({"request_rate", "host", "port", "base_url", "router", "save_result", "result_dir",
                                "result_filename", "label", "metadata", "disable_tqdm"})
 CONFIG_FIELDS = ("workers", "prefill", "decode", "tp", "connector", "connector_options", "engine", "placement",
-                 "policy")
+                 "policy", "pin_cpus")
 TOP_FIELDS = ("name", "model", "launcher", "output_dir", "rates", "baseline", "workload", "configs", "ray",
               "ready_timeout_s", "warmup_prompts", "repeats")
 DEFAULT_WARMUP_PROMPTS = 4
@@ -55,6 +56,11 @@ class ClusterEntry:
     name: str
     spec: dict[str, Any]          # the sweep file's entry, recorded in every result JSON
     cluster: dict[str, Any]       # the same as a `pdcluster up` config (validated by its schema)
+
+    @property
+    def pinned(self) -> bool:
+        """`pin_cpus: true`: `serve --pin-cpus`, every worker on cores of its own."""
+        return bool(self.spec.get("pin_cpus"))
 
     @property
     def disaggregated(self) -> bool:
@@ -186,6 +192,8 @@ def cluster_dict(name: str, raw: Any, model: str | None) -> dict[str, Any]:
         out["connector"] = {"name": d.get("connector") or "p2p", "options": d.get("connector_options") or {}}
     if d.get("policy") is not None:
         out["router"] = {"policy": d["policy"]}
+    if not isinstance(d.get("pin_cpus", False), bool):
+        raise SweepError(f"{path}.pin_cpus: must be true or false, got {d['pin_cpus']!r}")
     return out
 
 
@@ -229,6 +237,10 @@ def parse_sweep(raw: Any) -> SweepConfig:
         if d["launcher"] not in LAUNCHERS:
             raise SweepError(f"launcher: must be one of {', '.join(LAUNCHERS)}, got {d['launcher']!r}")
         out["launcher"] = d["launcher"]
+    pinned = [c.name for c in configs if c.pinned]
+    if pinned and out.get("launcher", "local") != "local":
+        raise SweepError(f"configs.{pinned[0]}.pin_cpus: only the local launcher pins workers to cores "
+                         "(on Ray, give the pools placement and num_cpus)")
     for key in ("name", "output_dir"):
         if d.get(key) is not None:
             if not isinstance(d[key], str) or not d[key]:

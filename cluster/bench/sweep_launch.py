@@ -47,6 +47,8 @@ def serve_argv(entry: ClusterEntry) -> list[str]:
         argv += ["--prefill", str(pools["prefill"]["instances"]), "--decode", str(pools["decode"]["instances"])]
     if cluster.get("router", {}).get("policy"):
         argv += ["--policy", cluster["router"]["policy"]]
+    if entry.pinned:
+        argv.append("--pin-cpus")
     # One pool's options stand for all: `serve` passes the same worker flags to every worker.
     pool = next(iter(pools.values()))
     actions = worker_flag_actions()

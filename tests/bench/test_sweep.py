@@ -122,6 +122,20 @@ def test_serve_flags_of_a_configuration() -> None:
     assert '{"transport": "tcp"}' in dis[dis.index("--worker-args") + 1]
 
 
+def test_pinned_configuration_asks_serve_to_pin_and_is_local_only() -> None:
+    from pdcluster.cluster.bench.sweep_launch import serve_argv
+
+    s = parse_sweep(_sweep(configs={"pinned": {"prefill": 1, "decode": 1, "pin_cpus": True},
+                                    "shared": {"workers": 2}}))
+    pinned, shared = s.configs
+    assert pinned.pinned and "--pin-cpus" in serve_argv(pinned)
+    assert not shared.pinned and "--pin-cpus" not in serve_argv(shared)
+    with pytest.raises(SweepError, match=r"configs\.pinned\.pin_cpus: must be true or false"):
+        parse_sweep(_sweep(configs={"pinned": {"workers": 1, "pin_cpus": "yes"}}))
+    with pytest.raises(SweepError, match=r"configs\.pinned\.pin_cpus: only the local launcher"):
+        parse_sweep(_sweep(launcher="ray", configs={"pinned": {"workers": 1, "pin_cpus": True}}))
+
+
 def test_ray_config_is_a_valid_cluster_config() -> None:
     from pdcluster.cluster.bench.sweep_launch import ray_config
     from pdcluster.cluster.config import ClusterConfig
