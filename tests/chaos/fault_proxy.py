@@ -12,6 +12,11 @@ held at a mark), never after a sleep:
     reset(refuse_new=True)    RST every connection (SO_LINGER 0); new ones too while armed
     corrupt(direction, n)     flip byte n (counted from arming) of that direction, once
     truncate(direction, n)    after n more bytes of that direction, close that connection, once
+    corrupt_after(direction, marker, skip)
+                              flip the lowest bit of the byte `skip` bytes after the next `marker`
+                              seen in that direction (within one chunk), once: on plaintext gRPC,
+                              e.g. a token id right after a request id in a reply, which no frame or
+                              protobuf check notices (under TLS the marker is never visible)
     clear()                   forward again; connections that lost bytes to a blackhole are reset
                               (their byte stream is broken for good, as on a real network)
 
@@ -60,6 +65,7 @@ class _Fault:
     rate: float = 0.0
     corrupt: dict[str, int] = field(default_factory=dict)  # direction -> bytes still to pass before the flip
     truncate: dict[str, int] = field(default_factory=dict)  # direction -> bytes still to forward
+    corrupt_after: dict[str, tuple[bytes, int]] = field(default_factory=dict)  # direction -> (marker, skip)
 
 
 class _Conn:
@@ -143,6 +149,10 @@ class FaultProxy:
         assert direction in DIRECTIONS
         self._call(lambda: self._fault.corrupt.__setitem__(direction, offset))
 
+    def corrupt_after(self, direction: str, marker: bytes, skip: int = 0) -> None:
+        assert direction in DIRECTIONS and marker
+        self._call(lambda: self._fault.corrupt_after.__setitem__(direction, (bytes(marker), skip)))
+
     def truncate(self, direction: str, nbytes: int = 0) -> None:
         assert direction in DIRECTIONS
         self._call(lambda: self._fault.truncate.__setitem__(direction, nbytes))
@@ -217,6 +227,14 @@ class FaultProxy:
             self.counters.dropped[direction] += len(data)
             c.lost_bytes = True
             return True
+        armed = f.corrupt_after.get(direction)
+        if armed is not None:
+            found = data.find(armed[0])
+            at = found + len(armed[0]) + armed[1]
+            if found >= 0 and at < len(data):
+                data = data[:at] + bytes([data[at] ^ 0x01]) + data[at + 1:]  # one bit: the subtle case
+                del f.corrupt_after[direction]
+                self.counters.corrupted += 1
         if direction in f.corrupt:
             at = f.corrupt[direction]
             if at < len(data):

@@ -10,7 +10,9 @@ import pathlib
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from proc_sockets import listening
 from real_router_cluster import wait_until, worker_stats
@@ -38,7 +40,8 @@ def scrape(url: str, name: str) -> float:
                if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "))
 
 
-def worker_leaks(address: str, metrics_url: str | None = None, timeout: float = 60.0) -> list[str]:
+def worker_leaks(address: str, metrics_url: str | None = None, timeout: float = 60.0,
+                 stats: Callable[[str], Any] = worker_stats) -> list[str]:
     """What a worker still holds once nothing should run: [] when running, waiting, KV blocks used
     (Stats) and active P2P leases (/metrics pdcluster_connector_active_leases) are all 0, waited for:
     aborts and lease ends are asynchronous."""
@@ -46,7 +49,7 @@ def worker_leaks(address: str, metrics_url: str | None = None, timeout: float = 
 
     def clean() -> bool:
         try:
-            s = worker_stats(address)
+            s = stats(address)
             leases = scrape(metrics_url, "pdcluster_connector_active_leases") if metrics_url else 0
         except Exception as e:  # noqa: BLE001 - an unreachable worker is a finding, not a crash
             found[:] = [f"stats failed: {e}"]

@@ -5,7 +5,7 @@ stops at each output mark until its worker is killed), as a WorkerPool the route
 from __future__ import annotations
 
 import pathlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from chaos.mark_hold import MARKS_ENV
 from real_router_cluster import (
@@ -15,7 +15,6 @@ from real_router_cluster import (
     WorkerProc,
     is_idle,
     wait_until,
-    worker_stats,
 )
 
 MARK_HOLD_CLI = pathlib.Path(__file__).resolve().parent / "mark_hold_cli.py"
@@ -44,11 +43,13 @@ class MarkHoldPool(WorkerPool):
             self.close()
             raise
 
-    def take_named(self, names: Sequence[str], timeout: float = 120.0) -> list[WorkerProc]:
-        """These workers, ready and idle (restarted first if a test killed them)."""
+    def take_named(self, names: Sequence[str], timeout: float = 120.0,
+                   idle: Callable[[str], bool] = is_idle) -> list[WorkerProc]:
+        """These workers, ready and idle (restarted first if a test killed them); `idle` asks a
+        worker (by address) whether nothing runs there (mutual-TLS workers need a certificate)."""
         self.revive()
         chosen = [w for w in self.workers if w.name in names]
         for w in chosen:
             w.wait_ready(timeout)
-            assert wait_until(lambda w=w: is_idle(w.address), 30), f"{w.name} is not idle: {worker_stats(w.address)}"
+            assert wait_until(lambda w=w: idle(w.address), 30), f"{w.name} is not idle"
         return chosen

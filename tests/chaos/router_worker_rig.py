@@ -43,6 +43,11 @@ class Rig:
     workers: list[WorkerProc]
     proxies: list[FaultProxy]
     baseline: Baseline = field(default_factory=Baseline)
+    tls: Any = None  # the router's TLSConfig when the workers serve mutual TLS; the rig asks with it
+
+    def stats(self, address: str) -> Any:
+        """A worker's own Stats, asked directly (with the router's certificate under mTLS)."""
+        return tls_stats(address, self.tls)
 
     def proxy_of(self, w: WorkerProc) -> FaultProxy:
         return self.proxies[self.workers.index(w)]
@@ -57,7 +62,7 @@ class Rig:
         found: list[WorkerProc] = []
 
         def one() -> bool:
-            found[:] = [w for w in self.workers if w.alive and not w.paused and _running(w) == 1]
+            found[:] = [w for w in self.workers if w.alive and not w.paused and _running(self, w) == 1]
             return len(found) == 1
 
         assert wait_until(one, timeout), [(w.name, w.alive) for w in self.workers]
@@ -67,13 +72,35 @@ class Rig:
         out = []
         for w in self.workers:
             if w.alive:
-                out += [f"{w.name} {x}" for x in worker_leaks(w.address, w.ready.get("metrics"))]
+                out += [f"{w.name} {x}" for x in worker_leaks(w.address, w.ready.get("metrics"), stats=self.stats)]
         return out
 
 
-def _running(w: WorkerProc) -> int:
+def tls_stats(address: str, tls: Any = None) -> Any:
+    """Stats of the worker at address: plaintext, or over TLS with this client TLSConfig."""
+    if tls is None:
+        return worker_stats(address)
+    from pdcluster._proto import worker_pb2, worker_pb2_grpc
+    from pdcluster.worker.tls import channel_credentials, channel_tls_options
+
+    with grpc.secure_channel(address, channel_credentials(tls), channel_tls_options(tls)) as ch:
+        return worker_pb2_grpc.WorkerStub(ch).Stats(worker_pb2.StatsRequest(), timeout=5.0)
+
+
+def is_idle_with(tls: Any) -> Callable[[str], bool]:
+    def idle(address: str) -> bool:
+        try:
+            s = tls_stats(address, tls)
+        except grpc.RpcError:
+            return False
+        return s.num_running == 0 and s.num_waiting == 0 and s.num_kv_blocks_used == 0
+
+    return idle
+
+
+def _running(rig: Rig, w: WorkerProc) -> int:
     try:
-        return worker_stats(w.address).num_running
+        return rig.stats(w.address).num_running
     except grpc.RpcError:
         return -1
 
@@ -90,7 +117,7 @@ def make_rig(lt: LoopThread, workers: list[WorkerProc], model: str, **overrides:
         "stall_timeout_s": STALL_S, "max_migrations": 2, **overrides})
     router = Router(config)
     lt.run(router.start())
-    rig = Rig(Cluster(lt, router, workers), workers, proxies, baseline)
+    rig = Rig(Cluster(lt, router, workers), workers, proxies, baseline, tls=config.worker_tls)
     assert rig.cluster.wait_healthy(len(workers)) and rig.cluster.wait_settled(), "workers not healthy via proxies"
     return rig
 
@@ -108,11 +135,15 @@ def sampling() -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 
 
+def new_request_id(held: bool) -> str:
+    return f"{'mig' if held else 'chaos'}-{uuid.uuid4().hex[:12]}"
+
+
 def run_request(rig: Rig, want: list[int], fault: Callable[[Rig, WorkerProc], None] | None,
-                held: bool = True) -> Outcome:
+                held: bool = True, request_id: str | None = None) -> Outcome:
     """One stream; with held=True the fault is applied once the client read MARKS[0] tokens and the
     request is held on its worker; with held=False it runs under whatever the test armed before."""
-    rid = f"{'mig' if held else 'chaos'}-{uuid.uuid4().hex[:12]}"
+    rid = request_id or new_request_id(held)
     stream = rig.cluster.stub.Generate(router_pb2.GenerateRequest(
         request_id=rid, prompt_token_ids=router_pb2.TokenIds(ids=PROMPT), sampling_params=sampling(),
         stream=True), timeout=DEADLINE_S)
@@ -187,7 +218,7 @@ def run_many(rig: Rig, want: list[int], n: int, fault: Callable[[Rig, WorkerProc
     for t in threads:
         t.start()
     held.wait()
-    counts = {w.name: _running(w) for w in rig.workers}
+    counts = {w.name: _running(rig, w) for w in rig.workers}
     target = max(rig.workers, key=lambda w: counts[w.name])
     t0[0] = time.monotonic()
     fault(rig, target)

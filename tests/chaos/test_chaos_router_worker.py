@@ -47,7 +47,8 @@ def pool(demo_model: str, key_dir: pathlib.Path, tmp_path_factory: pytest.TempPa
 
 
 @pytest.fixture
-def rig(loop_thread, pool: MarkHoldPool, demo_model: str) -> Iterator[Rig]:
+def rig(loop_thread, pool: MarkHoldPool, demo_model: str, reference) -> Iterator[Rig]:
+    reference.tokens(PROMPT, MAX_TOKENS)  # the offline engine loads before the rig's thread baseline (tqdm)
     rig = make_rig(loop_thread, pool.take_named(["c0", "c1"]), demo_model)
     try:
         yield rig
@@ -108,7 +109,8 @@ def _held_case(rig: Rig, reference, chaos_rows: list[ResultRow], name: str) -> N
     moved = rig.migrations() - before
     snaps = [p.snapshot() for p in rig.proxies]
     shown = f"router migrations +{moved:g}; proxy resets {sum(s['resets'] for s in snaps)}, " \
-            f"corrupted {sum(s['corrupted'] for s in snaps)}, truncated {sum(s['truncated'] for s in snaps)}"
+            f"corrupted {sum(s['corrupted'] for s in snaps)}, truncated {sum(s['truncated'] for s in snaps)}" \
+            + (f"; {out.detail[:200]}" if out.end != "right" else "")
     chaos_rows.append(ResultRow(name, role, 1, out.end == "right", out.end == "error", out.end == "lost", leaks,
                                 out.recover_s, shown))
     assert out.end in ("right", "error"), out
@@ -153,6 +155,33 @@ def test_degraded_path_still_right(rig, reference, chaos_rows, name, arm):
                                 out.end == "lost", leaks, out.recover_s, f"proxy forwarded {fwd} B down; no migration"))
     assert out.end == "right", out
     assert rig.migrations() == before and leaks == []
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="known gap: plaintext internal gRPC (--insecure-internal) has no end-to-end "
+                   "integrity, so one bit flipped in a token id reaches the client unnoticed; the mTLS default "
+                   "fails any flipped byte (test_chaos_router_worker_tls.py)")
+def test_plaintext_token_bit_flip(rig, reference, chaos_rows):
+    """One bit of the first token id in the worker's reply (found right after the request id, as
+    protobuf writes field 1 then field 2) flipped on the plaintext path: HTTP/2 and protobuf both
+    still parse, the token is another valid id. Recorded as a row; strict xfail: the day the
+    internal plane gets a checksum this test passes and must lose its mark."""
+    from chaos.router_worker_rig import new_request_id
+
+    want = reference.tokens(PROMPT, MAX_TOKENS)
+    rid = new_request_id(held=False)
+    for p in rig.proxies:
+        p.corrupt_after("down", rid.encode() + b"\x12", 1)  # field 2 (token_ids) tag, length, first token
+    out = run_request(rig, want, None, held=False, request_id=rid)
+    for p in rig.proxies:
+        p.clear()
+    leaks = rig.leaks()
+    hit = sum(p.snapshot()["corrupted"] for p in rig.proxies)
+    chaos_rows.append(ResultRow("one bit of a token id, plaintext (--insecure-internal)", "path router->worker", 1,
+                                out.end == "right", out.end == "error", out.end == "lost", leaks, out.recover_s,
+                                f"proxy corrupted {hit}; {out.detail[:80] or 'no error'}"))
+    assert hit == 1 and leaks == []
+    assert out.end in ("right", "error"), out
 
 
 # -- the router process itself ------------------------------------------------------------------

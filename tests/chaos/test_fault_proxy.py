@@ -160,3 +160,14 @@ def test_smoke_every_mode_in_turn() -> None:
                   test_blackhole_reads_and_drops_then_clear_resets, test_delay_and_bandwidth):
         with _proxy() as p:
             check(p)
+
+
+
+@pytest.mark.slow
+def test_corrupt_after_flips_one_bit_after_a_marker(proxy: FaultProxy) -> None:
+    with _conn(proxy) as s:
+        proxy.corrupt_after("down", b"rid-7", 2)
+        assert _echo(s, b"xx") == b"xx"  # no marker: passes, still armed
+        assert _echo(s, b"..rid-7:\x12\x05tail") == b"..rid-7:\x12\x04tail"  # 5 ^ 1 = 4
+        assert _echo(s, b"rid-7:\x12\x05") == b"rid-7:\x12\x05"  # once
+    assert proxy.snapshot()["corrupted"] == 1
