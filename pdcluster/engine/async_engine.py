@@ -173,8 +173,14 @@ class AsyncEngine:
         ec = self.engine.ec
         if ec is None or not request.ec_transfer_params or not request.mm_features:
             return
+        # An image this engine's own cache holds is not fetched (a racy look from this thread: at worst
+        # the entry is evicted meanwhile and the tower runs).
+        cache = ec.embedder.encoder_cache
+        wanted = [f for f in request.mm_features if f.mm_hash not in cache]
+        if not wanted:
+            return
         try:
-            meta = ec.connector.build_load_meta(request.request_id, request.mm_features, request.ec_transfer_params)
+            meta = ec.connector.build_load_meta(request.request_id, wanted, request.ec_transfer_params)
             if not meta.loads:
                 return
             report = await asyncio.wrap_future(ec.connector.start_load(meta))

@@ -108,6 +108,13 @@ def test_prefill_engine_announces_what_it_encoded(trio) -> None:
     tokens_c, final_c = run(collect(c, prompt, [png(image)], GREEDY, ec=(params,)))
     assert tokens_c == tokens_p and ec_stats(c)["mm_items_remote"] == before + 1
     assert final_c.ec_transfer_params is None  # C only consumes
+    # the same image again: C's own encoder cache has it, so nothing is fetched and nothing encoded
+    stats = dict(ec_stats(c))
+    again, _ = run(collect(c, "t9 <image> t8", [png(image)], GREEDY, ec=(params,)))
+    after = ec_stats(c)
+    assert after["mm_items_local_cache"] == stats["mm_items_local_cache"] + 1
+    assert (after["mm_items_remote"], after["transfer_bytes"], after["mm_items_computed"]) == \
+        (stats["mm_items_remote"], stats["transfer_bytes"], stats["mm_items_computed"])
 
 
 def test_item_evicted_after_announce_is_recomputed_locally(trio) -> None:
