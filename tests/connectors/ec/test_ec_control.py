@@ -129,6 +129,31 @@ def test_untrusted_key_and_incompatible_fingerprint(ec_keys, producer) -> None:
         fetcher.close()
 
 
+def test_lease_expiry_frees_the_item(ec_keys) -> None:
+    """The server thread's expiry scan ends an announced lease nobody released; the item is then
+    evictable, and a consumer that comes later hears 'evicted'."""
+    from pdcluster.engine.ec_connector import ECItemState
+
+    p = Producer(ec_keys, lease_s=30, max_bytes=1024)
+    now = [time.monotonic()]
+    p.store._clock = lambda: now[0]  # the store's clock, moved by hand: no test waits out a lease
+    try:
+        p.producer.save(H0, torch.randn(16, 8))  # 512 bytes
+        [(_, lease, _, _)] = p.producer.announce([H0])
+        assert p.store.state(H0) is ECItemState.PINNED
+        assert not p.producer.save(H1, torch.randn(16, 16))  # 1 KiB: no room while H0 is leased
+        now[0] += 31
+        _wait(lambda: p.store.state(H0) is ECItemState.READY, "the expiry scan to end the lease")
+        assert p.producer.save(H1, torch.randn(16, 16))  # now H0 is evicted to make room
+        fetcher = consumer(ec_keys)
+        try:
+            assert fetch(fetcher, p.params([(H0, lease)]), [(H0, 16)]).failed == {H0: ECFetchError.EVICTED}
+        finally:
+            fetcher.close()
+    finally:
+        p.close()
+
+
 def test_data_plane_failure_fails_the_item(ec_keys, producer) -> None:
     producer.producer.save(H0, torch.randn(16, 8))
     producer.producer.server.stop()  # the control plane answers, the TCP data plane is gone
