@@ -16,6 +16,10 @@ say; put what is your connector's own in `extra`, a map of at most 32 entries (k
 all). A router carries the params as the proto KvTransferParams (pdcluster.proto_convert), and
 extra's values come back with their types. Build a copy with `params.replace(...)`; unknown
 fields are refused by name (`KVTransferParams.from_wire`).
+
+An encoder-cache plugin implements `ECConnector` (pdcluster/engine/ec_connector.py), is built the same
+way and registers under the `pdcluster.ec_connectors` group (`EC_CONNECTORS`; built-in "p2p_ec");
+its hand-off is an `ECTransferParams` (one producer's items by mm_hash, each under a lease).
 """
 
 from __future__ import annotations
