@@ -3,6 +3,7 @@
     hidden (T, H), w13 (E, 2I, H) = [gate | up] per expert, w2 (E, H, I),
     topk_weights (T, k) float32 (or the model dtype), topk_ids (T, k) int
     -> out (T, H) in hidden's dtype:  out[t] = sum_j w[t, j] * w2[e] @ (silu(gate_e x) * up_e x),  e = ids[t, j]
+    An id of -1 is a pair this call does not compute (expert parallel: another rank's expert); it adds 0.
 
 The Triton version runs the same grouping as two grouped GEMM launches (see its section).
 
@@ -41,12 +42,13 @@ def check_moe_args(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
 
 
 def group_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int]]:
-    """-> (order, counts): order (T*k,) sorts the flattened (token, slot) pairs by expert (stable, so
-    tokens ascend inside a group); counts[e] pairs go to expert e (one host sync for the split)."""
+    """-> (order, counts): order sorts the flattened (token, slot) pairs by expert (stable, so tokens
+    ascend inside a group); counts[e] pairs go to expert e (one host sync for the split). Pairs with
+    id -1 (not computed here) sort first and are left out of order."""
     flat = topk_ids.reshape(-1).long()
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
-    return order, counts
+    counts = torch.bincount(flat + 1, minlength=num_experts + 1).tolist()
+    return order[counts[0]:], counts[1:]
 
 
 def fused_moe_torch(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -169,6 +171,9 @@ def fused_moe_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     if num_tokens == 0:
         return torch.zeros_like(hidden)
     hidden, w13, w2 = hidden.contiguous(), w13.contiguous(), w2.contiguous()
+    # A -1 pair (another rank's expert) runs on expert 0 with weight 0: no host sync to drop it.
+    skip = topk_ids < 0
+    topk_ids, topk_weights = topk_ids.clamp(min=0), topk_weights.masked_fill(skip, 0)
     block_m = 16  # tl.dot's minimum; decode batches put only a few pairs on each expert
     block_pairs, block_expert = align_pairs(topk_ids, w13.shape[0], block_m)
     pairs = num_tokens * top_k

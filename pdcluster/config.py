@@ -112,6 +112,8 @@ class EngineArgs:
     attention_backend: str = "auto"
     ops_backend: str = "auto"
     seed: int = 0
+    # vLLM's flag: a MoE model's experts partitioned across the TP ranks instead of each split.
+    enable_expert_parallel: bool = False
     kv_connector: str | None = None
     kv_connector_options: dict[str, Any] | None = None
     kv_role: str = "both"  # "producer" | "consumer" | "both"
@@ -143,6 +145,7 @@ class EngineArgs:
         device = _resolve_device(self.device)
         model_cfg = load_model_config(model_path, dtype=self.dtype, max_model_len=self.max_model_len)
         model_cfg = _apply_compute_dtype(model_cfg, self.compute_dtype, device)
+        model_cfg = _apply_expert_parallel(model_cfg, self.enable_expert_parallel, self.tensor_parallel_size)
         if not (isinstance(self.block_size, int) and 1 <= self.block_size <= 1024):
             raise ValueError(f"block_size must be an integer in [1, 1024], got {self.block_size!r}")
         if not (isinstance(self.max_num_seqs, int) and 1 <= self.max_num_seqs <= 4096):
@@ -241,6 +244,19 @@ def _check_ec(args: EngineArgs, model: ModelConfig) -> tuple[str, dict[str, Any]
     return name, dict(options)
 
 
+def _apply_expert_parallel(model: ModelConfig, enable: Any, tp: Any) -> ModelConfig:
+    """vLLM's --enable-expert-parallel: a MoE model's experts are partitioned across the TP ranks
+    (models/layers/fused_moe.py). A dense model or tensor_parallel_size 1 has nothing to partition."""
+    if not isinstance(enable, bool):
+        raise ValueError(f"enable_expert_parallel must be true or false, got {enable!r}")
+    if not enable or not model.num_experts or not isinstance(tp, int) or tp < 2:
+        return model
+    if model.num_experts < tp:
+        raise ValueError(f"enable_expert_parallel: {model.num_experts} experts cannot be partitioned over "
+                         f"tensor_parallel_size={tp} ranks (at least one expert per rank)")
+    return dataclasses.replace(model, expert_parallel=True)
+
+
 def _check_tp_shapes(model: ModelConfig, tp: int) -> None:
     """Every sharded dimension must split evenly over the ranks (checked before any rank starts)."""
     if tp == 1:
@@ -250,6 +266,8 @@ def _check_tp_shapes(model: ModelConfig, tp: int) -> None:
               ("intermediate_size", model.intermediate_size, model.intermediate_size % tp == 0),
               ("num_key_value_heads", kv, kv % tp == 0 if kv >= tp else tp % kv == 0)]
     for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):  # MoE experts split like the MLP
+        if name == "moe_intermediate_size" and model.expert_parallel:
+            continue  # whole experts per rank
         size = getattr(model, name)
         checks.append((name, size, size % tp == 0))
     bad = [f"{name}={value}" for name, value, ok in checks if not ok]

@@ -96,7 +96,8 @@ def model_digest(engine_config: EngineConfig) -> str:
     """Identity of the model's architecture and weights' shape, stable across hosts (the path and
     max_model_len may differ between pools and do not change the KV)."""
     m = asdict(engine_config.model)
-    for k in ("model_path", "max_model_len", "max_position_embeddings", "eos_token_ids", "bos_token_id"):
+    for k in ("model_path", "max_model_len", "max_position_embeddings", "eos_token_ids", "bos_token_id",
+              "expert_parallel"):  # how experts are placed on ranks does not change the KV
         m.pop(k, None)
     return hashlib.sha256(json.dumps(m, sort_keys=True, default=str).encode()).hexdigest()[:32]
 

@@ -78,6 +78,8 @@ class ModelConfig:
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
     layer_moe: tuple[bool, ...] = ()
+    # Experts partitioned across the TP ranks instead of split (EngineArgs.enable_expert_parallel).
+    expert_parallel: bool = False
     # What the checkpoint (or the user's `dtype`) asked for, when the engine computes in another
     # dtype (see EngineArgs.compute_dtype); None when `dtype` is what was asked.
     requested_dtype: str | None = None

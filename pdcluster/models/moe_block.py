@@ -31,7 +31,8 @@ class SparseMoeBlock(nn.Module):
         self.weights_in_model_dtype = cfg.model_type != "mixtral"
         self._ops = ops
         self.gate = ReplicatedLinear(cfg.hidden_size, cfg.num_experts, False, dtype)
-        self.experts = FusedMoE(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype, ops, **tp)
+        self.experts = FusedMoE(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype, ops, **tp,
+                                expert_parallel=cfg.expert_parallel)
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, dtype, ops, tp)
             self.shared_expert_gate = ReplicatedLinear(cfg.hidden_size, 1, False, dtype)
