@@ -32,7 +32,7 @@ def ec_keys() -> ECKeys:
     return ECKeys()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # one checkpoint for every EC test module
 def llava_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     return make_tiny_llava(tmp_path_factory.mktemp("llava-ec") / "ckpt", seed=4)
 
