@@ -61,7 +61,7 @@ ENGINE_FLAGS: tuple[tuple[str, str, Any], ...] = (
     ("--max-num-seqs", "max_num_seqs", int), ("--max-num-batched-tokens", "max_num_batched_tokens", int),
     ("--kv-cache-memory-bytes", "kv_cache_memory_bytes", int), ("--num-kv-blocks", "num_kv_blocks", int),
     ("--seed", "seed", int), ("--enable-prefix-caching", "enable_prefix_caching", bool),
-    ("--enforce-eager", "enforce_eager", bool),
+    ("--enforce-eager", "enforce_eager", bool), ("--enable-expert-parallel", "enable_expert_parallel", bool),
 )
 ENGINE_DEFAULTS = {"dtype": "auto", "kv_cache_dtype": "auto", "device": "auto", "block_size": 16, "max_num_seqs": 64,
                    "seed": 0}
@@ -69,6 +69,7 @@ ENGINE_HELP = {
     "kv_cache_memory_bytes": "KV cache budget in bytes (default: from free memory); --num-kv-blocks overrides it",
     "max_model_len": "context length (default: the model's)",
     "enforce_eager": "accepted for vLLM compatibility: this engine never captures CUDA graphs",
+    "enable_expert_parallel": "MoE models: partition the experts across the tensor-parallel ranks",
 }
 POOL_PREFIXES = ("prefill", "decode", "encode")
 
@@ -94,6 +95,7 @@ def engine_kwargs(args: Any) -> dict[str, Any]:
     """serve-worker's engine flags as EngineArgs fields."""
     out = {dest: getattr(args, dest) for _, dest, kind in ENGINE_FLAGS if kind is not bool}
     out["enable_prefix_caching"] = not args.no_prefix_caching
+    out["enable_expert_parallel"] = bool(getattr(args, "enable_expert_parallel", False))
     return out
 
 

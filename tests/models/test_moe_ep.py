@@ -157,3 +157,15 @@ def test_expert_parallel_tp2_equals_tp1(checkpoints: dict[str, str], started_pid
     finally:
         llm.engine.shutdown()
     assert wait_dead(pids, 10.0) == []
+
+
+def test_worker_flag_enable_expert_parallel() -> None:
+    """serve-worker takes vLLM's --enable-expert-parallel and hands it to EngineArgs."""
+    import argparse
+
+    from cluster.worker_flags import add_engine_flags, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    assert engine_kwargs(parser.parse_args(["--enable-expert-parallel"]))["enable_expert_parallel"] is True
+    assert engine_kwargs(parser.parse_args([]))["enable_expert_parallel"] is False
