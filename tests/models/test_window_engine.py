@@ -125,3 +125,21 @@ def test_attention_never_reads_behind_the_window(window: int) -> None:
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want)
     assert cpu_attention.build_plan(meta(), BS).decode is not None  # the decode path was exercised
+
+
+def test_window_freeing_with_an_fp8_cache(mistral) -> None:
+    """fp8 KV (the torch backend dequantises the blocks the step's tables name, freed ones too):
+    with freeing, the engine gives the tokens of a runner that never frees."""
+
+    from models.test_model_equivalence import run_greedy
+
+    from pdcluster.engine.model_runner import ModelRunner
+
+    path, prompts, _ = mistral
+    config = EngineArgs(model=path, dtype="float32", kv_cache_dtype="fp8", block_size=BS, num_kv_blocks=128,
+                        device="cpu", attention_backend="torch", ops_backend="torch", **EAGER).create_engine_config()
+    want = run_greedy(ModelRunner(config), prompts, max_tokens=MAX_TOKENS)
+    llm, peaks = _llm_with_peak(path, num_kv_blocks=32, kv_cache_dtype="fp8")
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+    assert llm.engine.get_stats()["num_preemptions"] == 0 and max(peaks[-MAX_TOKENS // 2:]) < 45
