@@ -8,6 +8,7 @@ resolving a path or reading a config does not import torch.
 from __future__ import annotations
 
 import os
+from types import MappingProxyType
 from typing import Any
 
 from pdcluster.registry import Registry
@@ -24,6 +25,22 @@ _ARCHITECTURE_PATHS: dict[str, str] = {
     "Qwen3MoeForCausalLM": "pdcluster.models.moe:Qwen3MoeForCausalLM",
     "LlavaForConditionalGeneration": "pdcluster.models.llava:LlavaForConditionalGeneration",
 }
+
+
+# What each architecture needs beyond the Llama decoder (ARCHITECTURE.md "Models" has the long form).
+# Every one also runs: TP (MoE experts split, or partitioned with enable_expert_parallel), an fp8
+# KV cache, prefix caching, every KV connector; sliding windows free blocks only when every layer slides.
+ARCHITECTURE_NOTES = MappingProxyType({
+    "LlamaForCausalLM": "rope default/linear/llama3, optional attention_bias",
+    "MistralForCausalLM": "sliding_window on every layer (blocks behind the window are freed)",
+    "Qwen2ForCausalLM": "q/k/v bias; use_sliding_window slides layers >= max_window_layers (mixed: nothing freed)",
+    "Qwen3ForCausalLM": "q/k RMSNorm per head, explicit head_dim; Qwen2's window rule",
+    "SmolLM3ForCausalLM": "NoPE layers (no_rope_layers / no_rope_layer_interval); use_sliding_window slides them",
+    "MixtralForCausalLM": "sparse MoE every layer (num_local_experts, top-k renormalised); sliding_window",
+    "Qwen2MoeForCausalLM": "MoE + sigmoid-gated shared expert, dense layers by decoder_sparse_step/mlp_only_layers",
+    "Qwen3MoeForCausalLM": "Qwen3 attention + MoE (norm_topk_prob); use_sliding_window slides every layer",
+    "LlavaForConditionalGeneration": "CLIP tower + projector + Llama/Mistral/Qwen2 decoder; TP 1 only",
+})
 
 
 def _model_class(obj: object) -> type:
@@ -51,6 +68,11 @@ def __getattr__(name: str) -> Any:
 
 def supported_architectures() -> list[str]:
     return MODEL_ARCHITECTURES.names()
+
+
+def describe_architectures() -> list[tuple[str, str]]:
+    """(architecture, what it needs) for every supported architecture, torch-free."""
+    return [(arch, ARCHITECTURE_NOTES.get(arch, "")) for arch in MODEL_ARCHITECTURES.names()]
 
 
 def get_model_class(arch: str) -> type:
