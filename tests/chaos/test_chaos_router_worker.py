@@ -62,6 +62,10 @@ def _reset(rig: Rig, w: WorkerProc) -> None:
     rig.proxy_of(w).reset()
 
 
+def _reset_once(rig: Rig, w: WorkerProc) -> None:
+    rig.proxy_of(w).reset(refuse_new=False)  # the connections break; a reconnect gets through
+
+
 def _blackhole(rig: Rig, w: WorkerProc) -> None:
     rig.proxy_of(w).blackhole()
 
@@ -87,6 +91,7 @@ def _sigstop(rig: Rig, w: WorkerProc) -> None:
 
 HELD_FAULTS: dict[str, tuple[FaultFn, str]] = {
     "reset (RST)": (_reset, "path router->worker"),
+    "reset (RST), reconnect allowed": (_reset_once, "path router->worker"),
     "blackhole": (_blackhole, "path router->worker"),
     "truncate worker->router": (_truncate_down, "path router->worker"),
     "corrupt worker->router": (_corrupt("down"), "path router->worker"),

@@ -21,7 +21,7 @@ from pdcluster.worker.tls import TLSConfig
 
 COMMAND = ("PDCLUSTER_CHAOS_TABLE=/tmp/chaos_tls.md .venv/bin/python -m pytest -m slow "
            "tests/chaos/test_chaos_router_worker_tls.py")
-TLS_FAULTS = ("reset (RST)", "blackhole", "corrupt worker->router", "corrupt router->worker", "truncate worker->router")
+TLS_FAULTS = ("reset (RST)", "reset (RST), reconnect allowed", "blackhole", "corrupt worker->router", "corrupt router->worker", "truncate worker->router")
 
 
 @pytest.fixture(scope="module")
