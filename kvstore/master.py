@@ -20,6 +20,7 @@ import grpc
 
 from pdcluster._proto import kvstore_pb2_grpc as pb_grpc
 from pdcluster.security.grpc_authz import RoleInterceptor, RolePolicy
+from pdcluster.security.tls_audit import HandshakeAudit
 
 from .authz import kvstore_policy
 from .core import MasterCore
@@ -45,6 +46,7 @@ class MasterServer:
         # ha: a standby / peer master (kvstore/standby.py); None: a lone master, as before
         # role_policy: with mutual TLS, which certificate roles may call what (kvstore/authz.py)
         self.role_policy = role_policy
+        self.tls_audit: HandshakeAudit | None = None  # set before start(): counts refused handshakes
         self.core = MasterCore(config, secret, data_dir, fsync=fsync, snapshot_interval_s=snapshot_interval_s)
         self.servicer = MasterServicer(self.core)
         self._host, self._port = host, port
@@ -71,6 +73,8 @@ class MasterServer:
         if self.ha is None:
             self.core.recover()  # before serving: no request may see a half-recovered store
         interceptors = [RoleInterceptor(self.role_policy)] if self.role_policy is not None else []
+        if self.tls_audit is not None:  # refused TLS handshakes, counted and named
+            interceptors.insert(0, self.tls_audit.sync_interceptor())
         if self.ha is not None:
             interceptors.append(self.ha.gate)  # after the role check: standbys refuse, epochs stamped
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=self._max_workers), interceptors=interceptors)
@@ -79,6 +83,8 @@ class MasterServer:
         self.port = server.add_secure_port(bind, self._creds) if self._creds else server.add_insecure_port(bind)
         if not self.port:
             raise OSError(f"cannot bind gRPC on {bind}")
+        if self.tls_audit is not None:
+            self.tls_audit.start(self.port)
         if self.ha is not None:
             self.role = self.ha.decide(self.address)  # a standby does not recover: its state comes from the primary
         server.start()
@@ -86,7 +92,8 @@ class MasterServer:
             self.ha.start()
         self._grpc = server
         if self._metrics_port is not None:
-            self._httpd, self.metrics_port = serve_metrics(self.servicer.stats, self._host, self._metrics_port)
+            self._httpd, self.metrics_port = serve_metrics(self.servicer.stats, self._host, self._metrics_port,
+                                                           *([self.tls_audit] if self.tls_audit is not None else []))
         self._ticker = threading.Thread(target=self._tick_loop, name="kvstore-master-tick", daemon=True)
         self._ticker.start()
         return self
@@ -106,6 +113,8 @@ class MasterServer:
             self.ha.stop()
         if self._grpc is not None:
             self._grpc.stop(grace_s).wait()
+        if self.tls_audit is not None:
+            self.tls_audit.stop()
         if self._ticker is not None:
             self._ticker.join()
         if self._httpd is not None:
@@ -166,12 +175,16 @@ def build_master(args: argparse.Namespace) -> MasterServer:
                           low_watermark=args.low_watermark, arena_max_fraction=args.arena_max_fraction)
     if bool(args.tls_cert) != bool(args.tls_key):
         raise ValueError("--tls-cert and --tls-key go together")
-    creds = server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
-    return MasterServer(config, load_secret(args.secret_file, create=True), host=args.host, port=args.port,
+    audit = HandshakeAudit("kvstore-master") if args.tls_cert else None
+    creds = server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca,
+                               on_handshake=audit.on_handshake if audit else None) if args.tls_cert else None
+    server = MasterServer(config, load_secret(args.secret_file, create=True), host=args.host, port=args.port,
                         data_dir=args.data_dir, fsync=args.fsync, snapshot_interval_s=args.snapshot_interval_s,
                         metrics_port=args.metrics_port, credentials=creds,
                         role_policy=restrict_feed(kvstore_policy()) if args.tls_cert and args.tls_client_ca else None,
                         ha=_ha_options(args))
+    server.tls_audit = audit
+    return server
 
 
 def run_master(args: argparse.Namespace) -> int:

@@ -39,9 +39,12 @@ class MasterCollector:
                 yield CounterMetricFamily(PREFIX + name, f"{name} since start", value=value)
 
 
-def serve_metrics(stats: Callable[[], dict[str, float]], host: str, port: int) -> tuple[Any, int]:
-    """Start /metrics; returns (http server, bound port). Stop with server.shutdown()."""
+def serve_metrics(stats: Callable[[], dict[str, float]], host: str, port: int, *extra: Any) -> tuple[Any, int]:
+    """Start /metrics; returns (http server, bound port). Stop with server.shutdown().
+    extra: more collectors (the TLS handshake audit)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(MasterCollector(stats))
+    for collector in extra:
+        registry.register(collector)
     httpd, _thread = start_http_server(port, addr=host, registry=registry)
     return httpd, httpd.server_address[1]

@@ -7,6 +7,7 @@ to serve TLS, plus a client CA to require client certificates (mTLS).
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 import grpc
 
@@ -20,12 +21,14 @@ def _read(path: str) -> bytes:
         return f.read()
 
 
-def server_credentials(cert_file: str, key_file: str, client_ca_file: str | None = None) -> grpc.ServerCredentials:
+def server_credentials(cert_file: str, key_file: str, client_ca_file: str | None = None, *,
+                       on_handshake: Callable[[], None] | None = None) -> grpc.ServerCredentials:
     """Credentials that follow the files: gRPC re-reads a reissued certificate or CA bundle at
-    the next handshake (pdcluster/security/rotation.py), so rotation needs no restart."""
+    the next handshake (pdcluster/security/rotation.py), so rotation needs no restart.
+    on_handshake: called before each new connection's handshake (security/tls_audit.py)."""
     from pdcluster.security.rotation import dynamic_server_credentials
 
-    return dynamic_server_credentials(cert_file, key_file, client_ca_file)[0]
+    return dynamic_server_credentials(cert_file, key_file, client_ca_file, on_handshake=on_handshake)[0]
 
 
 def make_channel(addr: str, *, tls_ca: str | None = None, tls_cert: str | None = None,

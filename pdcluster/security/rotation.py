@@ -164,11 +164,13 @@ def matching_pair(cert_path: str, key_path: str) -> tuple[bytes, bytes]:
 class _CertFetcher:
     """certificate_configuration_fetcher: None = keep the current configuration."""
 
-    def __init__(self, cert: str, key: str, ca: str | None) -> None:
+    def __init__(self, cert: str, key: str, ca: str | None,
+                 on_handshake: Callable[[], None] | None = None) -> None:
         self.paths = [p for p in (cert, key, ca) if p is not None]
         self.cert, self.key, self.ca = cert, key, ca
         self.stamps = self._stamps()
         self.reloads = 0
+        self.on_handshake = on_handshake  # gRPC core calls us once per new connection (tls_audit.py)
 
     def _stamps(self) -> tuple[tuple[int, int, int], ...]:
         return tuple(_stamp(p) for p in self.paths)
@@ -179,6 +181,11 @@ class _CertFetcher:
         return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
 
     def __call__(self) -> grpc.ServerCertificateConfiguration | None:
+        if self.on_handshake is not None:
+            try:
+                self.on_handshake()
+            except Exception:  # counting must never cost a handshake
+                log.exception("TLS handshake audit failed")
         try:
             stamps = self._stamps()
             if stamps == self.stamps:
@@ -193,10 +200,13 @@ class _CertFetcher:
         return cfg
 
 
-def dynamic_server_credentials(cert: str, key: str, ca: str | None) -> tuple[grpc.ServerCredentials, Callable]:
+def dynamic_server_credentials(cert: str, key: str, ca: str | None, *,
+                               on_handshake: Callable[[], None] | None = None) -> tuple[grpc.ServerCredentials,
+                                                                                         Callable]:
     """Server credentials that follow the files: (credentials, fetcher). With `ca` the server
-    requires client certificates signed by a CA in that bundle (mutual TLS)."""
-    fetcher = _CertFetcher(cert, key, ca)
+    requires client certificates signed by a CA in that bundle (mutual TLS). on_handshake is
+    called before each new connection's handshake (tls_audit.HandshakeAudit.on_handshake)."""
+    fetcher = _CertFetcher(cert, key, ca, on_handshake)
     creds = grpc.dynamic_ssl_server_credentials(fetcher.config(), fetcher,
                                                 require_client_authentication=ca is not None)
     return creds, fetcher

@@ -224,5 +224,6 @@ def start_metrics(config: WorkerConfig, role: WorkerRole, engine: AsyncEngine,
     collector = WorkerCollector(engine, role, worker_id=server.worker_id, connector=config.kv_connector,
                                 requests=getattr(server.servicer, "requests", None),
                                 handshake_registry=getattr(refusals, "registry", None))
-    return start_metrics_server(collector, host=config.metrics_host, port=config.metrics_port,
+    audit = [server.tls_audit] if getattr(server, "tls_audit", None) is not None else []  # refused TLS handshakes
+    return start_metrics_server(collector, *audit, host=config.metrics_host, port=config.metrics_port,
                                 advertise_host=config.advertise_host)

@@ -20,6 +20,7 @@ import grpc
 from pdcluster._proto import worker_pb2_grpc
 from pdcluster.security.grpc_authz import AioRoleInterceptor, RolePolicy
 from pdcluster.security.rotation import dynamic_server_credentials
+from pdcluster.security.tls_audit import HandshakeAudit
 from pdcluster.worker.health import EngineHealth
 from pdcluster.worker.options import DEFAULT_MAX_MESSAGE_BYTES, MAX_CONCURRENT_RPCS, server_options
 from pdcluster.worker.roles import AggregatedRole, RoleHandler
@@ -46,6 +47,7 @@ class WorkerServer:
         self.kv_events = kv_events
         self.address = address
         self.authz: RolePolicy | None = None
+        self.tls_audit: HandshakeAudit | None = None  # refused TLS handshakes (a Prometheus collector)
         self._stopped = False
 
     @property
@@ -67,6 +69,8 @@ class WorkerServer:
         if num:
             log.info("aborted %d in-flight request(s) at shutdown", num)
         await self.grpc_server.stop(grace)
+        if self.tls_audit is not None:
+            self.tls_audit.stop()
         if self.kv_events is not None:
             await self.kv_events.close()
 
@@ -96,12 +100,13 @@ def worker_policy() -> RolePolicy:
     return RolePolicy({f"/pdcluster.v1.Worker/{name}": {"router"} for name in ROUTER_ONLY})
 
 
-def _tls_credentials(tls: TLSConfig) -> grpc.ServerCredentials:
+def _tls_credentials(tls: TLSConfig, audit: HandshakeAudit | None = None) -> grpc.ServerCredentials:
     """Credentials that follow the files (certificate and CA-bundle rotation without restart,
     security/rotation.py); server_credentials first, for its checks and error messages."""
     server_credentials(tls)
     assert tls.cert is not None and tls.key is not None
-    return dynamic_server_credentials(tls.cert, tls.key, tls.ca)[0]
+    return dynamic_server_credentials(tls.cert, tls.key, tls.ca,
+                                      on_handshake=audit.on_handshake if audit is not None else None)[0]
 
 
 def _format_address(host: str, port: int) -> str:
@@ -130,12 +135,15 @@ async def start_worker_server(
     # drains requests or asks for encodings (pdcluster/security/grpc_authz.py); health and info
     # need only the handshake.
     policy = worker_policy() if tls is not None and tls.ca is not None else None
-    interceptors = [AioRoleInterceptor(policy)] if policy is not None else []
+    interceptors: list = [AioRoleInterceptor(policy)] if policy is not None else []
+    audit = HandshakeAudit("worker") if tls is not None else None  # refused handshakes, named
+    if audit is not None:
+        interceptors.insert(0, audit.interceptor())
     server = grpc.aio.server(options=server_options(max_message_bytes), maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
                              interceptors=interceptors)
     address = _format_address(host, port)
     try:
-        bound = server.add_secure_port(address, _tls_credentials(tls)) if tls is not None \
+        bound = server.add_secure_port(address, _tls_credentials(tls, audit)) if tls is not None \
             else server.add_insecure_port(address)
     except RuntimeError:  # newer grpcio raises where older versions returned 0
         bound = 0
@@ -166,4 +174,6 @@ async def start_worker_server(
         raise
     worker_server = WorkerServer(server, servicer, health, publisher, _format_address(host, bound))
     worker_server.authz = policy  # refusals by method and role (None without mTLS)
+    if audit is not None:
+        worker_server.tls_audit = audit.start(bound)
     return worker_server, bound

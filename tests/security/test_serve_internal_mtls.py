@@ -31,6 +31,18 @@ def _health(addr: str, creds: grpc.ChannelCredentials | None) -> int:
         return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10).status
 
 
+def _wait_metric(url: str, line: str) -> None:
+    import time
+    import urllib.request
+
+    for _ in range(1200):  # bounds a hang only: ends as soon as the line is there
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        if line in text:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{line!r} not in {url}:\n{text}")
+
+
 def _cmdline(pid: int) -> list[str]:
     with open(f"/proc/{pid}/cmdline", "rb") as f:
         return [a.decode() for a in f.read().split(b"\0") if a]
@@ -51,6 +63,9 @@ def test_workers_take_only_the_runs_router(demo_model: str, tmp_path) -> None:
         with Client(ready["grpc"], timeout=120) as client:
             out = client.generate(list(range(5, 20)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
             assert len(out.token_ids) == 4
+        # The refusals are counted and named on each worker's /metrics (security/tls_audit.py).
+        for inst in ready["instances"].values():
+            _wait_metric(inst["metrics"], 'pdcluster_tls_refused_peers_total{peer="127.0.0.1",server="worker"} 2.0')
         # Each worker got its own identity (by path), and no other instance's key.
         keys = {}
         for pid in descendants(proc.pid):

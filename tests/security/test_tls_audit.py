@@ -1,0 +1,126 @@
+"""Refused TLS handshakes are counted and named (issue 16, item 1): a real grpc.aio server with
+our dynamic credentials and HandshakeAudit on 127.0.0.1. A plaintext peer, a certificate of
+another CA and garbage bytes are refused by gRPC core; the audit counts each from the
+fetcher call + /proc/net/tcp and names the peer; a good client counts as authenticated."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry
+
+from pdcluster.security.pki import init_pki
+from pdcluster.security.rotation import dynamic_server_credentials
+from pdcluster.security.tls_audit import HandshakeAudit, parse_grpc_peer
+from pdcluster.worker.tls import TLSConfig, channel_credentials
+
+
+def test_parse_grpc_peer() -> None:
+    assert parse_grpc_peer("ipv4:127.0.0.1:5000") == ("127.0.0.1", 5000)
+    assert parse_grpc_peer("ipv6:[::1]:7") == ("::1", 7)
+    assert parse_grpc_peer("ipv6:[::ffff:10.0.0.1]:7") == ("10.0.0.1", 7)
+    assert parse_grpc_peer("unix:/tmp/x") is None
+
+
+def test_refused_handshakes_counted_with_peer(tmp_path) -> None:
+    ca = init_pki(tmp_path / "pki")
+    w, r = ca.issue("worker", "w0"), ca.issue("router", "router")
+    other = init_pki(tmp_path / "other").issue("router", "router")
+
+    async def run() -> None:
+        audit = HandshakeAudit("worker")
+        server = grpc.aio.server(interceptors=[audit.interceptor()])
+        health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+        creds = dynamic_server_credentials(w.cert, w.key, w.ca, on_handshake=audit.on_handshake)[0]
+        port = server.add_secure_port("127.0.0.1:0", creds)
+        audit.start(port)
+        await server.start()
+        addr = f"127.0.0.1:{port}"
+
+        async def check(creds) -> bool:
+            ch = grpc.aio.secure_channel(addr, creds) if creds else grpc.aio.insecure_channel(addr)
+            try:
+                await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+                return True
+            except grpc.aio.AioRpcError:
+                return False
+            finally:
+                await ch.close()
+
+        async def settled(n: int) -> None:  # bounds a hang only; ends when the count is reached
+            for _ in range(1200):
+                audit.sweep()
+                if audit.counts["refused"] >= n:
+                    return
+                await asyncio.sleep(0.05)
+            raise AssertionError(f"refusals not settled: {dict(audit.counts)}")
+
+        try:
+            good = channel_credentials(TLSConfig(ca=r.ca, cert=r.cert, key=r.key))
+            assert await check(good)
+            assert audit.counts["authenticated"] == 1 and audit.counts["refused"] == 0
+            assert not await check(None)  # plaintext
+            await settled(1)
+            foreign = channel_credentials(TLSConfig(ca=w.ca, cert=other.cert, key=other.key))
+            assert not await check(foreign)
+            await settled(2)
+            s = socket.create_connection(("127.0.0.1", port))  # garbage: the server hangs up
+            s.sendall(b"\x00garbage\r\n" * 10)
+            assert await asyncio.get_running_loop().run_in_executor(None, s.recv, 100) == b""
+            s.close()
+            await settled(3)
+            assert await check(good)  # the server still serves
+            reg = CollectorRegistry()
+            reg.register(audit)
+            assert reg.get_sample_value("pdcluster_tls_handshakes_total",
+                                        {"server": "worker", "result": "refused"}) >= 3
+            assert reg.get_sample_value("pdcluster_tls_refused_peers_total",
+                                        {"server": "worker", "peer": "127.0.0.1"}) >= 3
+            assert audit.counts["started"] >= 5 and audit.counts["authenticated"] == 2
+        finally:
+            await server.stop(None)
+            audit.stop()
+
+    asyncio.run(run())
+
+
+def test_kvstore_master_counts_refused_handshakes(tmp_path) -> None:
+    import argparse
+    import time
+    import urllib.request
+
+    from pdcluster.kvstore.master import add_master_args, build_master
+    from pdcluster.kvstore.rpc import make_channel
+
+    ca = init_pki(tmp_path / "pki")
+    m, node = ca.issue("kvstore-master", "master"), ca.issue("kvstore-node", "n0")
+    p = argparse.ArgumentParser()
+    add_master_args(p)
+    args = p.parse_args(["--port", "0", "--metrics-port", "0", "--secret-file", str(tmp_path / "secret"),
+                         "--tls-cert", m.cert, "--tls-key", m.key, "--tls-client-ca", m.ca])
+    master = build_master(args).start()
+    try:
+        with grpc.insecure_channel(master.address) as ch:  # plaintext: refused by gRPC core
+            try:
+                health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            except grpc.RpcError:
+                pass
+        with make_channel(master.address, tls_ca=node.ca, tls_cert=node.cert, tls_key=node.key) as ch:
+            try:  # authenticated (the master serves no health service: UNIMPLEMENTED is an RPC)
+                health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.UNIMPLEMENTED
+        url = f"http://127.0.0.1:{master.metrics_port}/metrics"
+        for _ in range(1200):  # bounds a hang only: ends when the refusal is settled
+            text = urllib.request.urlopen(url, timeout=10).read().decode()
+            if 'pdcluster_tls_refused_peers_total{peer="127.0.0.1",server="kvstore-master"}' in text:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError(text)
+        assert master.tls_audit.counts["authenticated"] >= 1
+    finally:
+        master.stop()
