@@ -54,7 +54,7 @@ def engine_argv(engine: Mapping[str, Any], actions: Mapping[str, argparse.Action
 # -- engine flags, by vLLM's names ------------------------------------------------------------------
 # (flag, serve-worker dest, type): what serve-worker takes and `serve`/`up` forward to their pools.
 # Booleans: enable_prefix_caching (--enable-prefix-caching / --no-enable-prefix-caching) and
-# enforce_eager (accepted: this engine never captures CUDA graphs, so it always runs eagerly).
+# enforce_eager (no torch.compile of the forward: engine/compiled_forward.py).
 ENGINE_FLAGS: tuple[tuple[str, str, Any], ...] = (
     ("--dtype", "dtype", str), ("--kv-cache-dtype", "kv_cache_dtype", str), ("--device", "device", str),
     ("--block-size", "block_size", int), ("--max-model-len", "max_model_len", int),
@@ -68,7 +68,7 @@ ENGINE_DEFAULTS = {"dtype": "auto", "kv_cache_dtype": "auto", "device": "auto", 
 ENGINE_HELP = {
     "kv_cache_memory_bytes": "KV cache budget in bytes (default: from free memory); --num-kv-blocks overrides it",
     "max_model_len": "context length (default: the model's)",
-    "enforce_eager": "accepted for vLLM compatibility: this engine never captures CUDA graphs",
+    "enforce_eager": "run the forward eagerly: no torch.compile (engine/compiled_forward.py)",
     "enable_expert_parallel": "MoE models: partition the experts across the tensor-parallel ranks",
 }
 POOL_PREFIXES = ("prefill", "decode", "encode")
@@ -96,6 +96,7 @@ def engine_kwargs(args: Any) -> dict[str, Any]:
     out = {dest: getattr(args, dest) for _, dest, kind in ENGINE_FLAGS if kind is not bool}
     out["enable_prefix_caching"] = not args.no_prefix_caching
     out["enable_expert_parallel"] = bool(getattr(args, "enable_expert_parallel", False))
+    out["enforce_eager"] = bool(getattr(args, "enforce_eager", False))
     return out
 
 

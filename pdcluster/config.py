@@ -84,6 +84,8 @@ class EngineConfig:
     ec_connector: str = ""
     ec_connector_options: dict[str, Any] = field(default_factory=dict)
     encoder_only: bool = False
+    # True: never torch.compile the forward (engine/compiled_forward.py says where it compiles).
+    enforce_eager: bool = False
 
 
 @dataclass
@@ -114,6 +116,8 @@ class EngineArgs:
     seed: int = 0
     # vLLM's flag: a MoE model's experts partitioned across the TP ranks instead of each split.
     enable_expert_parallel: bool = False
+    # vLLM's flag: run the forward eagerly instead of under torch.compile (compiled_forward.py).
+    enforce_eager: bool = False
     kv_connector: str | None = None
     kv_connector_options: dict[str, Any] | None = None
     kv_role: str = "both"  # "producer" | "consumer" | "both"
@@ -199,6 +203,7 @@ class EngineArgs:
             ec_connector=ec_connector,
             ec_connector_options=ec_options,
             encoder_only=bool(self.encoder_only),
+            enforce_eager=bool(self.enforce_eager),
         )
 
 

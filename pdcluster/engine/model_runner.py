@@ -86,6 +86,14 @@ class ModelRunner:
         if connector is not None:
             self.connector_hooks = ConnectorHooks(connector, rank, config.parallel.tensor_parallel_size)
             self.connector_hooks.register(self.kv_caches, self.kv_cache_layout(), self.model)
+        # The text forward: the model itself, or compiled_forward's torch.compile wrapper of it.
+        self.forward_fn = self._build_forward()
+
+    def _build_forward(self) -> Any:
+        # Lazy: the custom attention op is registered only by engines that may compile.
+        from pdcluster.engine.compiled_forward import build_forward
+
+        return build_forward(self.config, self.model, self.attn_backend, self.layer_kv_caches)
 
     def _bind_kv_scales(self) -> None:
         from pdcluster.models.layers.kv_quant import load_kv_scales
@@ -205,7 +213,7 @@ class ModelRunner:
             embeds = None if self.mm is None else self.mm.inputs_embeds(
                 [r.request_id for r in reqs], [r.num_computed_tokens for r in reqs], query_lens, input_ids)
             if embeds is None:
-                hidden = self.model(input_ids, positions, self.kv_caches, meta)  # (T, H)
+                hidden = self.forward_fn(input_ids, positions, self.kv_caches, meta)  # (T, H)
             else:  # image features scattered into the placeholders' embeddings
                 hidden = self.model(input_ids, positions, self.kv_caches, meta, inputs_embeds=embeds)
             sampled: list[int] = []
