@@ -22,6 +22,7 @@ blocks. The call ending (router gone, connection lost) aborts every request stil
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,8 @@ from pdcluster.sampling_params import SamplingParams
 from pdcluster.worker import convert
 from pdcluster.worker.inflight import Inflight, Refusal
 from pdcluster.worker.request_table import RequestTable, abort_response
+
+log = logging.getLogger(__name__)
 
 # A batch is flushed before it passes this: well under the router's 4 MiB receive limit.
 DEFAULT_MAX_BATCH_BYTES = 1 << 20
@@ -85,6 +88,9 @@ class StreamSession:
                     return  # the router closed its side (or this worker stops); every request has ended
         finally:
             reader.cancel()
+            if self._runs and not self._closing:  # a router gone (killed, cut off, past its deadline)
+                log.warning("request stream from %s ended with %d request(s) running: aborting them",
+                            context.peer(), len(self._runs))
             for run in list(self._runs.values()):  # the call ended under them: abort each
                 self._finish(run)
                 if run.inflight.task is not None:

@@ -256,9 +256,13 @@ def test_router_process_killed_or_stopped(pool, demo_model, reference, chaos_row
     left = leftover_processes(tree)
     chaos_rows.append(ResultRow(sig.name, "router process", 1, 0, int(code in (grpc.StatusCode.UNAVAILABLE,
                                 grpc.StatusCode.DEADLINE_EXCEEDED)), 0, leaks + [f"process {p}" for p in left],
-                                recover, f"client {code.name}; worker blocks freed after {recover:.1f} s"))
+                                recover, f"client {code.name}; worker blocks freed after {recover:.1f} s"
+                                + ("; worker WARNING 'request stream from ipv4:127.0.0.1:PORT ended with 1 "
+                                   "request(s) running'" if sig == signal.SIGKILL else "")))
     assert code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED), code
     assert leaks == [] and left == []
+    if sig == signal.SIGKILL:  # the worker names the router whose stream ended under a running request
+        assert any("request stream from" in w.stderr_tail(400) for w in workers), [w.stderr_tail(5) for w in workers]
 
 
 def _ok(stub, req) -> bool:
