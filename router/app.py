@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry
 
 from pdcluster.engine.tokenizer import Tokenizer
 from pdcluster.security.keys import load_allowed_public_keys, load_keypair
+from pdcluster.security.tls_audit import HandshakeAudit
 from pdcluster.worker.tls import TLSConfig
 
 from .admission import Admission
@@ -58,6 +59,7 @@ class Router:
         self._http_runner: web.AppRunner | None = None
         self.grpc_port: int | None = None
         self.http_port: int | None = None
+        self.tls_audit: HandshakeAudit | None = None  # refused handshakes on the gRPC frontend (TLS only)
 
     async def start(self) -> None:
         cfg = self.config
@@ -84,7 +86,11 @@ class Router:
             self.admission = Admission(cfg.max_inflight, self.orchestrator, self.metrics)
             self._on_workers_changed()
             servicer = RouterServicer(cfg, self.preprocessor, self.orchestrator, self.registry, self.admission)
-            self._grpc_server, self.grpc_port = build_grpc_server(cfg, servicer, self.health)
+            if cfg.tls is not None:  # client-facing TLS: refused handshakes counted, peers named
+                self.tls_audit = HandshakeAudit("router")
+            self._grpc_server, self.grpc_port = build_grpc_server(cfg, servicer, self.health, self.tls_audit)
+            if self.tls_audit is not None:
+                self.metrics.registry.register(self.tls_audit.start(self.grpc_port))
             await self._grpc_server.start()
             if cfg.http_port is not None:
                 await self._start_http()
@@ -158,6 +164,8 @@ class Router:
         if self._grpc_server is not None:
             await self._grpc_server.stop(grace_s)
             self._grpc_server = None
+        if self.tls_audit is not None:
+            self.tls_audit.stop()
         if self._http_runner is not None:
             await self._http_runner.cleanup()
             self._http_runner = None

@@ -19,6 +19,7 @@ from grpc_health.v1.health import aio as health_aio
 
 from pdcluster._proto import common_pb2, router_pb2, router_pb2_grpc
 from pdcluster.security.rotation import dynamic_server_credentials
+from pdcluster.security.tls_audit import HandshakeAudit
 from pdcluster.worker.tls import server_credentials
 
 from .admission import Admission
@@ -128,10 +129,13 @@ class RouterHealth:
         await self.servicer.set(ROUTER_HEALTH_SERVICE, status)
 
 
-def build_grpc_server(config: RouterConfig, servicer: RouterServicer, health: RouterHealth) -> tuple[grpc.aio.Server, int]:
+def build_grpc_server(config: RouterConfig, servicer: RouterServicer, health: RouterHealth,
+                      audit: HandshakeAudit | None = None) -> tuple[grpc.aio.Server, int]:
     """A server with the Router and health services bound to host:grpc_port; returns it and the
-    bound port (grpc_port 0 picks a free one)."""
-    interceptors = [ApiKey(config.api_key).grpc_interceptor()] if config.api_key is not None else []
+    bound port (grpc_port 0 picks a free one). audit: with TLS, counts refused handshakes."""
+    interceptors: list = [ApiKey(config.api_key).grpc_interceptor()] if config.api_key is not None else []
+    if audit is not None:
+        interceptors.insert(0, audit.interceptor())
     server = grpc.aio.server(interceptors=interceptors, maximum_concurrent_rpcs=config.concurrent_rpcs, options=[
         ("grpc.max_receive_message_length", config.max_message_bytes),  # larger -> RESOURCE_EXHAUSTED
         ("grpc.max_send_message_length", config.max_message_bytes),
@@ -149,7 +153,8 @@ def build_grpc_server(config: RouterConfig, servicer: RouterServicer, health: Ro
             # files (a reissued certificate or CA bundle is served without a restart).
             server_credentials(config.tls)
             port = server.add_secure_port(address, dynamic_server_credentials(
-                str(config.tls.cert), str(config.tls.key), config.tls.ca)[0])
+                str(config.tls.cert), str(config.tls.key), config.tls.ca,
+                on_handshake=audit.on_handshake if audit is not None else None)[0])
         else:
             port = server.add_insecure_port(address)
     except RuntimeError:  # newer grpcio raises where older ones returned 0
