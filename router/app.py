@@ -37,6 +37,7 @@ from .prefix_index import PrefixIndex
 from .preprocess import Preprocessor
 from .registry import WorkerRegistry
 from .server import RouterHealth, RouterServicer, build_grpc_server
+from .tls_reload import HttpsCertReloader
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class Router:
         self._http_runner: web.AppRunner | None = None
         self.grpc_port: int | None = None
         self.http_port: int | None = None
+        self._https_reload: asyncio.Task | None = None
         self.tls_audit: HandshakeAudit | None = None  # refused handshakes on the gRPC frontend (TLS only)
 
     async def start(self) -> None:
@@ -132,10 +134,21 @@ class Router:
         assert runner.server is not None
         limits.install(runner.server)
         self._http_runner = runner
-        site = web.TCPSite(runner, self.config.host, self.config.http_port, reuse_port=False,
-                           ssl_context=_ssl_context(self.config.tls) if self.config.tls else None)
+        ssl_ctx = _ssl_context(self.config.tls) if self.config.tls else None
+        site = web.TCPSite(runner, self.config.host, self.config.http_port, reuse_port=False, ssl_context=ssl_ctx)
         await site.start()
+        if ssl_ctx is not None and self.config.tls is not None:  # a reissued certificate, no restart
+            self._https_reload = asyncio.get_running_loop().create_task(
+                self._reload_https(HttpsCertReloader(ssl_ctx, self.config.tls)), name="https-cert-reload")
         self.http_port = runner.addresses[0][1]
+
+    async def _reload_https(self, reloader: HttpsCertReloader) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            try:
+                reloader.check()
+            except Exception:  # a bad reload keeps the current certificate and the loop
+                log.exception("HTTPS certificate reload failed")
 
     def _on_workers_changed(self) -> None:
         if self.health is not None:
@@ -166,6 +179,9 @@ class Router:
             self._grpc_server = None
         if self.tls_audit is not None:
             self.tls_audit.stop()
+        if self._https_reload is not None:
+            self._https_reload.cancel()
+            self._https_reload = None
         if self._http_runner is not None:
             await self._http_runner.cleanup()
             self._http_runner = None

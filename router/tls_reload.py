@@ -88,3 +88,41 @@ class ChannelRebuilder:
             t.cancel()
         await asyncio.gather(*retiring, return_exceptions=True)
         await asyncio.gather(*(c.close() for c in retiring.values()), return_exceptions=True)
+
+
+class HttpsCertReloader:
+    """The HTTPS frontend's certificate follows its files: an ssl.SSLContext serves what it was
+    loaded with, so check() (the router calls it every health period) reloads a reissued pair
+    into the same context, which the listening socket uses for every new handshake. The pair is
+    checked to match first and loaded from one private copy, so a torn reissue is never
+    half-loaded (OpenSSL would keep the new certificate with the old key)."""
+
+    def __init__(self, ctx: Any, tls: TLSConfig) -> None:
+        self.ctx = ctx
+        self.tls = TLSConfig(cert=tls.cert, key=tls.key)
+        self._stamp = stamp(self.tls)
+        self.reloads = 0
+
+    def check(self) -> bool:
+        import tempfile
+
+        from pdcluster.security.rotation import matching_pair
+
+        now = stamp(self.tls)
+        if now is None or now == self._stamp:
+            return False
+        try:
+            key_pem, cert_pem = matching_pair(str(self.tls.cert), str(self.tls.key))
+        except (OSError, ValueError) as e:
+            log.warning("HTTPS certificate changed but cannot be loaded yet: %s", e)
+            return False
+        with tempfile.TemporaryDirectory(prefix="pdcluster-https-") as d:  # 0700
+            path = os.path.join(d, "pair.pem")
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(cert_pem + b"\n" + key_pem)
+            self.ctx.load_cert_chain(path)
+        self._stamp = now
+        self.reloads += 1
+        log.info("HTTPS certificate reloaded from %s", self.tls.cert)
+        return True

@@ -100,3 +100,50 @@ def test_kvstore_master_credentials_follow_files(tmp_path) -> None:
             assert health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10).status == 1
     finally:
         server.stop(0)
+
+
+def test_https_certificate_reloaded_in_place(tmp_path) -> None:
+    """The router's HTTPS context takes a reissued certificate for new handshakes (same
+    listening socket); the served certificate's serial changes."""
+    import ssl
+
+    from aiohttp import web
+    from cryptography import x509
+
+    from pdcluster.router.app import _ssl_context
+    from pdcluster.router.tls_reload import HttpsCertReloader
+
+    ca = init_pki(tmp_path / "pki")
+    ident = ca.issue("router", "router")
+    tls = TLSConfig(cert=ident.cert, key=ident.key)
+
+    async def run() -> None:
+        ctx = _ssl_context(tls)
+        app = web.Application()
+        app.router.add_get("/health", lambda r: web.Response(text="ok"))
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ctx)
+        await site.start()
+        port = runner.addresses[0][1]
+
+        async def served_serial() -> int:
+            client = ssl.create_default_context(cafile=ident.ca)
+            r, w = await asyncio.open_connection("127.0.0.1", port, ssl=client, server_hostname="127.0.0.1")
+            der = w.get_extra_info("ssl_object").getpeercert(binary_form=True)
+            w.close()
+            return x509.load_der_x509_certificate(der).serial_number
+
+        try:
+            reloader = HttpsCertReloader(ctx, tls)
+            first = await served_serial()
+            assert not reloader.check()
+            ca.reissue("router")
+            assert reloader.check() and reloader.reloads == 1
+            second = await served_serial()
+            assert second != first
+            assert second == x509.load_pem_x509_certificate(open(ident.cert, "rb").read()).serial_number
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(run())
