@@ -152,9 +152,9 @@ class WorkerActor:
         os._exit(1)
 
     def _remove_tls(self) -> None:
-        if self._tls is not None:
-            self._tls.remove()
-            self._tls = None
+        tls, self._tls = self._tls, None  # stop() and the supervisor thread may both get here
+        if tls is not None:
+            tls.remove()
 
     def _pump(self, stream: Any, sink: Any, watch_ready: bool = False) -> None:
         for raw in stream:
