@@ -149,7 +149,8 @@ class LegRunner:
         if len(handles) <= 1:
             return handles[0] if handles else None
         by_address = {h.address: h for h in handles}
-        route = RouteRequest(state.request_id, state.prep.prompt_token_ids, self.block_hashes(state))
+        route = RouteRequest(state.request_id, state.prep.prompt_token_ids, self.block_hashes(state),
+                             mm_offset=state.prep.mm_offset)
         view = self.policy.pick(route, [h.view() for h in handles], {h.worker_id: h.load() for h in handles})
         return None if view is None else by_address.get(view.address)
 
@@ -167,7 +168,8 @@ class LegRunner:
             block_size = self.block_size()
             if block_size is None:
                 return None
-            hashes = self.policy.block_hashes(RouteRequest(state.request_id, state.prep.prompt_token_ids), block_size)
+            route = RouteRequest(state.request_id, state.prep.prompt_token_ids, mm_offset=state.prep.mm_offset)
+            hashes = self.policy.block_hashes(route, block_size)
             if hashes is None:
                 return None
             state.block_hashes = list(hashes)

@@ -5,6 +5,7 @@ no clocks, no global state (a policy instance may keep its own counter or seeded
 router filters the pool (role, circuit breaker) before calling pick; pick itself skips
 unhealthy workers and returns None when nobody can serve. A policy that routes by cached
 prefix also answers `block_hashes(request, block_size)` and `prefix_match(request, workers)`;
+with images (`RouteRequest.mm_offset`) the chain stops before the first block covering one;
 the router asks every policy these (the defaults say "not a prefix policy") and passes the
 workers' block size in, so it never needs to know a policy's class or set its attributes.
 Policies are found by name in `ROUTING_POLICIES`, a closed `Registry` (pdcluster/registry.py).
@@ -35,6 +36,11 @@ class RouteRequest:
     # Chained block hashes of the prompt; None = compute from prompt_token_ids when a policy
     # needs them (prefix_aware with a block_size).
     block_hashes: Sequence[bytes] | None = None
+    # Index of the first image placeholder token (None: no images). Workers key every block from
+    # the one covering it on by the image's mm_hash (a hash of preprocessed pixels the router
+    # never computes), so a prefix policy hashes only the full blocks before it: it never counts
+    # a same-text/other-image block as cached.
+    mm_offset: int | None = None
 
 
 @dataclass(frozen=True)
@@ -139,6 +145,16 @@ def _compute_block_hashes(token_ids: Sequence[int], block_size: int) -> list[byt
     return list(compute_block_hashes(list(token_ids), block_size))
 
 
+def _hashable_share(request: RouteRequest) -> float:
+    """The part of the prompt the chain covers: 1 without images, else the text before the first
+    placeholder over the whole prompt, so a cached text prefix of an image-heavy prompt scores as
+    the small part of it that it is (the chain alone would call it 'fully cached')."""
+    n = len(request.prompt_token_ids)
+    if request.mm_offset is None or n == 0:
+        return 1.0
+    return min(1.0, max(0, request.mm_offset) / n)
+
+
 class PrefixAware(RoutingPolicy):
     """Prefer the worker that already caches the longest prefix of the prompt, unless it is
     much busier than the others:
@@ -149,6 +165,8 @@ class PrefixAware(RoutingPolicy):
     an idle one with nothing cached, while a half-cached busiest worker ties an idle uncached
     one. Ties go to the less loaded worker. With no cached overlap anywhere it falls back to
     least_loaded (scores would all be load-only anyway; this keeps the two policies consistent).
+    With images the chain ends before the first placeholder block and the first term is scaled
+    by the share of the prompt before it (`_hashable_share`).
     """
 
     name = "prefix_aware"
@@ -178,9 +196,14 @@ class PrefixAware(RoutingPolicy):
         size = block_size if block_size is not None else self.block_size
         if size is None:
             return None
-        if len(request.prompt_token_ids) < size:
+        tokens = request.prompt_token_ids
+        if request.mm_offset is not None:
+            # Blocks ending at or before the first placeholder carry no image key on the workers
+            # (engine/mm_inputs.block_extra_keys), so their hashes equal these token-only ones.
+            tokens = tokens[:max(0, request.mm_offset)]
+        if len(tokens) < size:
             return ()
-        return self._hash_fn(request.prompt_token_ids, size)
+        return self._hash_fn(tokens, size)
 
     def pick(self, request: RouteRequest, workers: Sequence[WorkerView], stats: StatsMap) -> WorkerView | None:
         candidates = _healthy(workers)
@@ -189,10 +212,12 @@ class PrefixAware(RoutingPolicy):
         if not matched:
             return self.fallback.pick(request, candidates, stats)
         max_queue = max(1, max(_load_key(stats, w)[0] for w in candidates))
+        share = _hashable_share(request)
 
         def rank(w: WorkerView) -> tuple[float, int, float]:
             queue_len, kv_usage = _load_key(stats, w)
-            score = matched.get(w.worker_id, 0) / len(hashes) - self.load_weight * queue_len / max_queue
+            cached = share * matched.get(w.worker_id, 0) / len(hashes)
+            score = cached - self.load_weight * queue_len / max_queue
             return (-score, queue_len, kv_usage)  # min() -> best score, then least loaded
 
         return min(candidates, key=rank)

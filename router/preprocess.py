@@ -54,6 +54,7 @@ class PreparedRequest:
     return_prompt_token_ids: bool = False
     arrival: float = field(default_factory=time.monotonic)
     images: list[bytes] = field(default_factory=list)  # encoded, prompt order; placeholders expanded in the ids
+    mm_offset: int | None = None  # index of the first image placeholder (None: no images); prefix routing stops there
 
     def remaining(self) -> float | None:
         return None if self.deadline is None else self.deadline - time.monotonic()
@@ -114,8 +115,11 @@ class Preprocessor:
             pb.max_tokens = max_tokens
         self._check_length(len(prompt_ids), max_tokens)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        mm_offset = None
+        if images and self.image_placeholders is not None:
+            mm_offset = prompt_ids.index(self.image_placeholders.image_token_id)
         return PreparedRequest(request_id, prompt_ids, pb, max_tokens, req.stream, deadline,
-                               req.return_prompt_token_ids, images=images)
+                               req.return_prompt_token_ids, images=images, mm_offset=mm_offset)
 
     def _validate_params(self, pb: common_pb2.SamplingParams) -> SamplingParams:
         key = pb.SerializeToString(deterministic=True)
