@@ -4,6 +4,7 @@ machine's measured read bandwidth.
 
     python benchmarks/decode_roofline.py                      # 125M bench Llama, bf16 checkpoint
     python benchmarks/decode_roofline.py --prompt-len 512 --steps 64 --compute-dtype float32
+    python benchmarks/decode_roofline.py --enforce-eager      # without torch.compile
 
 Bandwidth: the best of several full reads (torch.sum) of a buffer far larger than the caches, with
 the engine's thread count; a copy (read + write) is printed beside it. Decode: one request driven
@@ -51,7 +52,8 @@ def bytes_per_step(model, kv_itemsize: int, cfg, seq_len: int) -> tuple[int, int
     return weights, kv
 
 
-def decode_ms(model_path: str, compute_dtype: str, prompt_len: int, steps: int) -> tuple[float, object]:
+def decode_ms(model_path: str, compute_dtype: str, prompt_len: int, steps: int,
+              enforce_eager: bool = False) -> tuple[float, object]:
     import torch
 
     from pdcluster.config import EngineArgs
@@ -63,7 +65,7 @@ def decode_ms(model_path: str, compute_dtype: str, prompt_len: int, steps: int) 
     num_blocks = (prompt_len + steps) // block_size + 2
     cfg = EngineArgs(model=model_path, compute_dtype=compute_dtype, block_size=block_size,
                      num_kv_blocks=num_blocks + 1, max_model_len=prompt_len + steps + 1,
-                     device="cpu").create_engine_config()
+                     device="cpu", enforce_eager=enforce_eager).create_engine_config()
     runner = ModelRunner(cfg)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
     prompt = [3 + (i * 7919) % 30000 for i in range(prompt_len)]
@@ -86,6 +88,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--buffer-mib", type=int, default=1024)
+    parser.add_argument("--enforce-eager", action="store_true", help="no torch.compile of the forward")
     args = parser.parse_args()
     import torch
 
@@ -93,12 +96,13 @@ def main() -> None:
         torch.set_num_threads(int(os.environ["PDCLUSTER_NUM_THREADS"]))
     model = ensure_bench_model(args.model_dir)
     read_gbs, copy_gbs = read_bandwidth(args.buffer_mib << 20)
-    ms, runner = decode_ms(model, args.compute_dtype, args.prompt_len, args.steps)
+    ms, runner = decode_ms(model, args.compute_dtype, args.prompt_len, args.steps, args.enforce_eager)
     cfg = runner.config.model
     weights, kv = bytes_per_step(runner.model, runner.kv_caches.element_size(), cfg,
                                  args.prompt_len + args.steps // 2)
     floor_ms = 1e3 * (weights + kv) / (read_gbs * 1e9)
-    print(f"threads={torch.get_num_threads()} compute_dtype={cfg.dtype} kv={runner.kv_caches.dtype} "
+    compiled = type(runner.forward_fn).__name__ == "CompiledForward"
+    print(f"threads={torch.get_num_threads()} compute_dtype={cfg.dtype} kv={runner.kv_caches.dtype} compiled={compiled} "
           f"load={os.getloadavg()[0]:.1f}")
     print(f"bandwidth: read {read_gbs:.1f} GB/s (sum of {args.buffer_mib} MiB), copy {copy_gbs:.1f} GB/s (r+w)")
     print(f"bytes per step: weights {weights / 1e6:.1f} MB + KV {kv / 1e6:.2f} MB at ~{args.prompt_len} tokens")

@@ -5,6 +5,7 @@ side by side in one run, on the same random-weight model and the same requests.
     python benchmarks/throughput.py --workload ragged     # prompts 16..512, outputs 16..256
     python benchmarks/throughput.py --vllm-python /path/to/vllm-venv/bin/python
     python benchmarks/throughput.py --tp 2 --skip transformers vllm   # tensor parallel, 2 processes
+    python benchmarks/throughput.py --compare-eager --skip transformers vllm   # compiled vs --enforce-eager
 
 Reports generated and total (prompt + generated) tokens/s, median of --repeats runs each. With
 --tp > 1 it also reports rank 0's time inside model collectives (all-reduce / all-gather) and step
@@ -41,8 +42,9 @@ def make_workload(kind: str, n: int, vocab: int, seed: int = 0, input_len: int =
 
 
 def run_pdcluster(model: str, prompts, outs, repeats: int, tp: int, extra: dict,
-                  comm: dict | None = None) -> list[float]:
-    """Times of `repeats` runs; with tp > 1 fills `comm` with rank 0's collective time."""
+                  comm: dict | None = None, cpu: list[float] | None = None) -> list[float]:
+    """Times of `repeats` runs; with tp > 1 fills `comm` with rank 0's collective time, and `cpu`
+    with the process CPU seconds of each run (what to compare on a shared machine)."""
     from pdcluster import LLM, SamplingParams
 
     llm = LLM(model, dtype="bfloat16", max_model_len=1024, tensor_parallel_size=tp, **extra)
@@ -53,9 +55,11 @@ def run_pdcluster(model: str, prompts, outs, repeats: int, tp: int, extra: dict,
         times = []
         for _ in range(repeats):
             llm.reset_prefix_cache()  # measure compute, not cache hits
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             res = llm.generate(prompts, params)
             times.append(time.perf_counter() - t0)
+            if cpu is not None:
+                cpu.append(time.process_time() - c0)
             assert [len(r.outputs[0].token_ids) for r in res] == outs
         if before is not None and comm is not None:
             comm.update(_collective_summary(before, llm.collective_stats(), sum(times)))
@@ -141,6 +145,9 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--also-bf16-compute", action="store_true",
                     help="also run pdcluster forced to bfloat16 arithmetic (compute_dtype=bfloat16)")
+    parser.add_argument("--enforce-eager", action="store_true", help="pdcluster without torch.compile")
+    parser.add_argument("--compare-eager", action="store_true",
+                        help="also run pdcluster with enforce_eager=True (rows pdcluster-eager, -bf16-eager)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["pdcluster", "transformers", "vllm"])
     parser.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", "/work/vllm-venv/bin/python"))
     parser.add_argument("--json", default=None, help="write the results here")
@@ -151,13 +158,19 @@ def main() -> None:
     total = sum(map(len, prompts)) + sum(outs)
     gen = sum(outs)
     results: dict[str, list[float]] = {}
+    cpu_s: dict[str, list[float]] = {}  # pdcluster rows: process CPU seconds per run
     if "pdcluster" not in args.skip:
         # compute_dtype "auto": float32 arithmetic on CPUs without native bf16 (bf16 weights widened).
         comm: dict = {}
-        results["pdcluster"] = run_pdcluster(model, prompts, outs, args.repeats, args.tp, {}, comm)
+        variants = {"pdcluster": {"enforce_eager": args.enforce_eager}}
         if args.also_bf16_compute:
-            results["pdcluster-bf16"] = run_pdcluster(model, prompts, outs, args.repeats, args.tp,
-                                                      {"compute_dtype": "bfloat16"})
+            variants["pdcluster-bf16"] = {"compute_dtype": "bfloat16", "enforce_eager": args.enforce_eager}
+        if args.compare_eager:
+            variants |= {f"{k}-eager": {**v, "enforce_eager": True} for k, v in variants.items()}
+        for name, extra in variants.items():
+            cpu_s[name] = []
+            results[name] = run_pdcluster(model, prompts, outs, args.repeats, args.tp, extra,
+                                          comm if name == "pdcluster" else None, cpu_s[name])
     if "transformers" not in args.skip:
         results["transformers"] = run_transformers(model, prompts, outs, args.repeats, batch=32)
     if "vllm" not in args.skip and os.path.exists(args.vllm_python):
@@ -167,12 +180,16 @@ def main() -> None:
     print(cpu_path())
     if args.also_bf16_compute:
         print("pdcluster-bf16: " + cpu_path("bfloat16"))
-    print(f"{'engine':<14}{'median s':>10}{'gen tok/s':>12}{'total tok/s':>13}")
+    print(f"{'engine':<20}{'median s':>10}{'gen tok/s':>12}{'total tok/s':>13}{'median CPU s':>14}")
     summary = {}
     for name, times in results.items():
         med = statistics.median(times)
         summary[name] = {"times": times, "median_s": med, "gen_tok_s": gen / med, "total_tok_s": total / med}
-        print(f"{name:<14}{med:>10.2f}{gen / med:>12.1f}{total / med:>13.1f}")
+        cpu_med = statistics.median(cpu_s[name]) if cpu_s.get(name) else None
+        if cpu_med is not None:
+            summary[name] |= {"cpu_s": cpu_s[name], "median_cpu_s": cpu_med}
+        print(f"{name:<20}{med:>10.2f}{gen / med:>12.1f}{total / med:>13.1f}"
+              + (f"{cpu_med:>14.2f}" if cpu_med is not None else ""))
     if "pdcluster" in summary and args.tp > 1 and comm:
         summary["pdcluster"]["tp"] = args.tp
         summary["pdcluster"]["collectives"] = comm

@@ -9,10 +9,16 @@ PDCLUSTER_COMPILE=1 compiles any supported model, 0 none. `enforce_eager=True` (
 
 Regional compilation: each decoder layer is compiled, not the whole model, so compile time does
 not grow with depth (every layer runs the same graph, its parameters as graph inputs); the
-embedding, final norm and LM head stay eager. The token count is symbolic (one graph for every
-step: prefill, decode, mixed); a 1-token step is padded to 2 rather than compiled again (dynamo
-specialises sizes 0 and 1). So no per-batch-size buckets: measured, a static graph per bucket cost
-~12 s of compile each (demo model), one dynamic graph ~25 s cold, ~2 s warm in all.
+embedding, final norm and LM head stay eager. The token count is symbolic: one graph serves every
+step, whatever its size, so no per-batch-size buckets (measured on the demo model: a static graph
+per bucket cost ~12 s of compile each, 11 buckets for max_num_seqs=64; the one dynamic graph ~25 s
+cold, ~2 s warm).
+
+Which steps: those with prefill tokens (prefill chunks, mixed prefill + decode) run compiled:
+1.07-1.28x faster on the 125M Llama (fusion of the norm/rotary/SiLU elementwise work over many
+rows). Decode-only steps run eagerly: measured there, compiled was no faster (B=32: 0.99-1.0x)
+or slower (B=8 bf16: 0.93x; batch-1 fp32: 0.66x, a 1-token step padded to 2 doubled the float32
+GEMMs, and unpadded it would specialise another graph). Numbers: /work/notes/compile.md.
 
 Attention stays eager: every layer's `Attention.backend` is wrapped (`_TracedAttention`); eagerly
 the wrapper calls the real backend unchanged, but while dynamo traces it emits one opaque custom op,
@@ -58,19 +64,16 @@ _CURRENT_STEP: contextvars.ContextVar[_Step] = contextvars.ContextVar("pdcluster
 
 @torch.library.custom_op("pdcluster::paged_attention", mutates_args=())
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int) -> torch.Tensor:
-    """q (T, Hq, D), k/v (T, Hk, D), T >= the step's real tokens -> (T, Hq, D): the backend's
-    attention (cache write included) for the step's next layer, zeros on padded rows."""
+    """q (T, Hq, D), k/v (T, Hk, D) -> (T, Hq, D): the backend's attention (cache write
+    included) for the step's next layer."""
     step = _CURRENT_STEP.get()
-    n = step.meta.num_tokens
     kv = step.layer_kv_caches[step.layer]
     step.layer += 1
-    out = step.backend.forward(q[:n].contiguous(), k[:n].contiguous(), v[:n].contiguous(), kv[0], kv[1],
-                               step.meta, scale, sliding_window=window or None)
-    if n == q.shape[0] and out.untyped_storage().data_ptr() != q.untyped_storage().data_ptr():
-        return out.contiguous()  # the strides the fake promised the compiler
-    full = q.new_zeros(q.shape)  # a custom op's output may not alias its input
-    full[:n] = out
-    return full
+    out = step.backend.forward(q.contiguous(), k.contiguous(), v.contiguous(), kv[0], kv[1], step.meta, scale,
+                               sliding_window=window or None)
+    if out.untyped_storage().data_ptr() == q.untyped_storage().data_ptr():
+        return out.clone()  # a custom op's output may not alias its input
+    return out.contiguous()  # the strides the fake promised the compiler
 
 
 @paged_attention.register_fake
@@ -145,16 +148,21 @@ class CompiledForward:
         for layer in decoder.layers:
             layer.self_attn.backend = traced
         self._layers = [torch.compile(layer, dynamic=None, fullgraph=True) for layer in decoder.layers]
+        self.compiled_steps = 0  # steps (warm-up included) that ran the compiled layers
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Any,
                  meta: AttentionMetadata) -> torch.Tensor:
+        if meta.is_decode_only:  # eager: compiling decode did not pay (module docstring)
+            return self.model(input_ids, positions, kv_caches, meta)
+        return self.compiled(input_ids, positions, meta)
+
+    def compiled(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The compiled layers over any step of 2 or more tokens."""
+        self.compiled_steps += 1
         decoder = self.model.model  # type: ignore[union-attr]
-        n = input_ids.shape[0]
-        # A single token is padded to 2 (one graph for every size). Copies either way: inference
-        # tensors (made here) and the runner's normal ones differ in dispatch keys, which dynamo
-        # guards on.
-        reps = 2 if n == 1 else 1
-        input_ids, positions = input_ids.repeat(reps), positions.repeat(reps)
+        # A copy: the runner's positions are normal tensors, the warm-up's inference tensors, and
+        # dynamo guards on the dispatch keys that tell them apart.
+        positions = positions.clone()
         hidden = decoder.embed_tokens(input_ids)
         # The first layer gets a residual too (zeros: hidden + 0 is hidden, bit for bit), so every
         # layer runs the same graph.
@@ -171,10 +179,10 @@ class CompiledForward:
         if step.layer != len(self._layers):
             raise RuntimeError(f"compiled forward ran {step.layer} attention calls for {len(self._layers)} layers")
         hidden, _ = decoder.norm(hidden, residual)
-        return hidden[:n]
+        return hidden
 
     def warm_up(self) -> None:
-        """Compile now (start-up), on a 2-token decode step that writes nothing (slots -1)."""
+        """Compile now (start-up), on a 2-token step that writes nothing (slots -1)."""
         dev = self.layer_kv_caches[0].device
         meta = AttentionMetadata(
             num_reqs=2, num_tokens=2, query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32, device=dev),
@@ -185,7 +193,7 @@ class CompiledForward:
             query_lens_cpu=[1, 1], seq_lens_cpu=[1, 1], context_lens_cpu=[0, 0])
         ids = torch.zeros(2, dtype=torch.int64, device=dev)
         with torch.inference_mode():
-            self(ids, ids.clone(), None, meta)
+            self.compiled(ids, ids.clone(), meta)
 
 
 def build_forward(config: Any, model: torch.nn.Module, backend: AttentionBackend,
