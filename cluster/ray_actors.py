@@ -335,11 +335,9 @@ class RouterActor:
 
     async def drain_workers(self, timeout_s: float) -> dict[str, Any]:
         """Worker.Drain on every worker at once (`pdcluster down`, before stop): router/drain_workers.py."""
-        if self.router is None or self.router.registry is None:
-            return {}
         from pdcluster.router.drain_workers import drain_workers
 
-        return await drain_workers(self.router.registry, timeout_s)
+        return await drain_workers(self.router.registry, timeout_s) if self.router and self.router.registry else {}
 
     async def stop(self) -> None:
         _kv_put(self.spec, None)  # a stopped router is not to be resumed
