@@ -19,7 +19,10 @@ fields are refused by name (`KVTransferParams.from_wire`).
 
 An encoder-cache plugin implements `ECConnector` (pdcluster/engine/ec_connector.py), is built the same
 way and registers under the `pdcluster.ec_connectors` group (`EC_CONNECTORS`; built-in "p2p_ec");
-its hand-off is an `ECTransferParams` (one producer's items by mm_hash, each under a lease).
+its hand-off is an `ECTransferParams` (one producer's items by mm_hash, each under a lease). Its
+conformance kit is `pdcluster.connectors.testing.ECConnectorConformance` (connectors/ec/testing.py:
+item states, announce only when servable, fetch + lease release, NOT_READY vs MISSING, garbage
+params failing alone, lease expiry, shutdown leaving nothing; no weights needed).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Conformance kit for KV connectors: point it at your connector and run pytest.
+"""Conformance kit for KV connectors: point it at your connector and run pytest. (Encoder-cache
+connectors have theirs: `ECConnectorConformance`, importable from here, in connectors/ec/testing.py.)
 
     # tests/test_my_connector.py
     from pdcluster.connectors.testing import ConnectorConformance
@@ -48,6 +49,7 @@ from pdcluster.engine.outputs import RequestOutput
 from pdcluster.proto_convert import kv_params_from_proto, kv_params_to_proto
 from pdcluster.sampling_params import SamplingParams
 
+from .ec.testing import ECConnectorConformance  # the EC counterpart (connectors/ec/testing.py)
 from .registry import engine_connector_factory, resolve_connector_class
 
 PROMPT_LENGTHS = (3, 16, 17, 40)
@@ -289,5 +291,5 @@ def _one_token(sp: SamplingParams) -> SamplingParams:
     return sp.replace(max_tokens=1, min_tokens=0)
 
 
-__all__ = ["PREFILL_LEG", "ConformanceEnv", "ConnectorConformance", "Leg", "assert_idle", "decode_leg", "drive",
-           "run_requests"]
+__all__ = ["PREFILL_LEG", "ConformanceEnv", "ConnectorConformance", "ECConnectorConformance", "Leg", "assert_idle",
+           "decode_leg", "drive", "run_requests"]
