@@ -60,7 +60,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
-    from pdcluster.cluster.serve_cmd import add_router, add_serve  # stdlib-only at import: cheap
+    from pdcluster.cluster.router_cmd import add_router  # stdlib-only at import: cheap
+    from pdcluster.cluster.serve_cmd import add_serve
 
     add_serve(sub)
     add_router(sub)

@@ -276,7 +276,7 @@ def _parse_placement(raw: Any, path: str) -> Placement:
 
 
 def _parse_router(raw: Any) -> RouterSection:
-    from pdcluster.cluster.serve_cmd import POLICIES  # stdlib-only module: the router's policy names
+    from pdcluster.cluster.router_cmd import POLICIES  # stdlib-only module: the router's policy names
 
     d = _mapping(raw, "router", _names(RouterSection))
     out: dict[str, Any] = {}

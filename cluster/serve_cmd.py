@@ -1,4 +1,4 @@
-"""`pdcluster serve` (workers + router on this machine) and `pdcluster router` (the router alone).
+"""`pdcluster serve`: workers + router on this machine (`pdcluster router` alone: router_cmd.py).
 
     pdcluster serve [--model PATH] [--workers N] [--grpc-port 50051] [--http-port 8000]
                     [--policy NAME] [--max-inflight N] [--key-dir DIR] [--worker-args "..."]
@@ -26,82 +26,25 @@ import shlex
 import sys
 from typing import TYPE_CHECKING, Any
 
+from pdcluster.cluster.router_cmd import (
+    add_router_flags,
+    check_exposure_flags,
+    router_config,
+    run_router_foreground,
+    setup_logging,
+)
+
 if TYPE_CHECKING:
     from pdcluster.cluster.local_launcher import WorkerSpec
 
-READY_PREFIX = "PDCLUSTER_READY"
 ENV_KV_OPTIONS = "PDCLUSTER_KV_CONNECTOR_OPTIONS"  # what serve-worker reads (cluster/worker_cmd.py)
-POLICIES = ("round_robin", "least_loaded", "power_of_two", "prefix_aware")
 log = logging.getLogger("pdcluster.serve")
-
-
-def _add_router_flags(p: argparse.ArgumentParser, *, grpc_port: int = 50051, http_port: int = 8000) -> None:
-    p.add_argument("--model", default=None, help="model directory (tokenizer); default: from the workers")
-    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback; others are explicit)")
-    p.add_argument("--grpc-port", type=int, default=grpc_port, help="0 picks a free port")
-    p.add_argument("--http-port", type=int, default=http_port, help="0 picks a free port; -1 disables HTTP")
-    p.add_argument("--policy", choices=POLICIES, default="prefix_aware")
-    p.add_argument("--max-inflight", type=int, default=1024, help="more requests in flight -> RESOURCE_EXHAUSTED")
-    p.add_argument("--max-retries", type=int, default=2, help="retries on other workers before the first token")
-    p.add_argument("--max-migrations", type=int, default=2,
-                   help="after the first token: times a request whose worker failed is resumed on another (0: off)")
-    p.add_argument("--stall-timeout", type=float, default=0.0,
-                   help="after the first token: seconds without output after which a worker counts as failed "
-                        "and the request migrates (0: wait for the deadline)")
-    p.add_argument("--health-interval", type=float, default=1.0, help="seconds between worker health checks")
-    p.add_argument("--request-timeout", type=float, default=600.0, help="deadline of requests that bring none")
-    p.add_argument("--key-dir", default=None, help="cluster keys (`pdcluster keys init`): KV events for prefix_aware")
-    a = p.add_argument_group("client access")
-    a.add_argument("--api-key", default=None,
-                   help="clients must send 'Authorization: Bearer KEY' (HTTP /v1/*) or the same 'authorization' "
-                        "metadata (gRPC); default $PDCLUSTER_API_KEY (an environment variable stays out of `ps`)")
-    a.add_argument("--insecure", action="store_true",
-                   help="allow a non-loopback --host with neither TLS nor an API key (refused otherwise)")
-    g = p.add_argument_group("TLS")
-    g.add_argument("--tls-cert", "--ssl-certfile", dest="tls_cert", default=None,
-                   help="PEM certificate of the router's gRPC and HTTPS frontends")
-    g.add_argument("--tls-key", "--ssl-keyfile", dest="tls_key", default=None)
-    g.add_argument("--tls-ca", "--ssl-ca-certs", dest="tls_ca", default=None,
-                   help="CA of client certificates: turns on mutual TLS")
-    g.add_argument("--worker-tls-ca", default=None, help="CA of the workers' certificates: TLS to the workers")
-    g.add_argument("--worker-tls-cert", default=None, help="client certificate for workers that require mTLS")
-    g.add_argument("--worker-tls-key", default=None)
-    g.add_argument("--worker-tls-server-name", default=None)
-    g.add_argument("--insecure-internal", action="store_true",
-                   help="serve: plaintext gRPC between the router and its loopback workers instead of mutual TLS "
-                        "under a CA made for the run (the default when no --worker-tls-* is given)")
-    p.add_argument("--disagg-threshold", type=int, default=0,
-                   help="conditional disaggregation: prompts whose uncached part is at most this many tokens "
-                        "are served entirely by a decode worker (0: always disaggregate when both pools exist)")
-    p.add_argument("--worker-channel", choices=("stream", "call"), default="stream",
-                   help="stream: every request to a worker over one multiplexed stream (default); "
-                        "call: one gRPC call per request")
-    b = p.add_argument_group("request bounds")
-    b.add_argument("--max-stop-token-ids", type=int, default=None, help="per request (default 64)")
-    b.add_argument("--max-json-depth", type=int, default=None, help="nesting of HTTP bodies (default 32)")
-    b.add_argument("--max-message-bytes", type=int, default=None, help="gRPC messages and HTTP bodies (default 4 MiB)")
-    b.add_argument("--params-cache-bytes", type=int, default=None, help="memo of validated sampling parameters")
-    b.add_argument("--max-concurrent-streams", type=int, default=None,
-                   help="gRPC calls at once on one client connection (default max-inflight + 64)")
-    b.add_argument("--max-http-connections-per-peer", type=int, default=None,
-                   help="HTTP connections one client address may hold (default max-inflight + 64; more: 503)")
-    b.add_argument("--max-http-requests-per-peer", type=int, default=None,
-                   help="HTTP requests one client address may run at once (default max-inflight + 64; more: 429)")
-    b.add_argument("--max-images-per-request", type=int, default=None, help="image parts per chat (default 8)")
-    b.add_argument("--max-image-bytes", type=int, default=None, help="bytes of one decoded image (default 20 MiB)")
-    p.add_argument("--log-level", default="INFO")
-
-
-_BOUNDS = ("max_stop_token_ids", "max_json_depth", "max_message_bytes", "params_cache_bytes",
-           "max_concurrent_streams", "max_images_per_request", "max_image_bytes",
-           "max_http_connections_per_peer", "max_http_requests_per_peer")
 
 
 def add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="start a router and its workers as local processes (development; "
                                      "`pdcluster up` launches on Ray)")
-    _add_router_flags(p)
+    add_router_flags(p)
     p.add_argument("--workers", type=int, default=None, help="number of aggregated workers (default 1)")
     p.add_argument("--prefill", type=int, default=0, help="prefill workers (disaggregated; needs --decode)")
     p.add_argument("--decode", type=int, default=0, help="decode workers (disaggregated; needs --prefill)")
@@ -131,129 +74,6 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_serve)
 
 
-def add_router(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("router", help="run the router alone in front of running workers")
-    p.add_argument("--workers", required=True, help="comma-separated HOST:PORT of the workers")
-    _add_router_flags(p)
-    p.set_defaults(func=run_router)
-
-
-def _router_config(args: argparse.Namespace, workers: tuple[str, ...], key_dir: str | None, model: str | None) -> Any:
-    from pdcluster.router.config import RouterConfig
-    from pdcluster.worker.tls import TLSConfig
-
-    tls = worker_tls = None
-    if args.tls_cert or args.tls_key or args.tls_ca:
-        tls = TLSConfig(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca)
-    if args.worker_tls_ca or args.worker_tls_cert or args.worker_tls_key:
-        worker_tls = TLSConfig(cert=args.worker_tls_cert, key=args.worker_tls_key, ca=args.worker_tls_ca,
-                               server_name=args.worker_tls_server_name)
-
-    import os
-
-    bounds = {name: getattr(args, name) for name in _BOUNDS if getattr(args, name) is not None}
-    api_key = args.api_key or os.environ.get("PDCLUSTER_API_KEY") or None
-    return RouterConfig(
-        api_key=api_key, insecure=args.insecure, **bounds,
-        workers=workers, model=model, served_model_name=args.served_model_name, policy=args.policy,
-        host=args.host, grpc_port=args.grpc_port, http_port=None if args.http_port < 0 else args.http_port,
-        max_inflight=args.max_inflight, max_retries=args.max_retries, max_migrations=args.max_migrations,
-        stall_timeout_s=args.stall_timeout,
-        health_interval_s=args.health_interval,
-        request_timeout_s=args.request_timeout, key_dir=key_dir, tls=tls, worker_tls=worker_tls,
-        disagg_min_uncached_tokens=args.disagg_threshold, worker_channel=args.worker_channel)
-
-
-def _check_exposure(args: argparse.Namespace) -> None:
-    """Before anything starts: a non-loopback --host needs TLS, an API key or --insecure."""
-    import os
-
-    from pdcluster.router.auth import check_exposure
-
-    check_exposure(args.host, tls=bool(args.tls_cert), insecure=args.insecure,
-                   api_key=bool(args.api_key or os.environ.get("PDCLUSTER_API_KEY")))
-
-
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-
-# -- pdcluster router -------------------------------------------------------------------------
-def run_router(args: argparse.Namespace) -> int:
-    _setup_logging(args.log_level)
-    _check_exposure(args)
-    from pdcluster.router.config import parse_worker_list
-
-    config = _router_config(args, parse_worker_list(args.workers), args.key_dir, args.model)
-    return _run_router_foreground(config, wait_for_workers=0)
-
-
-DEMO_PROMPT = "The prefill pool reads the whole prompt"
-
-
-async def demo_request(grpc_address: str, api_key: str | None = None) -> None:
-    """Stream one request through the router with the real client, as a user would."""
-    from pdcluster.client import AsyncClient, ClientError
-    from pdcluster.sampling_params import SamplingParams
-
-    params = SamplingParams(temperature=0.8, top_p=0.95, seed=0, max_tokens=48, ignore_eos=True)
-    print(f"\ndemo request via {grpc_address}:\n{DEMO_PROMPT}", end="", flush=True)
-    try:
-        async with AsyncClient(grpc_address, timeout=120.0, api_key=api_key) as client:
-            async for delta in client.generate_stream(DEMO_PROMPT, params):
-                print(delta.text, end="", flush=True)
-    except ClientError as e:
-        print(f"\ndemo request failed: {e}", file=sys.stderr)
-        return
-    print("\n(cluster stays up; Ctrl-C stops it)", flush=True)
-
-
-def _run_router_foreground(config: Any, *, wait_for_workers: int, launcher: Any = None,
-                           send_demo: bool = False, ready_extra: dict[str, Any] | None = None) -> int:
-    import asyncio
-    import signal
-
-    from pdcluster.router.app import Router
-
-    async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        router = Router(config)
-        await router.start()
-        try:
-            if wait_for_workers:
-                await router.registry.wait_for_healthy(wait_for_workers, 30.0)
-            _print_ready(router, launcher, ready_extra)
-            if send_demo:
-                await demo_request(router.endpoints()["grpc"], config.api_key)
-            while not stop.is_set():
-                try:
-                    await asyncio.wait_for(stop.wait(), 1.0)
-                except asyncio.TimeoutError:
-                    pass
-                for p in launcher.newly_exited() if launcher is not None else ():
-                    log.error("%s (pid %d) exited unexpectedly: %s", p.name, p.pid, p.status())
-            log.info("shutting down")
-        finally:
-            await router.stop()
-
-    asyncio.run(main())
-    return 0
-
-
-def _print_ready(router: Any, launcher: Any, extra: dict[str, Any] | None = None) -> None:
-    ep = router.endpoints()
-    if launcher is not None:
-        ep["worker_pids"] = [p.pid for p in launcher.processes]
-        ep["instances"] = {p.name: p.summary() for p in launcher.processes}
-    ep.update(extra or {})
-    print(f"pdcluster router: gRPC {ep['grpc']}" + (f", OpenAI HTTP {ep['http']}/v1" if ep["http"] else ""))
-    print(f"  model {ep['model']!r}, policy {ep['policy']}, workers {', '.join(ep['workers'])}")
-    print(f"{READY_PREFIX} {json.dumps(ep, separators=(',', ':'))}", flush=True)
-
-
 # -- pdcluster serve --------------------------------------------------------------------------
 def run_serve(args: argparse.Namespace) -> int:
     import shutil
@@ -263,8 +83,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from pdcluster.cluster.local_launcher import LaunchError, LocalLauncher, WorkerSpec
     from pdcluster.cluster.worker_flags import engine_argv, forwarded_engine, worker_flag_actions
 
-    _setup_logging(args.log_level)
-    _check_exposure(args)
+    setup_logging(args.log_level)
+    check_exposure_flags(args)
     # Until the router's loop installs its own handlers, SIGTERM unwinds through `finally`
     # (stopping the workers) instead of killing this process on the spot.
     signal.signal(signal.SIGTERM, _raise_system_exit)
@@ -291,7 +111,8 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"pdcluster serve: error: {e}", file=sys.stderr)
         shutil.rmtree(workdir, ignore_errors=True)
         return 1
-    launcher = LocalLauncher(ready_timeout_s=args.ready_timeout, env=env)
+    # grace: a worker's SIGTERM drain (serve-worker --drain-timeout, 10 s) plus time to exit
+    launcher = LocalLauncher(ready_timeout_s=args.ready_timeout, env=env, grace_s=_drain_timeout(extra) + 10.0)
     specs = []
     tp_of = {"both": args.tp, "prefill": args.prefill_tp, "decode": args.decode_tp, "encode": 1}
     actions = worker_flag_actions()
@@ -318,20 +139,33 @@ def run_serve(args: argparse.Namespace) -> int:
             print(f"pdcluster serve: error: {e}", file=sys.stderr)
             return 1
         addresses = tuple(p.address for p in workers)
-        config = _router_config(args, addresses, key_dir, model)
+        config = router_config(args, addresses, key_dir, model)
         if internal_ca is not None:
             import dataclasses
 
             from pdcluster.cluster.internal_tls import client_tls
 
             config = dataclasses.replace(config, worker_tls=client_tls(internal_ca.issue("router", "router")))
-        return _run_router_foreground(config, wait_for_workers=len(addresses), launcher=launcher,
+        return run_router_foreground(config, wait_for_workers=len(addresses), launcher=launcher,
                                       send_demo=args.demo_request, ready_extra=ready_extra)
     finally:
         launcher.stop()
         if stores is not None:
             stores.stop()  # after the workers: they flush nothing more into it
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _drain_timeout(worker_args: list[str]) -> float:
+    """The --drain-timeout the workers were given in --worker-args (serve-worker's default: 10 s)."""
+    for i, arg in enumerate(worker_args):
+        value = arg.split("=", 1)[1] if arg.startswith("--drain-timeout=") else (
+            worker_args[i + 1] if arg == "--drain-timeout" and i + 1 < len(worker_args) else None)
+        if value is not None:
+            try:
+                return max(0.0, float(value))
+            except ValueError:
+                break  # serve-worker refuses it by name when it parses its flags
+    return 10.0
 
 
 def _pinned(specs: list[WorkerSpec], tps: list[int]) -> list[WorkerSpec]:

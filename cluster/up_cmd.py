@@ -206,7 +206,7 @@ def run_up(args: argparse.Namespace) -> int:
         if args.demo_request:
             import asyncio
 
-            from pdcluster.cluster.serve_cmd import demo_request
+            from pdcluster.cluster.router_cmd import demo_request
 
             asyncio.run(demo_request(endpoints["grpc"]))
         if args.detach:

@@ -10,7 +10,8 @@ import dataclasses
 import pytest
 
 from pdcluster.cluster.config import ClusterConfig, ConfigError
-from pdcluster.cluster.serve_cmd import _router_config, add_serve
+from pdcluster.cluster.router_cmd import router_config as _router_config
+from pdcluster.cluster.serve_cmd import add_serve
 from pdcluster.cluster.up_cmd import add_up_commands, build_config
 from pdcluster.router.config import RouterConfig
 
