@@ -2,7 +2,8 @@
 
 Sources, each optional so a half-broken cluster still gets a report:
 - the worker actors (describe(): address, node, child pid) and Ray's state API (restarts, state);
-- the router's ListWorkers over gRPC (health, running/waiting requests, KV-cache usage), falling
+- the router's ListWorkers over gRPC (health, running/waiting requests, KV-cache usage, the EC
+  producer endpoint of workers that hold encoder outputs for others), falling
   back to asking the router actor when its gRPC port is not reachable from here.
 """
 
@@ -57,7 +58,7 @@ def _router_load(endpoints: dict[str, Any] | None, namespace: str, errors: list[
             entries = client.list_workers()
         return {e.address: {"healthy": e.healthy, "num_inflight": e.num_inflight,
                             "num_running": e.stats.num_running, "num_waiting": e.stats.num_waiting,
-                            "kv_usage": e.stats.kv_usage} for e in entries}
+                            "kv_usage": e.stats.kv_usage, "ec_endpoint": e.ec_endpoint or None} for e in entries}
     except Exception as e:  # not reachable from this machine: ask the actor instead
         errors.append(f"router ListWorkers at {endpoints.get('grpc')}: {type(e).__name__}")
     import ray
@@ -106,6 +107,7 @@ def format_status(s: dict[str, Any]) -> str:
                 f"  {i['name']:<12} {i.get('role') or '?':<8} {i.get('node') or '?':<16} {i.get('address') or '?':<22} "
                 f"{'ok' if i.get('healthy') else 'DOWN':<8} {_n(i.get('num_running')):>4} {_n(i.get('num_waiting')):>4} "
                 f"{'-' if kv is None else f'{100 * kv:.1f}':>6} {_n(i.get('restarts')):>8}  {_n(i.get('child_pid'))}"
+                + (f"  ec {i['ec_endpoint']}" if i.get("ec_endpoint") else "")
                 + (f"  ({i['error']})" if i.get("error") else ""))
     lines += [f"  ! {e}" for e in s.get("errors", [])]
     return "\n".join(lines)

@@ -102,6 +102,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if h.stats is not None:
                 entry.stats.CopyFrom(h.stats)
                 entry.stats_age_s = max(0.0, now - h.stats_at)
+            if h.info is not None and h.info.ec_endpoint:
+                entry.ec_endpoint, entry.ec_public_key = h.info.ec_endpoint, h.info.ec_public_key
         return out
 
 

@@ -120,7 +120,7 @@ class ListWorkersRequest(_message.Message):
     def __init__(self, role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ...) -> None: ...
 
 class WorkerEntry(_message.Message):
-    __slots__ = ("worker_id", "address", "role", "healthy", "num_inflight", "stats", "stats_age_s")
+    __slots__ = ("worker_id", "address", "role", "healthy", "num_inflight", "stats", "stats_age_s", "ec_endpoint", "ec_public_key")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +128,8 @@ class WorkerEntry(_message.Message):
     NUM_INFLIGHT_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     STATS_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    EC_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    EC_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     role: _common_pb2.WorkerRole
@@ -135,7 +137,9 @@ class WorkerEntry(_message.Message):
     num_inflight: int
     stats: _common_pb2.WorkerStats
     stats_age_s: float
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., healthy: _Optional[bool] = ..., num_inflight: _Optional[int] = ..., stats: _Optional[_Union[_common_pb2.WorkerStats, _Mapping]] = ..., stats_age_s: _Optional[float] = ...) -> None: ...
+    ec_endpoint: str
+    ec_public_key: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., healthy: _Optional[bool] = ..., num_inflight: _Optional[int] = ..., stats: _Optional[_Union[_common_pb2.WorkerStats, _Mapping]] = ..., stats_age_s: _Optional[float] = ..., ec_endpoint: _Optional[str] = ..., ec_public_key: _Optional[bytes] = ...) -> None: ...
 
 class ListWorkersResponse(_message.Message):
     __slots__ = ("workers",)

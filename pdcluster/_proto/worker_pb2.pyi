@@ -136,7 +136,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "model", "dtype", "kv_cache_dtype", "block_size", "max_model_len", "tp_size", "num_kv_blocks_total", "kv_connector", "engine_epoch", "version", "kv_events_endpoint", "kv_snapshot_endpoint", "kv_events_public_key", "eos_token_ids")
+    __slots__ = ("worker_id", "role", "model", "dtype", "kv_cache_dtype", "block_size", "max_model_len", "tp_size", "num_kv_blocks_total", "kv_connector", "engine_epoch", "version", "kv_events_endpoint", "kv_snapshot_endpoint", "kv_events_public_key", "eos_token_ids", "ec_connector", "ec_endpoint", "ec_public_key")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +153,9 @@ class WorkerInfo(_message.Message):
     KV_SNAPSHOT_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    EC_CONNECTOR_FIELD_NUMBER: _ClassVar[int]
+    EC_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    EC_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: _common_pb2.WorkerRole
     model: str
@@ -169,4 +172,7 @@ class WorkerInfo(_message.Message):
     kv_snapshot_endpoint: str
     kv_events_public_key: bytes
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., tp_size: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., kv_connector: _Optional[str] = ..., engine_epoch: _Optional[int] = ..., version: _Optional[str] = ..., kv_events_endpoint: _Optional[str] = ..., kv_snapshot_endpoint: _Optional[str] = ..., kv_events_public_key: _Optional[bytes] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    ec_connector: str
+    ec_endpoint: str
+    ec_public_key: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., tp_size: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., kv_connector: _Optional[str] = ..., engine_epoch: _Optional[int] = ..., version: _Optional[str] = ..., kv_events_endpoint: _Optional[str] = ..., kv_snapshot_endpoint: _Optional[str] = ..., kv_events_public_key: _Optional[bytes] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., ec_connector: _Optional[str] = ..., ec_endpoint: _Optional[str] = ..., ec_public_key: _Optional[bytes] = ...) -> None: ...

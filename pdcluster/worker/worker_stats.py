@@ -106,4 +106,16 @@ def build_info(worker_id: str, role: int, engine: AsyncEngine, epoch: int, kv: K
         kv_snapshot_endpoint=kv.snapshot_endpoint,
         kv_events_public_key=kv.public_key,
         eos_token_ids=list(engine.eos_token_ids),
+        ec_connector=getattr(cfg, "ec_connector", "") or "",
+        **_ec_endpoint_fields(engine),
     )
+
+
+def _ec_endpoint_fields(engine: AsyncEngine) -> dict[str, object]:
+    """The EC producer endpoint, where this worker has one (stand-in engines may have no ec_endpoint)."""
+    get = getattr(engine, "ec_endpoint", None)
+    endpoint = get() if callable(get) else None
+    if not endpoint:
+        return {}
+    address, public_key = endpoint
+    return {"ec_endpoint": address, "ec_public_key": public_key}

@@ -139,3 +139,8 @@ def test_format_status_table() -> None:
                                          "restarts": 1, "child_pid": 42}], "errors": []})
     assert "router gRPC 127.0.0.1:1, policy round_robin" in text
     assert "both-0" in text and "25.0" in text and " ok " in text
+    assert " ec " not in text
+    encoder = {"name": "encode-0", "role": "encode", "address": "127.0.0.1:3", "healthy": True,
+               "ec_endpoint": "127.0.0.1:7000"}
+    text = format_status({"namespace": "pd", "router": None, "instances": [encoder], "errors": []})
+    assert "encode-0" in text and "ec 127.0.0.1:7000" in text
