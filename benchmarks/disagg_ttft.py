@@ -1,17 +1,31 @@
-"""Where the KV hand-off sits in a disaggregated request's timeline, for 1k- and 4k-token prompts.
+"""What the KV hand-off adds to a disaggregated request, and where that time goes.
 
-    python benchmarks/disagg_ttft.py [--transport tcp|shm] [--repeats 5]
+    python benchmarks/disagg_ttft.py [--transport tcp|shm|auto] [--lengths 256 1024 2048] [--repeats 5]
 
-Starts `pdcluster serve --prefill 1 --decode 1` and `pdcluster serve --workers 1` (aggregated) on a
-random-weight Llama-shaped model (bench-llama-125m geometry, 8k positions) and measures, per prompt
-length, median over --repeats requests:
+Starts `pdcluster serve --prefill 1 --decode 1` (P2P) and `pdcluster serve --workers 1` (aggregated)
+side by side on a random-weight Llama-shaped model (bench-llama-125m geometry, 8k positions) and
+sends one request to each in turn (aggregated first on even repeats, disaggregated first on odd
+ones), so both see the same machine load. Per prompt length, medians over --repeats:
   ttft          client-observed time to the first token (disaggregated: the prefill leg's token,
                 streamed before the KV moves)
   first_gap     time from the first to the second token: prefill-leg finish -> KV transfer ->
                 decode-leg step; the hand-off cost shows up here, not in TTFT
   itl           median gap between later tokens
   handoff       first_gap - itl: the time the hand-off adds to the request
-and reports handoff / ttft, the share the transfer would add if it sat on the TTFT path.
+  handoff / aggregated ttft: the target is <= 5%
+and, for the disaggregated requests, the hand-off broken down by timestamps every process writes
+(PDCLUSTER_HANDOFF_TRACE, pdcluster/handoff_trace.py; wall clock, one host):
+  p_out      prefill: lease issued -> router has the final response (output path, gRPC)
+  hop        router: prefill response -> decode leg sent (t0 streamed to the client in between)
+  admit      decode leg sent -> decode scheduler sees it (gRPC, worker, engine queue)
+  alloc      scheduler: matched -> blocks allocated (LoadSpec issued)
+  submit     allocated -> load thread started (next step's connector metadata)
+  handshake  producer handshake (cached after the first request)
+  open       OPEN on the side channel (retried while the producer has not registered the lease)
+  transfer   the bytes (TCP scatter READ or shm memcpy), MAC checked
+  done       the done notice round trip ("released")
+  notice     loader finished -> scheduler sees finished_recving
+  step       request ready -> its first decode token reaches the router (t0's step, sampling, stream)
 """
 
 from __future__ import annotations
@@ -25,22 +39,34 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+import uuid
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_model import ensure_bench_model  # noqa: E402
 
+# (segment, from event, to event); events as written by pdcluster.handoff_trace.trace
+SEGMENTS = [("p_out", "p.finished", "r.prefill_done"), ("hop", "r.prefill_done", "r.decode_sent"),
+            ("admit", "r.decode_sent", "d.match"), ("alloc", "d.match", "d.alloc"),
+            ("submit", "d.alloc", "d.load_start"), ("handshake", "d.load_start", "d.handshake"),
+            ("open", "d.handshake", "d.open"), ("transfer", "d.open", "d.copied"),
+            ("done", "d.copied", "d.done"), ("notice", "d.done", "d.ready"),
+            ("step", "d.ready", "r.decode_token")]
 
-def start(model: str, disagg: bool, transport: str, max_len: int) -> tuple[subprocess.Popen, dict]:
+
+def start(model: str, disagg: bool, transport: str, max_len: int, extra: list[str],
+          env: dict[str, str]) -> tuple[subprocess.Popen, dict]:
     worker_args = f"--max-model-len {max_len} --max-num-batched-tokens 8192"
     if disagg:
-        pools = ["--prefill", "1", "--decode", "1"]
+        pools = ["--prefill", "1", "--decode", "1", *extra]
         worker_args += f" --kv-connector-options '{json.dumps({'transport': transport})}'"
     else:
         pools = ["--workers", "1"]
     cmd = [sys.executable, "-m", "pdcluster.cluster.cli", "serve", "--model", model, *pools, "--grpc-port", "0",
            "--http-port", "-1", "--policy", "round_robin", "--worker-args", worker_args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
+                            env=env)
     for line in proc.stdout:
         if line.startswith("PDCLUSTER_READY "):
             return proc, json.loads(line.split(" ", 1)[1])
@@ -55,54 +81,88 @@ def stop(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-def measure(address: str, prompt_len: int, repeats: int, seed: int) -> dict[str, float]:
-    from pdcluster.client import Client
+def one(client, prompt: list[int], request_id: str) -> tuple[float, float, float]:
     from pdcluster.sampling_params import SamplingParams
 
-    rng = random.Random(seed)
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    ttft, gap, itl = [], [], []
-    with Client(address, timeout=600) as c:
-        for _ in range(repeats):
-            prompt = [rng.randrange(3, 32000) for _ in range(prompt_len)]  # fresh: no prefix hits
-            t0 = time.perf_counter()
-            times = []
-            for d in c.generate_stream(prompt, sp):
-                times += [time.perf_counter()] * len(d.token_ids)
-            ttft.append(times[0] - t0)
-            gap.append(times[1] - times[0])
-            itl.append(statistics.median(b - a for a, b in zip(times[1:], times[2:])))
-    return {"ttft_s": statistics.median(ttft), "first_gap_s": statistics.median(gap), "itl_s": statistics.median(itl)}
+    t0 = time.perf_counter()
+    times: list[float] = []
+    for d in client.generate_stream(prompt, sp, request_id=request_id):
+        times += [time.perf_counter()] * len(d.token_ids)
+    return times[0] - t0, times[1] - times[0], statistics.median(b - a for a, b in zip(times[1:], times[2:]))
+
+
+def breakdown(trace_path: pathlib.Path, request_id: str) -> dict[str, float]:
+    events: dict[str, float] = {}
+    for line in trace_path.read_text().splitlines():
+        ts, event, rid = line.split(" ", 2)
+        if rid == request_id:
+            events.setdefault(event, float(ts))  # the first of each (r.decode_token: first decode token)
+    return {name: events[b] - events[a] for name, a, b in SEGMENTS if a in events and b in events}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-dir", default=os.path.expanduser("~/.cache/pdcluster/bench-llama-125m-8k"))
-    ap.add_argument("--transport", choices=["tcp", "shm"], default="tcp")
-    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
+    ap.add_argument("--transport", choices=["tcp", "shm", "auto"], default="tcp")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--serve-args", default="", help="extra `pdcluster serve` flags for the disaggregated cluster")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    from pdcluster.client import Client
+
     model = ensure_bench_model(args.model_dir, max_position_embeddings=8192)
     max_len = max(args.lengths) + 64
-    rows = {}
-    for mode in ("aggregated", "disaggregated"):
-        proc, ready = start(model, mode == "disaggregated", args.transport, max_len)
-        try:
-            measure(ready["grpc"], 32, 1, seed=99)  # warm-up
-            rows[mode] = {n: measure(ready["grpc"], n, args.repeats, seed=n) for n in args.lengths}
-        finally:
-            stop(proc)
-    print(f"transport={args.transport} repeats={args.repeats} (medians)")
-    print(f"{'prompt':>7} {'mode':<14}{'ttft ms':>9}{'1st gap ms':>12}{'itl ms':>8}{'handoff ms':>12}{'handoff/ttft':>14}")
-    for n in args.lengths:
+    trace_path = pathlib.Path(tempfile.mkdtemp(prefix="pdc-handoff-")) / "trace.txt"
+    env = dict(os.environ, PDCLUSTER_HANDOFF_TRACE=str(trace_path))
+    procs = {}
+    try:
         for mode in ("aggregated", "disaggregated"):
-            r = rows[mode][n]
-            handoff = r["first_gap_s"] - r["itl_s"]
-            r["handoff_s"] = handoff
-            r["handoff_share_of_ttft"] = handoff / r["ttft_s"]
-            print(f"{n:>7} {mode:<14}{r['ttft_s'] * 1e3:>9.0f}{r['first_gap_s'] * 1e3:>12.1f}{r['itl_s'] * 1e3:>8.1f}"
-                  f"{handoff * 1e3:>12.1f}{r['handoff_share_of_ttft']:>14.1%}")
+            procs[mode] = start(model, mode == "disaggregated", args.transport, max_len, args.serve_args.split(), env)
+        clients = {mode: Client(ready["grpc"], timeout=600) for mode, (_, ready) in procs.items()}
+        rng = random.Random(0)
+        for mode, c in clients.items():  # warm-up: first handshake, compile, allocator
+            for n in (32, min(args.lengths)):
+                one(c, [rng.randrange(3, 32000) for _ in range(n)], f"warm-{mode}-{n}")
+        raw: dict[str, dict[int, list]] = {m: {n: [] for n in args.lengths} for m in clients}
+        parts: dict[int, list[dict[str, float]]] = {n: [] for n in args.lengths}
+        for i in range(args.repeats):
+            for n in args.lengths:
+                order = list(clients) if i % 2 == 0 else list(reversed(clients))
+                for mode in order:
+                    prompt = [rng.randrange(3, 32000) for _ in range(n)]  # fresh: no prefix hits
+                    rid = f"bench-{uuid.uuid4().hex[:12]}"
+                    raw[mode][n].append(one(clients[mode], prompt, rid))
+                    if mode == "disaggregated":
+                        parts[n].append(breakdown(trace_path, rid))
+        for c in clients.values():
+            c.close()
+    finally:
+        for proc, _ in procs.values():
+            stop(proc)
+    rows: dict[str, dict] = {}
+    print(f"transport={args.transport} repeats={args.repeats} serve_args={args.serve_args!r} "
+          "(medians; aggregated and disaggregated requests interleaved)")
+    print(f"{'prompt':>7} {'mode':<14}{'ttft ms':>9}{'1st gap ms':>12}{'itl ms':>8}{'handoff ms':>12}"
+          f"{'handoff/agg ttft':>18}")
+    for n in args.lengths:
+        agg_ttft = statistics.median(r[0] for r in raw["aggregated"][n])
+        for mode in clients:
+            ttft, gap, itl = (statistics.median(r[k] for r in raw[mode][n]) for k in range(3))
+            handoff = statistics.median(r[1] - r[2] for r in raw[mode][n])
+            rows.setdefault(mode, {})[n] = {"ttft_s": ttft, "first_gap_s": gap, "itl_s": itl, "handoff_s": handoff,
+                                            "handoff_share_of_agg_ttft": handoff / agg_ttft}
+            print(f"{n:>7} {mode:<14}{ttft * 1e3:>9.0f}{gap * 1e3:>12.1f}{itl * 1e3:>8.1f}{handoff * 1e3:>12.1f}"
+                  f"{handoff / agg_ttft:>18.1%}")
+    print("\ndisaggregated hand-off breakdown, ms (medians)")
+    print(f"{'prompt':>7} " + "".join(f"{name:>10}" for name, _, _ in SEGMENTS))
+    for n in args.lengths:
+        med = {name: statistics.median(p[name] for p in parts[n] if name in p)
+               for name, _, _ in SEGMENTS if any(name in p for p in parts[n])}
+        rows["disaggregated"][n]["breakdown_s"] = med
+        print(f"{n:>7} " + "".join(f"{med[name] * 1e3:>10.1f}" if name in med else f"{'-':>10}"
+                                   for name, _, _ in SEGMENTS))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(rows, indent=2))
 

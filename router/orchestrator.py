@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 
 from pdcluster._proto import common_pb2, worker_pb2
+from pdcluster.handoff_trace import trace
 
 from .config import RouterConfig
 from .convert import error_response
@@ -210,8 +211,10 @@ class Orchestrator:
             prefill.kv_transfer_params.do_remote_decode = True
         started = time.monotonic()
         last = None
+        trace("r.prefill_sent", prep.request_id)
         async for resp in self.legs.run(state, ("prefill",), prefill, leg="prefill"):
             last = resp
+        trace("r.prefill_done", prep.request_id)
         self.metrics.prefill_leg.observe(time.monotonic() - started)
         if last is not None and prep.images:
             self.ec.record_leg(state, "prefill", last)  # what the prefill worker now holds for others
@@ -230,7 +233,6 @@ class Orchestrator:
         first = worker_pb2.WorkerGenerateResponse(request_id=prep.request_id, token_ids=last.token_ids,
                                                   text=last.text, logprobs=last.logprobs,
                                                   token_arrival_times=last.token_arrival_times)
-        yield first  # TTFT is the prefill leg's, not the prefill + transfer + decode step
         decode = worker_pb2.WorkerGenerateRequest(request_id=prep.request_id, prompt_token_ids=prep.prompt_token_ids,
                                                   sampling_params=prep.sampling_params, stream=prep.stream,
                                                   prefill_output_token_ids=last.token_ids,
@@ -247,11 +249,33 @@ class Orchestrator:
             # their encoder outputs too (with the KV it never needs them: none are attached, and
             # nothing is fetched for nothing).
             self.ec.attach(state, decode)
-        async for resp in self.legs.run(state, ("decode",), decode, leg="decode"):
+        trace("r.decode_sent", prep.request_id)
+        decode_leg = self.legs.run(state, ("decode",), decode, leg="decode")
+        # The decode leg starts before t0 goes out, so the decode worker admits the request and
+        # pulls the KV while the frontend writes t0 (measured: the write sat on the hand-off).
+        # t0 is as good as sent: the leg must not be retried elsewhere as if nothing had been
+        # (the same rule as when it started after the write).
+        state.sent_to_client = True
+        head = asyncio.ensure_future(anext(decode_leg))
+        try:
+            yield first  # TTFT is the prefill leg's, not the prefill + transfer + decode step
+            resp = await head
+        except BaseException:
+            head.cancel()
+            await asyncio.gather(head, return_exceptions=True)
+            await decode_leg.aclose()  # its finally cancels the worker call
+            raise
+        while True:
+            if resp.token_ids:
+                trace("r.decode_token", prep.request_id)
             if resp.HasField("usage"):
                 # The decode worker counts only what it sampled; t0 came from the prefill leg.
                 resp.usage.completion_tokens += len(last.token_ids)
             yield resp
+            try:
+                resp = await anext(decode_leg)
+            except StopAsyncIteration:
+                return
 
     def _observe(self, state: RequestState, resp: worker_pb2.WorkerGenerateResponse) -> None:
         n = len(resp.token_ids)

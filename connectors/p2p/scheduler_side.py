@@ -21,6 +21,7 @@ from typing import Any
 
 from pdcluster.engine.kv_connector import KVConnectorMetadata, KVTransferParams
 from pdcluster.engine.request import Request, RequestStatus
+from pdcluster.handoff_trace import trace
 
 from .options import P2POptions
 from .params import build_params, check_consumer_params, is_hex32, new_id
@@ -79,6 +80,7 @@ class P2PScheduler:
         if not self.opts.is_consumer:
             raise ValueError(f"this engine's kv_role is {self.opts.kv_role!r}: it cannot load remote KV "
                              "(do_remote_prefill)")
+        trace("d.match", req.request_id)
         check_consumer_params(kv, req, self.block_size)
         self._num_local[req.request_id] = num_computed_tokens
         return max(0, kv.num_tokens - num_computed_tokens), True
@@ -89,6 +91,7 @@ class P2PScheduler:
         if kv is None or request_id in self._handled:
             return
         self._handled.add(request_id)
+        trace("d.alloc", request_id)
         num_local = self._num_local.pop(request_id, 0)
         if num_external_tokens <= 0:  # everything hit locally: the producer may free now
             self._meta.releases.append({"request_id": request_id, "params": kv.to_wire()})
@@ -138,5 +141,6 @@ class P2PScheduler:
         self._meta.leases.append({"request_id": request_id, "transfer_id": transfer_id, "lease_id": lease_id,
                                   "block_ids": leased})
         self.counters["leases_issued"] += 1
+        trace("p.finished", request_id)
         return True, build_params(req, leased, self.block_size, self.worker_meta, transfer_id, lease_id,
                                   self.opts.lease_ttl_s, self.opts.params_secret, self.all_meta)

@@ -16,6 +16,7 @@ from typing import Any
 
 from pdcluster.config import EngineConfig
 from pdcluster.engine.kv_connector import KVCacheLayout, KVTransferParams
+from pdcluster.handoff_trace import trace
 from pdcluster.transfer import Region
 
 from .agent import ProducerAgent
@@ -83,6 +84,7 @@ class P2PWorker:
                 log.error("lease for %s but this rank has no producer agent", lease["request_id"])
                 continue
             self.agent.add_lease(lease["request_id"], lease["transfer_id"], lease["lease_id"], lease["block_ids"])
+            trace("p.lease", lease["request_id"])
         for load in meta.loads:
             if self.loader is None:
                 self._orphans.add(load["request_id"])

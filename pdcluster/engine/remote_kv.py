@@ -21,6 +21,7 @@ from typing import Any
 from pdcluster.engine.kv_cache_manager import KVCacheManager
 from pdcluster.engine.kv_connector import KVConnectorBase, KVTransferFailure
 from pdcluster.engine.request import Request, RequestStatus
+from pdcluster.handoff_trace import trace
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +129,7 @@ class RemoteKV:
             self._release_if_done(request_id)
         ready = [requests[i] for i in self.loading if i in finished_recving]
         for request in ready:
+            trace("d.ready", request.request_id)
             request.num_computed_tokens = min(self.loading.pop(request.request_id), request.num_tokens - 1)
             self.kv.cache_blocks(request, request.num_computed_tokens)  # loaded blocks are shareable now
             request.status = RequestStatus.WAITING
