@@ -97,3 +97,12 @@ def test_enforce_eager_and_unsupported_stay_eager(tiny_ckpts, monkeypatch: pytes
     with pytest.raises(ValueError, match="PDCLUSTER_COMPILE"):
         compile_unsupported(runner.config, runner.model, "yes")
     llm.shutdown()
+
+
+def test_serve_worker_enforce_eager_reaches_the_engine() -> None:
+    from pdcluster.cluster.cli import build_parser
+    from pdcluster.cluster.worker_cmd import worker_config
+
+    parser = build_parser()
+    assert worker_config(parser.parse_args(["serve-worker", "--enforce-eager"])).engine["enforce_eager"] is True
+    assert worker_config(parser.parse_args(["serve-worker"])).engine["enforce_eager"] is False
