@@ -35,13 +35,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import warnings
 from typing import Any
 
 from pdcluster.cluster.ray_head import with_pdeathsig
-from pdcluster.cluster.ray_secrets import bind_host_into
+from pdcluster.cluster.ray_router_state import forget_ports, recall_ports, reconstructed, remember_ports
+from pdcluster.cluster.ray_secrets import bind_host_into, write_router_keys
 from pdcluster.cluster.ray_tls import router_worker_tls, split_env, write_identity
 
 READY_PREFIX = "PDCLUSTER_READY "
@@ -221,7 +221,7 @@ class RouterActor:
         self.node_id, self.node_ip = _node()
         self.resumed: dict[str, Any] | None = None  # what resume() did, for status and tests
         self._tls: Any = None  # ray_tls.TLSPaths of the router certificate (in _key_dir)
-        if _reconstructed():
+        if reconstructed():
             import ray
 
             # Queued behind __init__: runs as soon as this incarnation takes calls.
@@ -236,7 +236,7 @@ class RouterActor:
         fields = {k: v for k, v in self.spec.items() if k not in _NOT_CONFIG}
         curve, pems = split_env(self._env)
         if curve and self._key_dir is None:
-            self._key_dir = _write_router_keys(curve)
+            self._key_dir = write_router_keys(curve)
         if pems is not None:  # mutual TLS to the workers: its files inside the private key folder
             if self._tls is None:
                 self._tls = write_identity(pems, parent=self._key_dir)
@@ -252,7 +252,7 @@ class RouterActor:
                 await router.registry.remove(h.address)
         for address in current:
             router.registry.add(address)  # idempotent
-        _kv_put(self.spec, {"grpc_port": router.grpc_port, "http_port": router.http_port, "key_dir": self._key_dir})
+        remember_ports(self.spec, {"grpc_port": router.grpc_port, "http_port": router.http_port, "key_dir": self._key_dir})
         return await self.endpoints()
 
     async def resume(self) -> dict[str, Any]:
@@ -269,7 +269,7 @@ class RouterActor:
     async def _resume(self) -> dict[str, Any]:
         import ray
 
-        prev = _kv_get(self.spec)
+        prev = recall_ports(self.spec)
         if prev is None:  # the first incarnation never started: `up` reports that, nothing to resume
             return {"resumed": False, "error": "no recorded ports"}
         if prev.get("key_dir"):  # the killed process could not clean up its key folder (same node)
@@ -299,7 +299,7 @@ class RouterActor:
         return {"resumed": True, "same_ports": same, "workers": sorted(workers), "port_error": first_error}
 
     async def endpoints(self) -> dict[str, Any]:
-        if self.router is None and self.resumed is None and _reconstructed():
+        if self.router is None and self.resumed is None and reconstructed():
             await self.resume()  # in case the call queued by __init__ has not run yet
         ep = self.router.endpoints() if self.router is not None else {}
         if self.router is not None and self.spec.get("host") in ("0.0.0.0", "::"):  # a wildcard is not an address to dial
@@ -340,7 +340,7 @@ class RouterActor:
         return await drain_workers(self.router.registry, timeout_s) if self.router and self.router.registry else {}
 
     async def stop(self) -> None:
-        _kv_put(self.spec, None)  # a stopped router is not to be resumed
+        forget_ports(self.spec)  # a stopped router is not to be resumed
         if self.router is not None:
             await self.router.stop()
             self.router = None
@@ -354,52 +354,3 @@ class RouterActor:
 
 # Spec keys for the actor, not RouterConfig fields.
 _NOT_CONFIG = frozenset({"name", "namespace"})
-
-
-def _reconstructed() -> bool:
-    import ray
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the property itself reads Ray's deprecated actor_id
-        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
-
-
-def _kv_key(spec: dict[str, Any]) -> bytes:
-    return f"pdcluster:{spec.get('namespace', '')}:{spec.get('name', 'router')}:ports".encode()
-
-
-def _kv_put(spec: dict[str, Any], value: dict[str, Any] | None) -> None:
-    """The router's bound ports in Ray's GCS: they outlive the actor's process, not the cluster."""
-    from ray.experimental import internal_kv
-
-    if not spec.get("namespace"):
-        return
-    if value is None:
-        internal_kv._internal_kv_del(_kv_key(spec))
-    else:
-        internal_kv._internal_kv_put(_kv_key(spec), json.dumps(value).encode(), overwrite=True)
-
-
-def _kv_get(spec: dict[str, Any]) -> dict[str, Any] | None:
-    from ray.experimental import internal_kv
-
-    raw = internal_kv._internal_kv_get(_kv_key(spec)) if spec.get("namespace") else None
-    return json.loads(raw) if raw else None
-
-
-def _write_router_keys(env: dict[str, str]) -> str:
-    """A private key folder (0700, secret 0600) on the router's node in the layout RouterConfig's
-    key_dir expects: the router's pair and the allowed KV-event publishers' public keys."""
-    from pdcluster.security.keys import _cert_text, _write_new, keypair_from_string
-
-    root = pathlib.Path(tempfile.mkdtemp(prefix="pdcluster-router-keys-"))
-    (root / "secret").mkdir(mode=0o700)
-    (root / "public").mkdir(mode=0o700)
-    router = keypair_from_string(env["router"], "router")
-    _write_new(root / "secret" / "router.key_secret", _cert_text(router, True), 0o600, False)
-    publics = {name: env[name].partition(",")[0] for name in ("router", "worker")}
-    publics.update(json.loads(env.get("publishers") or "{}"))  # per-instance worker keys
-    for name, key in publics.items():
-        pub = keypair_from_string(key, name)
-        _write_new(root / "public" / f"{name}.key", _cert_text(pub, False), 0o600, False)
-    return str(root)

@@ -118,3 +118,21 @@ def _ec_secrets(config: ClusterConfig, pairs: dict, instance_env: dict[str, dict
 def bind_host_into(env: dict[str, str], host: str) -> dict[str, str]:
     """env with HOST_PLACEHOLDER replaced by the worker's bind address (a JSON-safe IP/name)."""
     return {k: v.replace(HOST_PLACEHOLDER, host) for k, v in env.items()}
+
+
+def write_router_keys(env: dict[str, str]) -> str:
+    """A private key folder (0700, secret 0600) on the router's node in the layout RouterConfig's
+    key_dir expects: the router's pair and the allowed KV-event publishers' public keys."""
+    from pdcluster.security.keys import _cert_text, _write_new, keypair_from_string
+
+    root = pathlib.Path(tempfile.mkdtemp(prefix="pdcluster-router-keys-"))
+    (root / "secret").mkdir(mode=0o700)
+    (root / "public").mkdir(mode=0o700)
+    router = keypair_from_string(env["router"], "router")
+    _write_new(root / "secret" / "router.key_secret", _cert_text(router, True), 0o600, False)
+    publics = {name: env[name].partition(",")[0] for name in ("router", "worker")}
+    publics.update(json.loads(env.get("publishers") or "{}"))  # per-instance worker keys
+    for name, key in publics.items():
+        pub = keypair_from_string(key, name)
+        _write_new(root / "public" / f"{name}.key", _cert_text(pub, False), 0o600, False)
+    return str(root)
