@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdcluster._proto import kvstore_pb2 as pb
-from pdcluster.transfer import TransferError, as_byte_view
+from pdcluster.transfer import TransferError
 
+from .byte_views import byte_view, byte_views
 from .client_arena import WriteArenas
 from .entities import Status
 from .master_rpc import KVStoreError, MasterRPC
@@ -77,7 +78,7 @@ class KVStoreClient:
         get IN_PROGRESS, later ones ALREADY_EXISTS. TRANSFER_FAILED: nothing was stored."""
         if len(keys) != len(srcs):
             raise ValueError("keys and srcs differ in length")
-        views = [as_byte_view(s, writable=False) for s in srcs]
+        views = byte_views(srcs, writable=False)
         statuses: list[Status | None] = [None] * len(keys)
         if self._arenas.enabled:
             small = [i for i, v in enumerate(views) if 0 < v.nbytes <= self._arenas.max_object]
@@ -132,7 +133,7 @@ class KVStoreClient:
 
     def write_put(self, put: PendingPut, src: Any) -> None:
         """Phase 2: write src to every replica; raises on the first failure."""
-        view = as_byte_view(src, writable=False)
+        view = byte_view(src, writable=False)
         if view.nbytes != put.size:
             raise ValueError(f"{put.key}: source has {view.nbytes} bytes, put was started for {put.size}")
         if self._object_key is not None:
@@ -173,7 +174,7 @@ class KVStoreClient:
     def batch_get(self, keys: Sequence[str], dests: Sequence[Any]) -> list[int | None]:
         if len(keys) != len(dests):
             raise ValueError("keys and dests differ in length")
-        views = [as_byte_view(d, writable=True) for d in dests]
+        views = byte_views(dests, writable=True)
         results = self._get_replicas(keys)
         out: list[int | None] = [None] * len(keys)
         hits: list[Hit] = []
