@@ -8,7 +8,9 @@ Same store processes as `pdcluster bench transfer --connector store` (cluster/be
 backend objects as the store connector, batches of --batch objects per call. The difference is
 the timing: per object size, one warm-up, then --repeats rounds, each running every backend's put
 then get in turn, so a shared machine's load swings hit all of them alike; reported are the
-median GB/s and the median CPU seconds per GB of this (the client) process. With the object key
+median GB/s and the median CPU seconds per GB of this (the client) process, and of the client
+plus that backend's own store processes (`sys`: master and storage node; on a shared machine
+wall throughput tends to share-of-cores / CPU per byte). With the object key
 set (the default deployment, issue 16 item 6) every kvstore object is MACed at put and checked on
 every get; Mooncake has no such check. kvstore_tcp is the kvstore's remote-node path (no shared
 memory) for reference.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -27,8 +30,21 @@ from typing import Any
 from pdcluster.cluster.bench.store_transfer import REUSE_WAIT_S
 
 
+def _proc_cpu_s(pids: list[int]) -> float:
+    """utime + stime of these processes (Linux /proc), seconds; 0 where unreadable."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+        except (OSError, IndexError, ValueError):
+            pass
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def _rounds(backend: Any, src: Any, dst: Any, size: int, batch: int, repeats: int, tag: str,
-            stats: dict[str, list[tuple[float, float]]]) -> Any:
+            stats: dict[str, list[tuple[float, ...]]], pids: list[int]) -> Any:
     """A generator: each next() runs one put round then one get round of `backend`."""
     import torch
 
@@ -38,7 +54,7 @@ def _rounds(backend: Any, src: Any, dst: Any, size: int, batch: int, repeats: in
     for r in range(repeats + 1):
         keys = [f"svm-{tag}-{size}-{r}-{i}" for i in range(n)]
         for op in ("put", "get"):
-            c, t = time.process_time(), time.perf_counter()
+            c, t, sc = time.process_time(), time.perf_counter(), _proc_cpu_s(pids)
             for a in range(0, n, batch):
                 if op == "put":
                     ok = backend.batch_put_from(keys[a:a + batch], s_rows[a:a + batch])
@@ -46,8 +62,10 @@ def _rounds(backend: Any, src: Any, dst: Any, size: int, batch: int, repeats: in
                 else:
                     assert all(backend.batch_get_into(keys[a:a + batch], d_rows[a:a + batch])), f"{tag} get failed"
             wall, cpu = time.perf_counter() - t, time.process_time() - c
+            server_cpu = _proc_cpu_s(pids) - sc  # the store processes, at clock-tick resolution
             if r:  # round 0 is the warm-up
-                stats[f"{tag}_{op}"].append((src.nbytes / wall / 1e9, cpu / (src.nbytes / 1e9)))
+                gb = src.nbytes / 1e9
+                stats[f"{tag}_{op}"].append((src.nbytes / wall / 1e9, cpu / gb, (cpu + server_cpu) / gb))
         assert bytes(dst[:size]) == bytes(src[:size]), f"{tag}: bytes read back differ"
         backend.remove(keys)
         yield
@@ -77,24 +95,34 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with LocalStores(tempfile.mkdtemp(prefix="svm-")) as stores:
         backends: dict[str, Any] = {}
+        pids: dict[str, list[int]] = {}  # each backend's store processes
+
+        def started_since(n: int) -> list[int]:
+            return [proc.pid for proc in stores.started[n:]]
+
         for name, use_shm in (("kvstore", True), ("kvstore_tcp", False)):
             if name in wanted:
+                n0 = len(stores.started)
                 master = stores.kvstore(node_size=f"{16 * args.total_mib}M", master_args=(
                     "--lease-ttl-s", "0.5", "--grace-s", "0.1", "--put-timeout-s", "0.5"))
                 backends[name] = make_backend("kvstore", {"master": master, "use_shm": use_shm})
+                pids[name] = started_since(n0)
         if "mooncake" in wanted:
             why = mooncake_available()
             if why is not None:
                 print(f"skipping mooncake: {why}", file=sys.stderr)
             else:
+                n0 = len(stores.started)
                 backends["mooncake"] = make_backend("mooncake", {"mooncake_master": stores.mooncake(
                     segment_bytes=16 * total)})
+                pids["mooncake"] = started_since(n0)
         for b in backends.values():
             b.register_buffer(torch.from_numpy(src))
             b.register_buffer(torch.from_numpy(dst))
         for kib in (int(s) for s in args.sizes.split(",")):
-            stats: dict[str, list[tuple[float, float]]] = {f"{n}_{op}": [] for n in backends for op in ("put", "get")}
-            gens = [_rounds(b, src, dst, kib << 10, args.batch, args.repeats, n, stats) for n, b in backends.items()]
+            stats: dict[str, list[tuple[float, ...]]] = {f"{n}_{op}": [] for n in backends for op in ("put", "get")}
+            gens = [_rounds(b, src, dst, kib << 10, args.batch, args.repeats, n, stats, pids[n])
+                    for n, b in backends.items()]
             for _ in range(args.repeats + 1):
                 for g in gens:
                     next(g)
@@ -103,21 +131,25 @@ def main(argv: list[str] | None = None) -> int:
             for k, v in stats.items():
                 row[k] = statistics.median(x[0] for x in v)
                 row[k + "_cpu_s_per_gb"] = statistics.median(x[1] for x in v)
+                row[k + "_sys_cpu_s_per_gb"] = statistics.median(x[2] for x in v)
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
         for b in backends.values():
             b.close()
     names = list(backends)
     print(f"object key (kvstore MAC): {'on' if store_key_from_env() else 'off'}; median of {args.repeats} "
-          f"interleaved rounds, {args.total_mib} MiB per figure, batch {args.batch}; GB/s (client CPU s/GB)")
-    print("| object | " + " | ".join(f"{n} put | {n} get" for n in names) + " | get kvstore/mooncake |")
-    print("|---" * (2 * len(names) + 2) + "|")
+          f"interleaved rounds, {args.total_mib} MiB per figure, batch {args.batch}; GB/s (client CPU s/GB; "
+          "client + store processes CPU s/GB)")
+    print("| object | " + " | ".join(f"{n} put | {n} get" for n in names) + " | get kvstore/mooncake | get CPU mooncake/kvstore |")
+    print("|---" * (2 * len(names) + 3) + "|")
     for r in rows:
-        cells = " | ".join(f"{r[f'{n}_{op}']:.2f} ({r[f'{n}_{op}_cpu_s_per_gb']:.2f})" for n in names
-                           for op in ("put", "get"))
-        ratio = (f"{r['kvstore_get'] / r['mooncake_get']:.2f}" if "kvstore" in names and "mooncake" in names
-                 else "-")
-        print(f"| {r['size_kib']} KiB | {cells} | {ratio} |")
+        cells = " | ".join(f"{r[f'{n}_{op}']:.2f} ({r[f'{n}_{op}_cpu_s_per_gb']:.2f}; "
+                           f"{r[f'{n}_{op}_sys_cpu_s_per_gb']:.2f})" for n in names for op in ("put", "get"))
+        both = "kvstore" in names and "mooncake" in names
+        ratio = f"{r['kvstore_get'] / r['mooncake_get']:.2f}" if both else "-"
+        cpu_ratio = (f"{r['mooncake_get_sys_cpu_s_per_gb'] / max(r['kvstore_get_sys_cpu_s_per_gb'], 1e-9):.2f}"
+                     if both else "-")  # > 1: kvstore needs less CPU per byte (client + store processes)
+        print(f"| {r['size_kib']} KiB | {cells} | {ratio} | {cpu_ratio} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
