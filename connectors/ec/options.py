@@ -26,13 +26,8 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
-from pdcluster.security.keys import (
-    KeyPair,
-    keypair_from_string,
-    load_allowed_public_keys,
-    load_keypair,
-    normalize_public_key,
-)
+from pdcluster.security.key_options import allowed_keys_option, keypair_option
+from pdcluster.security.keys import KeyPair
 
 ROLES = ("both", "producer", "consumer")
 TRANSPORTS = ("auto", "tcp", "shm")
@@ -111,27 +106,8 @@ def _number(name: str, value: Any, integer: bool = False) -> float:
 
 
 def _keypair(o: dict[str, Any]) -> KeyPair:
-    kp = o.get("keypair")
-    if isinstance(kp, KeyPair):
-        pair = kp
-    elif isinstance(kp, str):
-        pair = keypair_from_string(kp, "ec")
-    elif o.get("keys_dir") and o.get("key_name"):
-        pair = load_keypair(o["keys_dir"], o["key_name"])
-    else:
-        raise ValueError("the p2p_ec connector needs CURVE keys: set ec_connector_options 'keypair' "
-                         "('PUBLIC,SECRET') or 'keys_dir' and 'key_name' (pdcluster keys init DIR)")
-    if not pair.has_secret:
-        raise ValueError("p2p_ec keypair has no secret key")
-    return pair
+    return keypair_option(o, "p2p_ec", "ec_connector_options", "ec")
 
 
 def _allowed(o: dict[str, Any]) -> dict[str, bytes]:
-    allowed = o.get("allowed_keys")
-    if allowed is None and o.get("keys_dir"):
-        return load_allowed_public_keys(o["keys_dir"])
-    if isinstance(allowed, dict):
-        return {str(k): normalize_public_key(v) for k, v in allowed.items()}
-    if isinstance(allowed, (list, tuple)):
-        return {f"key{i}": normalize_public_key(v) for i, v in enumerate(allowed)}
-    raise ValueError("the p2p_ec connector needs 'allowed_keys' (the cluster's public keys) or 'keys_dir'")
+    return allowed_keys_option(o, "p2p_ec")

@@ -32,13 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdcluster.config import EngineConfig
-from pdcluster.security.keys import (
-    KeyPair,
-    keypair_from_string,
-    load_allowed_public_keys,
-    load_keypair,
-    normalize_public_key,
-)
+from pdcluster.security.key_options import allowed_keys_option, keypair_option
+from pdcluster.security.keys import KeyPair, normalize_public_key
 
 TRANSPORTS = ("auto", "tcp", "shm")
 _KNOWN = {
@@ -132,30 +127,11 @@ def _positive(name: str, value: Any, allow_zero: bool = False) -> float:
 
 
 def _keypair(o: dict[str, Any]) -> KeyPair:
-    kp = o.get("keypair")
-    if isinstance(kp, KeyPair):
-        pair = kp
-    elif isinstance(kp, str):
-        pair = keypair_from_string(kp, "p2p")
-    elif o.get("keys_dir") and o.get("key_name"):
-        pair = load_keypair(o["keys_dir"], o["key_name"])
-    else:
-        raise ValueError("the p2p connector needs CURVE keys: set kv_connector_options 'keypair' "
-                         "('PUBLIC,SECRET') or 'keys_dir' and 'key_name' (pdcluster keys init DIR)")
-    if not pair.has_secret:
-        raise ValueError("p2p keypair has no secret key")
-    return pair
+    return keypair_option(o, "p2p", "kv_connector_options", "p2p")
 
 
 def _allowed(o: dict[str, Any]) -> dict[str, bytes]:
-    allowed = o.get("allowed_keys")
-    if allowed is None and o.get("keys_dir"):
-        return load_allowed_public_keys(o["keys_dir"])
-    if isinstance(allowed, dict):
-        return {str(k): normalize_public_key(v) for k, v in allowed.items()}
-    if isinstance(allowed, (list, tuple)):
-        return {f"key{i}": normalize_public_key(v) for i, v in enumerate(allowed)}
-    raise ValueError("the p2p connector needs 'allowed_keys' (the cluster's public keys) or 'keys_dir'")
+    return allowed_keys_option(o, "p2p")
 
 
 def _peers(peers: Any) -> dict[str, PeerEntry]:
