@@ -28,7 +28,8 @@ with (num_tokens, text hidden) tensors in the model dtype as encoder outputs. It
     address, an item the producer never had): each fails alone in the report's `failed` with an
     ECFetchError, the future never raises, and the next good fetch still works;
   - an announce lease nobody consumes ends by itself (lease_options);
-  - shutdown: idempotent, leaves no thread, no /dev/shm segment and no listening endpoint.
+  - shutdown: idempotent, leaves no thread, no shared memory it mapped (unmapped and unlinked)
+    and no listening endpoint.
 
 Waits are for events, each bounded by `wait_s` only to stop a hung test: no check depends on how
 fast the machine is.
@@ -274,27 +275,37 @@ class ECConnectorConformance:
 
     def test_shutdown_leaves_nothing(self, ec_env: ECConformanceEnv) -> None:
         threads = set(threading.enumerate())
-        shm = _shm_entries()
+        mapped = _mapped_shm()
         producer, consumer = ec_env.connector("producer"), ec_env.connector("consumer")
         h, out, params = self.saved(ec_env, producer)
         meta = consumer.build_load_meta("r", [feature(h)], (params,))
         report = consumer.start_load(meta).result(timeout=self.wait_s)
         assert not report.failed and bool((report.loaded[h] == out).all())
+        ours = _mapped_shm() - mapped  # shared memory these two mapped (other processes' is not ours)
         endpoint = producer.endpoint()
         for c in (consumer, producer, consumer, producer):  # twice each: idempotent
             c.shutdown()
         wait_for(lambda: not [t for t in threading.enumerate() if t not in threads and t.is_alive()],
                  "the connectors' threads to end", self.wait_s)
-        assert not (_shm_entries() - shm), f"shared memory left: {sorted(_shm_entries() - shm)}"
+        left = (ours & _mapped_shm()) | {p for p in ours if os.path.exists(p)}
+        assert not left, f"shared memory still mapped or not unlinked after shutdown: {sorted(left)}"
         if endpoint is not None:
             wait_for(lambda: not _listening(endpoint[0]), f"the endpoint {endpoint[0]} to close", self.wait_s)
 
 
-def _shm_entries() -> set[str]:
+def _mapped_shm() -> set[str]:
+    """/dev/shm files this process maps (from /proc/self/maps; empty where there is none)."""
     try:
-        return set(os.listdir("/dev/shm"))
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
     except OSError:
         return set()
+    out = set()
+    for line in lines:
+        path = line.split(None, 5)[5] if len(line.split(None, 5)) == 6 else ""
+        if path.startswith("/dev/shm/"):
+            out.add(path.removesuffix(" (deleted)"))
+    return out
 
 
 def _listening(address: str) -> bool:
