@@ -8,6 +8,7 @@
         options = {"dir": "/tmp/x"}              # ec_connector_options for every instance
         lease_options = {"lease_s": 0.5}         # producer options making announce leases short (None: skip)
         not_ready_stat = "my_not_ready"          # a producer get_stats() counter of NOT_READY answers (optional)
+        short_fetch_options = {"fetch_timeout_s": 0.5}   # consumer options: a short NOT_READY deadline (None: skip)
 
         def make_options(self, role, workdir):   # role "producer" | "consumer"; optional
             return {**self.options, "role": role, "dir": str(workdir)}
@@ -23,7 +24,8 @@ with (num_tokens, text hidden) tensors in the model dtype as encoder outputs. It
   - fetch of a saved item: build_load_meta plans exactly the listed features, start_load returns
     the very tensor (values, shape, dtype), and the consumer's release ends the lease (READY again);
   - NOT_READY vs MISSING: a PENDING item asked for is waited on and served once saved (retryable),
-    a never-held item fails fast as MISSING, never as a not-ready timeout;
+    one still PENDING at the fetch deadline fails as NOT_READY_TIMEOUT (short_fetch_options), a
+    never-held item fails as MISSING, never as a not-ready timeout;
   - refusal of garbage params (an unknown producer key, another encoder's fingerprint, a broken
     address, an item the producer never had): each fails alone in the report's `failed` with an
     ECFetchError, the future never raises, and the next good fetch still works;
@@ -151,6 +153,7 @@ class ECConnectorConformance:
     producer_options: ClassVar[dict[str, Any]] = {}
     consumer_options: ClassVar[dict[str, Any]] = {}
     lease_options: ClassVar[dict[str, Any] | None] = None
+    short_fetch_options: ClassVar[dict[str, Any] | None] = None
     not_ready_stat: ClassVar[str | None] = None
     wait_s: ClassVar[float] = 60.0
     model: ClassVar[str | None] = None
@@ -245,6 +248,21 @@ class ECConnectorConformance:
         assert bool((report.loaded[h] == out).all())
         report = self.load(ec_env, (replace(known, items=(ECItemRef(missing),)),), [missing])
         assert report.failed.get(missing) == ECFetchError.MISSING, f"never held must be MISSING: {report.failed}"
+
+    def test_never_saved_item_times_out_as_not_ready(self, ec_env: ECConformanceEnv) -> None:
+        if self.short_fetch_options is None:
+            pytest.skip("short_fetch_options not set: the NOT_READY deadline is not checked")
+        _, _, known = self.saved(ec_env)
+        h = ec_env.new_hash()
+        ec_env.producer.reserve([h])  # PENDING for good: its encode never finishes
+        consumer = ec_env.connector("consumer", **self.short_fetch_options)
+        try:
+            meta = consumer.build_load_meta("r", [feature(h)], (replace(known, items=(ECItemRef(h),)),))
+            report = consumer.start_load(meta).result(timeout=self.wait_s)
+        finally:
+            consumer.shutdown()
+        assert report.failed.get(h) == ECFetchError.NOT_READY_TIMEOUT, \
+            f"still PENDING at the fetch deadline must be NOT_READY_TIMEOUT: {report.failed}"
 
     def test_garbage_params_fail_alone(self, ec_env: ECConformanceEnv) -> None:
         h, out, params = self.saved(ec_env)

@@ -21,6 +21,7 @@ class TestP2PECConformance(ECConnectorConformance):
     connector_name = "p2p_ec"
     lease_options = {"lease_s": 0.5}
     not_ready_stat = "producer_not_ready"
+    short_fetch_options = {"fetch_timeout_s": 0.5}
 
     def make_options(self, role: str, workdir: pathlib.Path) -> dict[str, Any]:
         keys = workdir / "keys"
