@@ -3,7 +3,7 @@ compiler), attention left outside the compiled code.
 
 Where: a dense decoder-only model (no MoE, no image tower), tensor_parallel_size 1, torch backends
 on CPU, and by default (PDCLUSTER_COMPILE=auto) only a model of at least AUTO_MIN_PARAMS
-parameters, where the gain repays the compile time (see /work/notes/compile.md);
+parameters, where the gain repays the compile time;
 PDCLUSTER_COMPILE=1 compiles any supported model, 0 none. `enforce_eager=True` (vLLM's flag,
 `--enforce-eager`) always runs eagerly.
 
@@ -11,14 +11,15 @@ Regional compilation: each decoder layer is compiled, not the whole model, so co
 not grow with depth (every layer runs the same graph, its parameters as graph inputs); the
 embedding, final norm and LM head stay eager. The token count is symbolic: one graph serves every
 step, whatever its size, so no per-batch-size buckets (measured on the demo model: a static graph
-per bucket cost ~12 s of compile each, 11 buckets for max_num_seqs=64; the one dynamic graph ~25 s
-cold, ~2 s warm).
+per bucket cost ~12 s CPU of compile each, 11 buckets for max_num_seqs=64; the one dynamic graph
+~25 s cold, ~6 s warm, half of that importing inductor).
 
 Which steps: those with prefill tokens (prefill chunks, mixed prefill + decode) run compiled:
 1.07-1.28x faster on the 125M Llama (fusion of the norm/rotary/SiLU elementwise work over many
 rows). Decode-only steps run eagerly: measured there, compiled was no faster (B=32: 0.99-1.0x)
 or slower (B=8 bf16: 0.93x; batch-1 fp32: 0.66x, a 1-token step padded to 2 doubled the float32
-GEMMs, and unpadded it would specialise another graph). Numbers: /work/notes/compile.md.
+GEMMs, and unpadded it would specialise another graph). Numbers: benchmarks/RESULTS.md (issue 14,
+torch.compile).
 
 Attention stays eager: every layer's `Attention.backend` is wrapped (`_TracedAttention`); eagerly
 the wrapper calls the real backend unchanged, but while dynamo traces it emits one opaque custom op,
