@@ -56,6 +56,7 @@ class ECOptions:
     fetch_timeout_s: float = 10.0
     io_timeout_s: float = 10.0
     num_load_threads: int = 2
+    keys_dir: str | None = None  # allowed_keys came from keys_dir/public: the control port follows it
 
     @property
     def is_producer(self) -> bool:
@@ -94,7 +95,8 @@ class ECOptions:
         engine_id = str(o.get("engine_id") or f"{socket.gethostname()}-{os.getpid()}")
         if not 0 < len(engine_id) <= 256:
             raise ValueError("p2p_ec engine_id must be 1..256 characters")
-        return cls(engine_id=engine_id, keypair=_keypair(o), allowed_keys=_allowed(o), **kw)
+        keys_dir = str(o["keys_dir"]) if o.get("keys_dir") and o.get("allowed_keys") is None else None
+        return cls(engine_id=engine_id, keypair=_keypair(o), allowed_keys=_allowed(o), keys_dir=keys_dir, **kw)
 
 
 def _number(name: str, value: Any, integer: bool = False) -> float:

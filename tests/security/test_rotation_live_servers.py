@@ -72,13 +72,13 @@ def test_p2p_side_channel_follows_revocation(p2p) -> None:
     old = _consumer(keys, "decode-0")
     try:
         assert call(old, prod, HEARTBEAT, {"leases": [REF]})["alive"] == []  # a live session
-        _revoke(keys, side._auth, [side._sock], "decode-0")
+        _revoke(keys, side.auth, [side.sock], "decode-0")
         with pytest.raises(LoadError):  # the live session's request is dropped, not served
             call(old, prod, HEARTBEAT, {"leases": [REF]})
-        assert side._auth.metrics.value("p2p-side-channel", "session_revoked") == 1
+        assert side.auth.metrics.value("p2p-side-channel", "session_revoked") == 1
         with pytest.raises(LoadError):  # and a new handshake with the old key is refused
             call(old, prod, HEARTBEAT, {"leases": [REF]})
-        _wait(lambda: side._auth.metrics.value("p2p-side-channel", "key_not_allowed") >= 1, "the refusal count")
+        _wait(lambda: side.auth.metrics.value("p2p-side-channel", "key_not_allowed") >= 1, "the refusal count")
         new = _consumer(keys, "decode-0")  # the rotated pair (now named decode-0) is served
         try:
             assert call(new, prod, HEARTBEAT, {"leases": [REF]})["alive"] == []
