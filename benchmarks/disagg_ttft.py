@@ -26,6 +26,9 @@ and, for the disaggregated requests, the hand-off broken down by timestamps ever
   done       the done notice round trip ("released")
   notice     loader finished -> scheduler sees finished_recving
   step       request ready -> its first decode token reaches the router (t0's step, sampling, stream)
+  path       p.finished -> d.ready: the hand-off proper (everything but the decode step, which an
+             aggregated run pays too), and path / aggregated ttft: steadier than first_gap - itl
+             on a busy machine, where one step's jitter is as large as the hand-off
 """
 
 from __future__ import annotations
@@ -98,7 +101,10 @@ def breakdown(trace_path: pathlib.Path, request_id: str) -> dict[str, float]:
         ts, event, rid = line.split(" ", 2)
         if rid == request_id:
             events.setdefault(event, float(ts))  # the first of each (r.decode_token: first decode token)
-    return {name: events[b] - events[a] for name, a, b in SEGMENTS if a in events and b in events}
+    out = {name: events[b] - events[a] for name, a, b in SEGMENTS if a in events and b in events}
+    if "p.finished" in events and "d.ready" in events:
+        out["path"] = events["d.ready"] - events["p.finished"]
+    return out
 
 
 def main() -> None:
@@ -156,13 +162,16 @@ def main() -> None:
             print(f"{n:>7} {mode:<14}{ttft * 1e3:>9.0f}{gap * 1e3:>12.1f}{itl * 1e3:>8.1f}{handoff * 1e3:>12.1f}"
                   f"{handoff / agg_ttft:>18.1%}")
     print("\ndisaggregated hand-off breakdown, ms (medians)")
-    print(f"{'prompt':>7} " + "".join(f"{name:>10}" for name, _, _ in SEGMENTS))
+    names = [name for name, _, _ in SEGMENTS] + ["path"]
+    print(f"{'prompt':>7} " + "".join(f"{name:>10}" for name in names) + f"{'path/agg ttft':>15}")
     for n in args.lengths:
         med = {name: statistics.median(p[name] for p in parts[n] if name in p)
-               for name, _, _ in SEGMENTS if any(name in p for p in parts[n])}
+               for name in names if any(name in p for p in parts[n])}
         rows["disaggregated"][n]["breakdown_s"] = med
+        share = med["path"] / rows["aggregated"][n]["ttft_s"] if "path" in med else float("nan")
+        rows["disaggregated"][n]["path_share_of_agg_ttft"] = share
         print(f"{n:>7} " + "".join(f"{med[name] * 1e3:>10.1f}" if name in med else f"{'-':>10}"
-                                   for name, _, _ in SEGMENTS))
+                                   for name in names) + f"{share:>15.1%}")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(rows, indent=2))
 
