@@ -5,7 +5,9 @@
                             "kv_connector")                      -> pdcluster_engine_*, pdcluster_connector_*
     engine.counters         tokens served, step-time histogram   -> pdcluster_engine_*
     role.role_metrics()     the role's own view of the stats     -> pdcluster_role_*
-    servicer.requests       the drain flag                       -> pdcluster_worker_draining
+    servicer.requests       the drain flag, legs ended by a failed caller
+                                                                 -> pdcluster_worker_draining,
+                                                                    pdcluster_worker_requests_ended_total
     KV-event CURVE auth     its refusal counter (private registry) -> pdcluster_zmq_handshake_refusals_total
 
 Nothing runs per engine step for this: a scrape costs one snapshot read. Names follow
@@ -103,9 +105,11 @@ CONNECTOR_GAUGES: Mapping[str, tuple[str, str]] = {
     "store_hit_rate": ("pdcluster_connector_hit_ratio", "Store hit rate since start"),
 }
 # Connector stats key -> (histogram name, labels): the value is {"bounds", "counts", "sum"}
-# (per-bucket counts, the last one +Inf; connectors/p2p/load_times.py).
+# (per-bucket counts, the last one +Inf; connectors/p2p/load_times.py). One connector per worker,
+# so at most one of them is present.
 CONNECTOR_HISTOGRAMS: Mapping[str, tuple[str, Mapping[str, str]]] = {
     "p2p_load_seconds": ("pdcluster_connector_transfer_duration_seconds", {"op": "load"}),
+    "store_load_seconds": ("pdcluster_connector_transfer_duration_seconds", {"op": "load"}),
 }
 # Counted by reason: "p2p_refused_lease_unknown" -> reason="lease_unknown" (the producer's answer
 # to a consumer that opened before the lease was registered: the consumer retries it).
@@ -135,6 +139,14 @@ class WorkerCollector(Collector):
         draining = bool(getattr(self.requests, "draining", False))
         yield GaugeMetricFamily("pdcluster_worker_draining", "1 while the worker drains (refuses new requests)",
                                 value=int(draining))
+        ended = getattr(self.requests, "ended", None)
+        if isinstance(ended, Mapping):
+            family = CounterMetricFamily("pdcluster_worker_requests_ended",
+                                         "Requests this worker ended because their caller failed them: its deadline "
+                                         "passed, or the request stream ended under them", labels=["reason"])
+            for reason, n in ended.items():
+                family.add_metric([reason], float(n))
+            yield family
         yield from engine_families(stats, self.engine)
         yield from role_families(self.role, stats)
         connector_stats = stats.get("kv_connector")

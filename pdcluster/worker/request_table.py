@@ -9,6 +9,10 @@ GenerateStream session alike.
     abort()        cancel the pump (the engine frees the blocks) and end the request with ABORT
     draining       set: new requests are refused with UNAVAILABLE; move_all() ends the running
                    ones with UNAVAILABLE (a router resumes them on another worker)
+    ended          legs this worker ended because their caller failed them, by reason (END_REASONS):
+                   "deadline" (the caller's deadline passed: a stuck or stopped router, a slow path),
+                   "stream_lost" (the request stream ended under them: router killed or cut off);
+                   /metrics pdcluster_worker_requests_ended_total{reason}
 
 The gRPC adapters (worker_servicer.py, worker_stream.py) own the transport: deadlines, status
 codes on the wire, batching. Everything a request is, and every way it ends, lives here.
@@ -39,6 +43,7 @@ log = logging.getLogger(__name__)
 
 ABORTED = object()  # queued by abort() for a request without on_abort: end it with finish_reason ABORT
 MOVED = object()  # delivered by move(): end the request with UNAVAILABLE (the worker is draining)
+END_REASONS = ("deadline", "stream_lost")
 
 # A pumped item: (arrival time, engine output), the exception that ended the request, or ABORTED.
 Sink = Callable[[Any], "bool | None"]
@@ -69,6 +74,8 @@ class RequestTable:
         self._inflight: dict[str, Inflight] = {}
         self._pumps: dict[str, asyncio.Task] = {}  # request id -> its pump task, until that ends
         self.draining = False
+        # Counted on the event loop only; the metrics thread reads ints (a torn read is impossible).
+        self.ended: dict[str, int] = dict.fromkeys(END_REASONS, 0)
 
     def __len__(self) -> int:
         return len(self._inflight)
@@ -188,6 +195,10 @@ class RequestTable:
                                           token_text=token_text)
 
     # -- ending ------------------------------------------------------------------------------------
+    def count_ended(self, reason: str, n: int = 1) -> None:
+        """n legs ended here because their caller failed them (a reason of END_REASONS)."""
+        self.ended[reason] += n
+
     def abort(self, request_id: str) -> bool:
         """End a running request with finish_reason ABORT; false if it is not running here."""
         inflight = self._inflight.get(request_id)

@@ -114,6 +114,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except asyncio.TimeoutError:
             # gRPC also cancels the handler at the deadline; this timer makes it certain and
             # frees the blocks now rather than at the next engine output.
+            self.requests.count_ended("deadline")
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded; request aborted")
         refusal = self.requests.refusal_for(item, sent)
         if refusal is not None:

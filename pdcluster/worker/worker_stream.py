@@ -89,6 +89,7 @@ class StreamSession:
         finally:
             reader.cancel()
             if self._runs and not self._closing:  # a router gone (killed, cut off, past its deadline)
+                self.requests.count_ended("stream_lost", len(self._runs))
                 log.warning("request stream from %s ended with %d request(s) running: aborting them",
                             context.peer(), len(self._runs))
             for run in list(self._runs.values()):  # the call ended under them: abort each
@@ -176,6 +177,7 @@ class StreamSession:
         if run.ended:
             return
         self._finish(run)
+        self.requests.count_ended("deadline")
         if run.inflight.task is not None:
             run.inflight.task.cancel()  # closes AsyncEngine.generate: the engine frees the blocks now
         self._error(run.tag, run.request_id, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded; request aborted")

@@ -134,3 +134,32 @@ def test_connector_fault_counters_and_transfer_time() -> None:
     assert got[(f"{name}_bucket", (("le", "0.025"), ("op", "load")))] == 3
     assert got[(f"{name}_bucket", (("le", "30.0"), ("op", "load")))] == 3
     assert got[(f"{name}_bucket", (("le", "+Inf"), ("op", "load")))] == 4
+
+
+def test_store_load_time_shares_the_transfer_histogram() -> None:
+    """The store connector's worker side times its loads like P2P pulls (store_load_seconds)."""
+    from pdcluster.connectors.p2p.load_times import LoadTimes
+
+    times = LoadTimes()
+    times.observe(0.003)
+    role = WorkerRole("decode", "pdcluster.worker.roles:AggregatedRole", kv_role="consumer", metrics=())
+    stats = {"store_load_blocks": 4, "store_load_seconds": times.snapshot()}
+    got = samples(WorkerCollector(FakeEngine({"kv_connector": stats}), role, worker_id="d0", connector="store"))
+    name = "pdcluster_connector_transfer_duration_seconds"
+    assert got[(f"{name}_count", (("op", "load"),))] == 1
+    assert got[(f"{name}_bucket", (("le", "0.0025"), ("op", "load")))] == 0
+    assert got[(f"{name}_bucket", (("le", "0.005"), ("op", "load")))] == 1
+
+
+def test_requests_ended_by_a_failed_caller_follow_the_request_table() -> None:
+    """pdcluster_worker_requests_ended_total{reason}: legs ended at their deadline, or under a lost stream."""
+    from pdcluster.worker.request_table import END_REASONS
+
+    table = SimpleNamespace(draining=False, ended=dict.fromkeys(END_REASONS, 0))
+    collector = WorkerCollector(FakeEngine({}), AGGREGATED, worker_id="w", connector=None, requests=table)
+    name = "pdcluster_worker_requests_ended_total"
+    assert {r: samples(collector)[(name, (("reason", r),))] for r in END_REASONS} == {"deadline": 0, "stream_lost": 0}
+    table.ended["deadline"] += 2
+    table.ended["stream_lost"] += 1
+    got = samples(collector)
+    assert got[(name, (("reason", "deadline"),))] == 2 and got[(name, (("reason", "stream_lost"),))] == 1

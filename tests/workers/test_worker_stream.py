@@ -160,6 +160,7 @@ def test_abort_by_tag_reuse_of_id_and_deadline(engine: AsyncEngine, ref_tokens: 
         assert r.tokens(3) == ref_tokens
         assert r.errors[2].code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0], r.errors.get(2)
         assert len(r.tokens(2)) < LONG if 2 in r.deltas else True
+        assert server.servicer.requests.ended == {"deadline": 1, "stream_lost": 0}  # /metrics requests_ended
         assert await _until(lambda: ra.status == RequestStatus.FINISHED_ABORTED)
         await call.done_writing()
         assert await call.code() == grpc.StatusCode.OK
@@ -188,6 +189,7 @@ def test_closing_the_stream_aborts_its_requests(engine: AsyncEngine) -> None:
         for one in reqs:
             await _ended_in_engine(engine, one)
         assert await _until(lambda: server.servicer.num_inflight == 0)
+        assert server.servicer.requests.ended == {"deadline": 0, "stream_lost": 2}  # /metrics requests_ended
     serve(engine, t, hold=("c1", "c2"))
 
 
