@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,7 @@ import torch
 
 from pdcluster.engine.kv_connector import KVCacheLayout
 
+from ..p2p.load_times import LoadTimes
 from .backend import PutResult, StoreBackend, StoreBackendError
 from .backend_factory import make_backend
 from .block_io import pack_all, pack_layer, shard_objects, unpack_blocks
@@ -83,6 +85,7 @@ class StoreWorker:
         self.counters: Counter[str] = Counter(dict.fromkeys((
             "save_dropped_blocks", "save_failed_blocks", "put_stored", "put_exists", "put_failed", "save_bytes",
             "load_blocks", "load_bytes", "load_failed_blocks", "load_cancelled"), 0))
+        self.load_seconds = LoadTimes()  # loads whose every block landed: the load thread's read + unpack (_lock)
 
     # -- setup -----------------------------------------------------------------------------------
     def register(self, kv_caches: Any, cache_layout: KVCacheLayout) -> None:
@@ -225,8 +228,11 @@ class StoreWorker:
 
     def _load_loop(self) -> None:
         while (spec := self._loads.get()) is not _STOP:
+            started = time.monotonic()
             try:
-                self._load(spec)
+                if self._load(spec):
+                    with self._lock:
+                        self.load_seconds.observe(time.monotonic() - started)
             except Exception:
                 log.exception("store connector: load of %s failed", spec.request_id)
                 with self._lock:
@@ -236,7 +242,8 @@ class StoreWorker:
                 self._cancelled.discard(spec.request_id)
                 self._loading.discard(spec.request_id)
 
-    def _load(self, spec: BlockSpec) -> None:
+    def _load(self, spec: BlockSpec) -> bool:
+        """True when every block of the request landed in the cache."""
         k = len(self._read)
         chunk = max(1, self._load_ring.num_slots // k)
         for a in range(0, len(spec.block_ids), chunk):
@@ -244,14 +251,15 @@ class StoreWorker:
                 cancelled = spec.request_id in self._cancelled
             if cancelled:  # its blocks are freed unpublished once we report it: nothing to flag
                 self.counters["load_cancelled"] += 1
-                return
+                return False
             ids, hashes = spec.block_ids[a:a + chunk], spec.block_hashes[a:a + chunk]
             good = self._load_chunk(ids, hashes)
             if good < len(ids):  # the rest of the request's blocks hold nothing valid
                 with self._lock:
                     self._failed.update(spec.block_ids[a + good:])
                 self.counters["load_failed_blocks"] += len(spec.block_ids) - a - good
-                return
+                return False
+        return True
 
     def _load_chunk(self, ids: list[int], hashes: list[bytes]) -> int:
         """Read and unpack one chunk; returns how many leading blocks landed in the cache."""
@@ -291,7 +299,10 @@ class StoreWorker:
         return failed
 
     def stats(self) -> dict[str, Any]:
-        return {f"store_{k}": v for k, v in self.counters.items()}
+        out: dict[str, Any] = {f"store_{k}": v for k, v in self.counters.items()}
+        with self._lock:
+            out["store_load_seconds"] = self.load_seconds.snapshot()  # -> the transfer-time histogram
+        return out
 
     def shutdown(self) -> None:
         for q in (self._saves, self._loads):

@@ -157,12 +157,19 @@ def test_kvstore_fault_matrix(demo_model, store, want, chaos_rows, name, policy)
                if isinstance(v, (int, float)) and v != before.get(k, 0) and ("fail" in k or "error" in k)}
     shown = ", ".join(f"{k} +{v:g}" for k, v in sorted(changed.items())) or "no error counter"
     hits = after.get("store_load_blocks", 0) - before.get("store_load_blocks", 0)
+    timed = _load_count(after) - _load_count(before)  # -> transfer_duration_seconds{op="load"}
     chaos_rows.append(ResultRow(f"{name} ({policy})", role, 1, end == "right", end == "error", end == "lost",
                                 leaks, took,
-                                f"{shown}; blocks loaded {hits:g}"
+                                f"{shown}; blocks loaded {hits:g}, transfer_duration count +{timed}"
                                 + (f"; killed node's shm segments {len(orphans)} until LocalStores.stop removed them"
                                    if orphans else "")))
     assert end in ("right", "error"), (end, out.error, got, want)
     if policy == "recompute":
         assert end == "right", out.error
     assert leaks == []
+    whole = hits and not changed.get("store_load_failed_blocks")
+    assert timed == (1 if whole else 0), (timed, hits, changed)  # timed: loads whose every block landed
+
+
+def _load_count(stats: dict[str, Any]) -> int:
+    return sum(stats.get("store_load_seconds", {}).get("counts", ()))
