@@ -40,6 +40,26 @@ def scrape(url: str, name: str) -> float:
                if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "))
 
 
+ENDED = "pdcluster_worker_requests_ended_total"  # {reason=deadline|stream_lost}: legs ended by a failed caller
+
+
+def ended_by_reason(urls: list[str | None]) -> dict[str, float]:
+    """pdcluster_worker_requests_ended_total summed over these workers' /metrics, by reason."""
+    out: dict[str, float] = {}
+    for url in urls:
+        if not url:
+            continue
+        for line in urllib.request.urlopen(url, timeout=10).read().decode().splitlines():
+            if line.startswith(ENDED + "{"):
+                reason = line.split('reason="', 1)[1].split('"', 1)[0]
+                out[reason] = out.get(reason, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def ended_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in sorted(set(before) | set(after))}
+
+
 def worker_leaks(address: str, metrics_url: str | None = None, timeout: float = 60.0,
                  stats: Callable[[str], Any] = worker_stats) -> list[str]:
     """What a worker still holds once nothing should run: [] when running, waiting, KV blocks used

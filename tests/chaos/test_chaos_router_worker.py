@@ -21,7 +21,14 @@ from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
-from chaos.leaks import ResultRow, leftover_processes, shm_segments, worker_leaks
+from chaos.leaks import (
+    ResultRow,
+    ended_by_reason,
+    ended_delta,
+    leftover_processes,
+    shm_segments,
+    worker_leaks,
+)
 from chaos.mark_hold_pool import MarkHoldPool
 from chaos.router_worker_rig import MARKS, MAX_TOKENS, PROMPT, Rig, close_rig, make_rig, run_request
 from real_router_cluster import WorkerProc, wait_until
@@ -148,6 +155,8 @@ def test_degraded_path_still_right(rig, reference, chaos_rows, name, arm):
     """A slow path is not a fault to recover from: the whole request runs under it, on its first
     worker, with the right text and no migration."""
     want = reference.tokens(PROMPT, MAX_TOKENS)
+    urls = [w.ready.get("metrics") for w in rig.workers]
+    ended_before = ended_by_reason(urls)
     for p in rig.proxies:
         arm(p)
     before = rig.migrations()
@@ -155,11 +164,15 @@ def test_degraded_path_still_right(rig, reference, chaos_rows, name, arm):
     for p in rig.proxies:
         p.clear()
     leaks = rig.leaks()
+    ended = ended_delta(ended_before, ended_by_reason(urls))
     fwd = sum(p.snapshot()["forwarded"]["down"] for p in rig.proxies)
     chaos_rows.append(ResultRow(name, "path router->worker", 1, out.end == "right", out.end == "error",
-                                out.end == "lost", leaks, out.recover_s, f"proxy forwarded {fwd} B down; no migration"))
+                                out.end == "lost", leaks, out.recover_s,
+                                f"proxy forwarded {fwd} B down; no migration; worker requests_ended "
+                                + ", ".join(f"{k} +{v:g}" for k, v in ended.items())))
     assert out.end == "right", out
     assert rig.migrations() == before and leaks == []
+    assert not any(ended.values()), ended  # slow is not failed: no leg ended at a deadline or under a lost stream
 
 
 @pytest.mark.slow
@@ -237,6 +250,8 @@ def test_router_process_killed_or_stopped(pool, demo_model, reference, chaos_row
         while len(got) < MARKS[0]:
             got += next(stream).token_ids
         assert got == reference.tokens(PROMPT, MAX_TOKENS)[:MARKS[0]]
+        urls = [w.ready.get("metrics") for w in workers]
+        ended_before = ended_by_reason(urls)
         os.kill(proc.pid, sig)
         t0 = time.monotonic()
         with pytest.raises(grpc.RpcError) as info:
@@ -248,6 +263,14 @@ def test_router_process_killed_or_stopped(pool, demo_model, reference, chaos_row
             leaks += [f"{w.name} {x}" for x in worker_leaks(w.address, w.ready.get("metrics"),
                                                             timeout=ROUTER_REQUEST_TIMEOUT_S + 40)]
         recover = time.monotonic() - t0
+        # The worker counts the leg it ended: at the router's deadline on it, or under the lost stream.
+        ended: dict[str, float] = {}
+
+        def counted() -> bool:
+            ended.update(ended_delta(ended_before, ended_by_reason(urls)))
+            return sum(ended.values()) >= 1
+
+        wait_until(counted, 30, 0.1)
         channel.close()
     finally:
         if proc.poll() is None:
@@ -256,11 +279,13 @@ def test_router_process_killed_or_stopped(pool, demo_model, reference, chaos_row
     left = leftover_processes(tree)
     chaos_rows.append(ResultRow(sig.name, "router process", 1, 0, int(code in (grpc.StatusCode.UNAVAILABLE,
                                 grpc.StatusCode.DEADLINE_EXCEEDED)), 0, leaks + [f"process {p}" for p in left],
-                                recover, f"client {code.name}; worker blocks freed after {recover:.1f} s"
+                                recover, f"client {code.name}; worker blocks freed after {recover:.1f} s; worker "
+                                "requests_ended " + ", ".join(f"{k} +{v:g}" for k, v in ended.items())
                                 + ("; worker WARNING 'request stream from ipv4:127.0.0.1:PORT ended with 1 "
                                    "request(s) running'" if sig == signal.SIGKILL else "")))
     assert code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED), code
     assert leaks == [] and left == []
+    assert sum(ended.values()) == 1, ended  # the held leg, counted once by the worker that ended it
     if sig == signal.SIGKILL:  # the worker names the router whose stream ended under a running request
         assert any("request stream from" in w.stderr_tail(400) for w in workers), [w.stderr_tail(5) for w in workers]
 
