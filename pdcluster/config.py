@@ -353,6 +353,12 @@ def _resolve_cache(args: EngineArgs, model: ModelConfig, kv_dtype: str, device: 
                 f"kv_cache_memory_bytes must hold at least one block ({per_block} bytes), got {budget!r}")
         num_blocks = budget // per_block
     blocks_per_seq = -(-model.max_model_len // args.block_size)
+    if model.kv_window is not None and not args.kv_connector:
+        # Every layer slides and blocks behind the window are freed (the scheduler, without a
+        # connector): one sequence of any length needs only its window's blocks (kv_window.py).
+        from pdcluster.engine.kv_window import min_pool_blocks
+
+        blocks_per_seq = min(blocks_per_seq, min_pool_blocks(model.kv_window, args.block_size))
     if num_blocks < blocks_per_seq:
         raise ValueError(
             f"KV cache of {num_blocks} blocks cannot hold one sequence of max_model_len={model.max_model_len} "

@@ -19,6 +19,7 @@ from pdcluster.config import CacheConfig, SchedulerConfig
 from pdcluster.engine.block_pool import KVEvent
 from pdcluster.engine.kv_cache_manager import KVCacheManager
 from pdcluster.engine.kv_connector import KVConnectorBase
+from pdcluster.engine.kv_window import max_step_tokens
 from pdcluster.engine.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -62,7 +63,8 @@ class Scheduler:
         if request_id in self.requests or request_id in self.remote.held:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         self.kv.update_block_hashes(request)
-        error = admission_error(request, self.max_model_len, self.block_size, self.kv.num_blocks)
+        error = admission_error(request, self.max_model_len, self.block_size, self.kv.num_blocks,
+                                self.kv.sliding_window)
         if error is not None:  # never queued: report it with the next update()
             request.status, request.error = RequestStatus.FINISHED_ERROR, error
             self._pending_outputs.append(EngineCoreOutput(request_id, [], finish_reason="error", error=error))
@@ -137,7 +139,17 @@ class Scheduler:
         if (not self.config.enable_chunked_prefill and remaining > budget
                 and remaining <= self.config.max_num_batched_tokens):
             return 0  # without chunking a prompt waits until it fits whole (unless it never can)
-        return min(remaining, budget)
+        num_new = min(remaining, budget)
+        window = self.kv.sliding_window
+        if window is not None:  # blocks behind the window are freed: a chunk is what must fit
+            # (at least 1: a pool too small even for that is refused by never_fits, not skipped)
+            fits = max(1, max_step_tokens(num_computed, window, self.block_size, self.kv.num_blocks))
+            num_new = min(num_new, fits)
+        return num_new
+
+    def _never_fits(self, num_computed: int, num_new: int) -> str | None:
+        return never_fits(num_computed + num_new, self.block_size, self.kv.num_blocks, self.kv.sliding_window,
+                          num_computed)
 
     def _schedule_running(self, step: StepPlan) -> None:
         i = 0
@@ -147,7 +159,7 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            error = never_fits(req.num_computed_tokens + num_new, self.block_size, self.kv.num_blocks)
+            error = self._never_fits(req.num_computed_tokens, num_new)
             if error is not None:
                 self._fail(req, error)
                 continue  # removed from running: index i now holds the next request
@@ -207,7 +219,7 @@ class Scheduler:
         num_new = self._chunk(req, num_computed, step.budget)
         if num_new <= 0:
             return AdmitOutcome.BLOCKED
-        error = never_fits(num_computed + num_new, self.block_size, self.kv.num_blocks)
+        error = self._never_fits(num_computed, num_new)
         if error is not None:
             self.waiting.appendleft(req)  # _finish takes it out of its queue
             self._fail(req, error)
