@@ -1,12 +1,23 @@
 """Every port a local deployment opens: loopback only, and hostile or plaintext peers change nothing.
 
-`pdcluster serve` is started as a real process tree (router, prefill and decode workers, and for
-the store connector a kvstore master and node). The test finds every TCP socket that tree listens
-on from /proc (it does not trust the ready line to name them all), then hits each one with:
-random bytes, a plaintext HTTP request, a plaintext (NULL-mechanism) ZMQ peer, a plaintext gRPC
-call to a method nobody serves, and a connection that sends half a frame and stays open. After
-that every process must still run and the cluster must still answer a request with the same
-tokens as before.
+`pdcluster serve` is started as a real process tree (router, prefill and decode workers, their TP
+ranks, an encode worker, and for the store connector a kvstore master and node). The test finds
+every TCP socket that tree listens on from /proc (it does not trust the ready line to name them
+all), then:
+
+- every mutual-TLS port (found by a TLS probe holding a certificate of the run's own CA: the
+  workers' gRPC, the kvstore master) refuses a client without a certificate and one holding a
+  certificate of another CA, and the worker's (master's) /metrics counts the refusals
+  (pdcluster_tls_handshakes_total{result="refused"}, pdcluster_tls_refused_peers_total);
+- every port gets random bytes, a plaintext HTTP request, a plaintext (NULL-mechanism) ZMQ peer,
+  a plaintext gRPC call to a method nobody serves, and a connection that sends half a frame and
+  stays open; ZMQ CURVE ports (KV events, the P2P side channel, the EC control port) never answer
+  the plaintext peer, and the EC control port counts it (pdcluster_ec_errors_total{reason=
+  "control_handshake"});
+- afterwards every process still runs and the cluster answers with the same tokens as before (for
+  E/P/D: an image request equals the offline text).
+
+The P2P and store shapes run in the default suite; TP=2 and E/P/D are `slow` (each ~30-60 s).
 """
 
 from __future__ import annotations
@@ -16,11 +27,12 @@ import random
 import socket
 import subprocess
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import pytest
 import zmq
-from proc_sockets import listening
+from proc_sockets import listening, non_loopback
+from security.deploy_probes import hostile, scrape, serve_pki, tls_probe, total, wait_for
 from serve_procs import descendants, start_serve, stop_serve
 
 from pdcluster import SamplingParams
@@ -28,6 +40,7 @@ from pdcluster.client import Client
 
 PROMPT = list(range(5, 30))
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+HANDSHAKES = "pdcluster_tls_handshakes_total"
 
 
 @pytest.fixture(scope="module")
@@ -37,76 +50,142 @@ def demo_model(tmp_path_factory) -> str:
     return ensure_demo_model(tmp_path_factory.mktemp("demo") / "model")
 
 
-def _hostile(port: int, rng: random.Random, ctx: zmq.Context, zmq_silent: bool) -> list[socket.socket]:
-    """Throw everything at one port; returns sockets left half-open on purpose."""
-    garbage = bytes(rng.getrandbits(8) for _ in range(4096))
-    with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
-        try:
-            s.sendall(garbage)
-            s.recv(1024)
-        except OSError:
-            pass  # the peer hung up on us: fine
-    with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
-        try:
-            s.sendall(b"GET /../../etc/passwd HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999\r\n\r\n")
-            s.recv(1024)
-        except OSError:
-            pass
-    z = ctx.socket(zmq.DEALER)  # a plaintext ZMQ peer: a CURVE server must never answer it
-    z.setsockopt(zmq.LINGER, 0)
-    z.connect(f"tcp://127.0.0.1:{port}")
-    try:
-        z.send_multipart([b"", b"\x93\x01\x02\x03", garbage[:512]])
-        # (A plain HTTP/gRPC port may "answer": libzmq reads its reply as a legacy ZMTP 1.0 frame.)
-        assert not (z.poll(300) and zmq_silent), f"port {port} answered a plaintext ZMQ peer"
-    finally:
-        z.close(0)
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-        try:
-            ch.unary_unary("/pdcluster.v1.Nope/Nope")(garbage[:100], timeout=2)
-            raise AssertionError(f"port {port} served an unknown gRPC method")
-        except grpc.RpcError as e:
-            assert e.code() != grpc.StatusCode.OK
-    half = socket.create_connection(("127.0.0.1", port), timeout=2)
-    half.sendall(b"\x00\x00\x10")  # the start of a length prefix, then silence
-    return [half]
+@pytest.fixture(scope="module")
+def other_ca(tmp_path_factory):
+    """A router certificate (the role the workers admit) from a CA that is not the cluster's."""
+    from pdcluster.security.pki import init_pki
+
+    return init_pki(tmp_path_factory.mktemp("other-ca")).issue("router", "router")
 
 
-@pytest.fixture(params=[["--prefill", "1", "--decode", "1", "--connector", "p2p", "--policy", "prefix_aware"],
-                        ["--prefill", "1", "--decode", "1", "--connector", "store"]],
-                ids=["p2p-prefix_aware", "store"])
-def cluster(request, demo_model: str) -> Iterator[tuple[subprocess.Popen, dict]]:
-    proc, ready = start_serve(["--model", demo_model, "--worker-args", "--max-model-len 256", *request.param])
+def _serve(args: list[str]) -> Iterator[tuple[subprocess.Popen, dict]]:
+    proc, ready = start_serve(args)
     try:
         yield proc, ready
     finally:
         stop_serve(proc)
 
 
-def test_every_port_is_loopback_and_survives_hostile_peers(cluster) -> None:
-    proc, ready = cluster
-    with Client(ready["grpc"], timeout=120) as c:
-        before = c.generate(PROMPT, PARAMS).token_ids
-    assert len(before) == PARAMS.max_tokens
+@pytest.fixture(params=[["--prefill", "1", "--decode", "1", "--connector", "p2p", "--policy", "prefix_aware"],
+                        ["--prefill", "1", "--decode", "1", "--connector", "store"]],
+                ids=["p2p-prefix_aware", "store"])
+def cluster(request, demo_model: str) -> Iterator[tuple[subprocess.Popen, dict]]:
+    yield from _serve(["--model", demo_model, "--worker-args", "--max-model-len 256", *request.param])
+
+
+@pytest.fixture
+def tp_cluster(demo_model: str) -> Iterator[tuple[subprocess.Popen, dict]]:
+    yield from _serve(["--model", demo_model, "--worker-args", "--max-model-len 256", "--prefill", "1",
+                       "--decode", "1", "--connector", "store", "--prefill-tp", "2"])
+
+
+def _refused(url: str) -> tuple[float, float]:
+    """(refused, started - authenticated) TLS handshakes on one /metrics page."""
+    s = scrape(url)
+    result = lambda r: lambda labels: labels.get("result") == r  # noqa: E731
+    return total(s, HANDSHAKES, result("refused")), total(s, HANDSHAKES, result("started")) - total(
+        s, HANDSHAKES, result("authenticated"))
+
+
+def _settled(url: str) -> tuple[float, float]:
+    """The counts once the audit thread settled every closed connection."""
+    wait_for(lambda: float(_refused(url)[0] >= _refused(url)[1]), 1)
+    return _refused(url)
+
+
+def _tls_metrics(ports: dict, ready: dict) -> dict[int, str]:
+    """gRPC port -> the /metrics URL of the process that serves it (workers, kvstore master)."""
+    out = {int(i["address"].rsplit(":", 1)[1]): i["metrics"] for i in ready["instances"].values() if i["metrics"]}
+    if "kvstore_master" in ready:  # serve starts it with --metrics-port 0: its other listener
+        mport = int(ready["kvstore_master"].rsplit(":", 1)[1])
+        mpid = next(pid for (_, p), pid in ports.items() if p == mport)
+        others = [p for (_, p), pid in ports.items() if pid == mpid and p != mport]
+        if others:
+            out[mport] = f"http://127.0.0.1:{others[0]}/metrics"
+    return out
+
+
+def check_tls_ports(ports: dict, ready: dict, other_ca, pki_root: str) -> set[int]:
+    """Every mutual-TLS port of the tree refuses no certificate and another CA's, counted."""
+    from pdcluster.security.pki import ClusterCA
+
+    good = ClusterCA(pki_root).issue("router", f"deploy-probe-{random.getrandbits(32):08x}")
+    with ThreadPoolExecutor(8) as pool:
+        states = dict(zip(sorted(p for _, p in ports),
+                          pool.map(lambda p: tls_probe(p, good.cert, good.key), sorted(p for _, p in ports))))
+    tls = {p for p, state in states.items() if state == "accepted"}
+    internal = {int(a.rsplit(":", 1)[1]) for a in ready["workers"]}
+    if "kvstore_master" in ready:
+        internal.add(int(ready["kvstore_master"].rsplit(":", 1)[1]))
+    assert internal <= tls, f"internal gRPC ports without mutual TLS: {sorted(internal - tls)} ({states})"
+    metrics = _tls_metrics(ports, ready)
+    before = {p: _settled(metrics[p]) for p in tls if p in metrics}
+    for port in sorted(tls):
+        assert tls_probe(port) != "accepted", f"port {port} let in a TLS client without a certificate"
+        assert tls_probe(port, other_ca.cert, other_ca.key) != "accepted", \
+            f"port {port} let in a certificate of another CA"
+    for port, (named, exact) in before.items():  # two refusals each: no certificate, another CA's
+        assert _refused(metrics[port])[1] >= exact + 2, f"handshakes on port {port} not counted on {metrics[port]}"
+        # "refused" (and the peer's name) is what the audit thread saw closing: at least one of
+        # the two (a connection whose close it missed is in started - authenticated only).
+        url = metrics[port]
+        assert wait_for(lambda url=url: _refused(url)[0], named + 1) >= named + 1, \
+            f"refusals on port {port} not counted as refused on {metrics[port]}: {_refused(metrics[port])}"
+        peers = total(scrape(metrics[port]), "pdcluster_tls_refused_peers_total",
+                      lambda labels: labels.get("peer") == "127.0.0.1")
+        assert peers >= 1, f"refused peer not named on {metrics[port]}"
+    assert set(before) >= internal, f"a TLS port with no refusal counter: {sorted(internal - set(before))}"
+    return tls
+
+
+def probe_tree(proc: subprocess.Popen, ready: dict, other_ca, zmq_speakers: set[int] = frozenset()) -> list[int]:
+    """Loopback only, TLS checks, hostile peers on every port; returns the pids it checked."""
     pids = [proc.pid, *descendants(proc.pid)]
     ports = listening(pids)
-    # Router gRPC + HTTP, two workers' gRPC, and their connector / KV-event sockets at least.
-    assert len(ports) >= 6, ports
-    loopback = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
-    assert all(addr in loopback for addr, _ in ports), f"non-loopback listener: {ports}"
+    assert non_loopback(pids) == [], "non-loopback listener"
+    first_worker = next(iter(ready["instances"].values()))["pid"]
+    tls = check_tls_ports(ports, ready, other_ca, serve_pki(first_worker))
     rng = random.Random(0)
     ctx = zmq.Context()
     held: list[socket.socket] = []
+    http = {int(a.rsplit(":", 1)[1]) for a in [ready["grpc"], ready["http"]]} | tls
+    http |= {int(i["metrics"].rsplit(":", 1)[1].split("/")[0]) for i in ready["instances"].values() if i["metrics"]}
     try:
-        known_http2 = {int(a.rsplit(":", 1)[1]) for a in [ready["grpc"], ready["http"], *ready["workers"]]}
         for _, port in sorted(ports):
-            held += _hostile(port, rng, ctx, zmq_silent=port not in known_http2)
+            held += hostile(port, rng, ctx, zmq_silent=port not in http and port not in zmq_speakers)
         with Client(ready["grpc"], timeout=120) as c:  # with the half-open connections still held
-            after = c.generate(PROMPT, PARAMS).token_ids
+            ready["after"] = c.generate(PROMPT, PARAMS).token_ids
     finally:
         for s in held:
             s.close()
         ctx.destroy(linger=0)
-    assert after == before
     assert all(os.path.exists(f"/proc/{pid}") for pid in pids), "a process died"
     assert proc.poll() is None
+    return pids
+
+
+def _before(ready: dict) -> list[int]:
+    with Client(ready["grpc"], timeout=120) as c:
+        before = c.generate(PROMPT, PARAMS).token_ids
+    assert len(before) == PARAMS.max_tokens
+    return before
+
+
+def test_every_port_is_loopback_and_survives_hostile_peers(cluster, other_ca) -> None:
+    proc, ready = cluster
+    before = _before(ready)
+    assert len(listening([proc.pid, *descendants(proc.pid)])) >= 6  # router x2, workers' gRPC + connector sockets
+    probe_tree(proc, ready, other_ca)
+    assert ready["after"] == before
+
+
+@pytest.mark.slow
+def test_tp2_store_every_rank_port_loopback_and_survives(tp_cluster, other_ca) -> None:
+    proc, ready = tp_cluster
+    before = _before(ready)
+    pids = [proc.pid, *descendants(proc.pid)]
+    ranks = [pid for pid in pids if b"rank_main" in open(f"/proc/{pid}/cmdline", "rb").read()]
+    assert ranks, "the prefill worker has no child rank"
+    assert listening(ranks), "the child rank listens on nothing (gloo pairs expected)"
+    probe_tree(proc, ready, other_ca)
+    assert ready["after"] == before

@@ -1,0 +1,138 @@
+"""Probes for the deployment tests (test_deployment_ports.py): hostile peers thrown at one port, a
+TLS probe that tells a mutual-TLS port from the rest and checks who it lets in, the serve run's
+own CA found from a worker's command line, and /metrics scrapes.
+
+Every probe connects to 127.0.0.1 only and closes what it opens (except the half-open sockets
+`hostile` returns on purpose, which the caller closes)."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import ssl
+import time
+import urllib.request
+from collections.abc import Callable
+
+import grpc
+import zmq
+from prometheus_client.parser import text_string_to_metric_families
+
+# The client preface of HTTP/2 plus an empty SETTINGS frame: a gRPC server answers with its own
+# SETTINGS once it let our TLS client in.
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+
+
+def hostile(port: int, rng: random.Random, ctx: zmq.Context, zmq_silent: bool) -> list[socket.socket]:
+    """Throw everything at one port; returns sockets left half-open on purpose."""
+    garbage = bytes(rng.getrandbits(8) for _ in range(4096))
+    with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+        try:
+            s.sendall(garbage)
+            s.recv(1024)
+        except OSError:
+            pass  # the peer hung up on us: fine
+    with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+        try:
+            s.sendall(b"GET /../../etc/passwd HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999\r\n\r\n")
+            s.recv(1024)
+        except OSError:
+            pass
+    z = ctx.socket(zmq.DEALER)  # a plaintext ZMQ peer: a CURVE server must never answer it
+    z.setsockopt(zmq.LINGER, 0)
+    z.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        z.send_multipart([b"", b"\x93\x01\x02\x03", garbage[:512]])
+        # (A plain HTTP/gRPC port may "answer": libzmq reads its reply as a legacy ZMTP 1.0 frame.)
+        assert not (z.poll(300) and zmq_silent), f"port {port} answered a plaintext ZMQ peer"
+    finally:
+        z.close(0)
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        try:
+            ch.unary_unary("/pdcluster.v1.Nope/Nope")(garbage[:100], timeout=2)
+            raise AssertionError(f"port {port} served an unknown gRPC method")
+        except grpc.RpcError as e:
+            assert e.code() != grpc.StatusCode.OK
+    half = socket.create_connection(("127.0.0.1", port), timeout=2)
+    half.sendall(b"\x00\x00\x10")  # the start of a length prefix, then silence
+    return [half]
+
+
+def tls_probe(port: int, cert: str | None = None, key: str | None = None, timeout_s: float = 3.0) -> str:
+    """"plain" (no TLS server here), "refused" (a TLS server that would not let this client in)
+    or "accepted" (it answered our HTTP/2 preface). The server's certificate is not checked:
+    this asks what the port admits, not who it is. Under TLS 1.3 a server checks the client's
+    certificate after the client's side of the handshake is done, so a refusal shows as an
+    alert or a close on the first read."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    ctx.set_alpn_protocols(["h2"])
+    if cert is not None:
+        ctx.load_cert_chain(cert, key)
+    raw = socket.create_connection(("127.0.0.1", port), timeout=timeout_s)
+    try:
+        try:
+            tls = ctx.wrap_socket(raw, server_hostname="pdcluster-probe")
+        except (ssl.SSLError, OSError):
+            return "plain"  # not a TLS server (or one that refused before any certificate: see below)
+        with tls:
+            if not tls.getpeercert(binary_form=True):
+                return "plain"
+            try:
+                tls.sendall(H2_PREFACE)
+                reply = tls.recv(64)
+            except (ssl.SSLError, OSError):
+                reply = b""
+            if not reply:
+                _wait_close(tls, timeout_s)
+                return "refused"
+            return "accepted"
+    finally:
+        raw.close()
+
+
+def _wait_close(tls: ssl.SSLSocket, timeout_s: float) -> None:
+    """Let the server close first: its side then keeps a TIME_WAIT row, which is how its TLS
+    audit tells a refused connection from one still handshaking (security/tls_audit.py)."""
+    dup = socket.socket(fileno=os.dup(tls.fileno()))
+    dup.settimeout(timeout_s)
+    try:
+        while dup.recv(4096):
+            pass
+    except OSError:
+        pass
+    finally:
+        dup.close()
+
+
+def serve_pki(worker_pid: int) -> str:
+    """The serve run's CA folder (the root init_pki made), from a worker's --tls-ca path."""
+    with open(f"/proc/{worker_pid}/cmdline", "rb") as f:
+        argv = f.read().decode().split("\0")
+    ca = argv[argv.index("--tls-ca") + 1]  # ROOT/tls/ca.pem
+    return os.path.dirname(os.path.dirname(ca))
+
+
+def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """(sample name, sorted labels) -> value for one /metrics page."""
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def total(samples: dict, name: str, match: Callable[[dict[str, str]], bool] = lambda labels: True) -> float:
+    return sum(v for (n, labels), v in samples.items() if n == name and match(dict(labels)))
+
+
+def wait_for(read: Callable[[], float], at_least: float, timeout_s: float = 20.0) -> float:
+    """A counter settled by a background thread (the TLS audit reads /proc, the engine swaps
+    its stats after a step): poll it until it reaches at_least or the time is up."""
+    deadline = time.monotonic() + timeout_s
+    value = read()
+    while value < at_least and time.monotonic() < deadline:
+        time.sleep(0.25)
+        value = read()
+    return value
