@@ -10,7 +10,8 @@ the timing: per object size, one warm-up, then --repeats rounds, each running ev
 then get in turn, so a shared machine's load swings hit all of them alike; reported are the
 median GB/s and the median CPU seconds per GB of this (the client) process, and of the client
 plus that backend's own store processes (`sys`: master and storage node; on a shared machine
-wall throughput tends to share-of-cores / CPU per byte). With the object key
+wall throughput tends to share-of-cores / CPU per byte), and the median of the per-round
+kvstore/Mooncake ratios (`paired`: the two ran seconds apart in each round). With the object key
 set (the default deployment, issue 16 item 6) every kvstore object is MACed at put and checked on
 every get; Mooncake has no such check. kvstore_tcp is the kvstore's remote-node path (no shared
 memory) for reference.
@@ -132,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
                 row[k] = statistics.median(x[0] for x in v)
                 row[k + "_cpu_s_per_gb"] = statistics.median(x[1] for x in v)
                 row[k + "_sys_cpu_s_per_gb"] = statistics.median(x[2] for x in v)
+            for op in ("put", "get"):  # per round, kvstore and Mooncake ran seconds apart: a paired ratio
+                if "kvstore" in backends and "mooncake" in backends:  # cancels slower load swings
+                    row[f"{op}_ratio_paired"] = statistics.median(
+                        a[0] / b[0] for a, b in zip(stats[f"kvstore_{op}"], stats[f"mooncake_{op}"], strict=True))
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
         for b in backends.values():
@@ -140,16 +145,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"object key (kvstore MAC): {'on' if store_key_from_env() else 'off'}; median of {args.repeats} "
           f"interleaved rounds, {args.total_mib} MiB per figure, batch {args.batch}; GB/s (client CPU s/GB; "
           "client + store processes CPU s/GB)")
-    print("| object | " + " | ".join(f"{n} put | {n} get" for n in names) + " | get kvstore/mooncake | get CPU mooncake/kvstore |")
-    print("|---" * (2 * len(names) + 3) + "|")
+    print("| object | " + " | ".join(f"{n} put | {n} get" for n in names) + " | get kvstore/mooncake | paired: get, put | get CPU mooncake/kvstore |")
+    print("|---" * (2 * len(names) + 4) + "|")
     for r in rows:
         cells = " | ".join(f"{r[f'{n}_{op}']:.2f} ({r[f'{n}_{op}_cpu_s_per_gb']:.2f}; "
                            f"{r[f'{n}_{op}_sys_cpu_s_per_gb']:.2f})" for n in names for op in ("put", "get"))
         both = "kvstore" in names and "mooncake" in names
         ratio = f"{r['kvstore_get'] / r['mooncake_get']:.2f}" if both else "-"
+        paired = f"{r['get_ratio_paired']:.2f}, {r['put_ratio_paired']:.2f}" if both else "-"
         cpu_ratio = (f"{r['mooncake_get_sys_cpu_s_per_gb'] / max(r['kvstore_get_sys_cpu_s_per_gb'], 1e-9):.2f}"
                      if both else "-")  # > 1: kvstore needs less CPU per byte (client + store processes)
-        print(f"| {r['size_kib']} KiB | {cells} | {ratio} | {cpu_ratio} |")
+        print(f"| {r['size_kib']} KiB | {cells} | {ratio} | {paired} | {cpu_ratio} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
