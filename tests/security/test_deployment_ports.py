@@ -189,3 +189,55 @@ def test_tp2_store_every_rank_port_loopback_and_survives(tp_cluster, other_ca) -
     assert listening(ranks), "the child rank listens on nothing (gloo pairs expected)"
     probe_tree(proc, ready, other_ca)
     assert ready["after"] == before
+
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory) -> str:
+    from security.llava_serve import make_checkpoint
+
+    return make_checkpoint(str(tmp_path_factory.mktemp("llava") / "ckpt"))
+
+
+@pytest.fixture
+def epd_cluster(llava: str) -> Iterator[tuple[subprocess.Popen, dict]]:
+    from security.llava_serve import WORKER_ARGS
+
+    yield from _serve(["--model", llava, "--encode", "1", "--prefill", "1", "--decode", "1", "--connector", "p2p",
+                       "--policy", "round_robin", "--worker-args", WORKER_ARGS])
+
+
+@pytest.mark.slow
+def test_epd_ec_ports_refuse_plaintext_and_garbage_and_count_it(epd_cluster, llava: str, other_ca) -> None:
+    from models.llava_tiny import random_image
+    from security.llava_serve import chat, offline_text
+
+    proc, ready = epd_cluster
+    before = _before(ready)
+    assert chat(ready, random_image(21))  # the EC path works before the probes
+    with Client(ready["grpc"], timeout=60) as c:
+        ec_ports = {e.worker_id: int(e.ec_endpoint.rsplit(":", 1)[1]) for e in c.list_workers() if e.ec_endpoint}
+    assert {"encode-0", "prefill-0"} <= set(ec_ports), ec_ports  # producers: an EC control port each
+    listeners = listening([proc.pid, *descendants(proc.pid)])
+    assert all(("127.0.0.1", p) in listeners for p in ec_ports.values()), (ec_ports, listeners)
+
+    def remote() -> float:
+        return total(scrape(ready["instances"]["prefill-0"]["metrics"]), "pdcluster_mm_items_total",
+                     lambda labels: labels.get("source") == "remote")
+
+    def control_refusals(name: str) -> float:
+        return total(scrape(ready["instances"][name]["metrics"]), "pdcluster_ec_errors_total",
+                     lambda labels: labels.get("reason", "").startswith("control_"))
+
+    fetched = wait_for(remote, 1)
+    assert fetched >= 1  # prefill-0 fetched the encoder's output
+    refused = {name: control_refusals(name) for name in ec_ports}
+    probe_tree(proc, ready, other_ca)
+    assert ready["after"] == before
+    image = random_image(22)  # a new image: the encoder encodes it, P fetches it over the EC planes
+    assert chat(ready, image) == offline_text(llava, image)
+
+    for name in ec_ports:  # the plaintext ZMQ peer and the garbage on its control port, counted
+        assert wait_for(lambda name=name: control_refusals(name), refused[name] + 1) >= refused[name] + 1, \
+            f"{name}: EC control refusals not counted"
+    assert wait_for(remote, fetched + 1) >= fetched + 1  # the EC data plane still serves after the garbage
