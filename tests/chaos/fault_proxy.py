@@ -1,4 +1,5 @@
-"""A userspace TCP fault proxy for chaos tests (asyncio, 127.0.0.1 only).
+"""A userspace TCP fault proxy for chaos tests (asyncio, loopback only: 127.0.0.1 unless a test
+names another 127.x address, e.g. where a peer announces 127.0.0.2:PORT for its own 127.0.0.1:PORT).
 
 A test puts it between two peers (router -> worker gRPC, consumer -> producer data plane, worker
 -> kvstore master) by handing the client the proxy's address instead of the server's; the proxy
@@ -99,9 +100,10 @@ class _Conn:
 
 
 class FaultProxy:
-    """Listens on 127.0.0.1:`port` (0 = a free one) and forwards to `upstream` (host, port)."""
+    """Listens on `host`:`port` (127.0.0.1, 0 = a free port) and forwards to `upstream` (host, port)."""
 
-    def __init__(self, upstream: tuple[str, int] | str, port: int = 0) -> None:
+    def __init__(self, upstream: tuple[str, int] | str, port: int = 0, host: str = "127.0.0.1") -> None:
+        assert host.startswith("127."), "loopback only"
         if isinstance(upstream, str):
             host, _, p = upstream.rpartition(":")
             upstream = (host, int(p))
@@ -112,7 +114,7 @@ class FaultProxy:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"fault-proxy-{upstream[1]}", daemon=True)
         self._thread.start()
-        self._server = self._call(lambda: asyncio.start_server(self._accept, "127.0.0.1", port))
+        self._server = self._call(lambda: asyncio.start_server(self._accept, host, port))
         self.address = self._server.sockets[0].getsockname()[:2]
         self._closed = False
 
