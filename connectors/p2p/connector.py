@@ -34,11 +34,12 @@ from .worker_side import P2PWorker
 class P2PConnector(KVConnectorBase):
     name = "p2p"
     deployment_options = frozenset({"keys_dir", "key_name", "engine_id"})
+    frees_behind_window = True  # the hand-off sends only the blocks a window still reads (scheduler_side.py)
 
     def __init__(self, role: KVConnectorRole, engine_config: EngineConfig, options: dict[str, Any]) -> None:
         self.opts = P2POptions.from_dict(options, engine_config)
         super().__init__(role, self.opts.failure_policy)
-        self._sched = P2PScheduler(self.opts, engine_config.cache.block_size) \
+        self._sched = P2PScheduler(self.opts, engine_config.cache.block_size, engine_config.model.kv_window) \
             if role == KVConnectorRole.SCHEDULER else None
         self._worker = P2PWorker(self.opts, engine_config) if role == KVConnectorRole.WORKER else None
 

@@ -9,6 +9,13 @@ Consumer (a request with kv_transfer_params.do_remote_prefill):
     get_num_new_matched_tokens -> (prompt tokens not hit locally, async)
     update_state_after_alloc   -> a LoadSpec for the blocks after the local prefix hits
     request_finished while loading -> a cancel; before any load -> a release (the producer frees)
+Sliding window (every layer slides: `window`, the engines free blocks behind it): the decode leg
+resumes at token P-1 or P of a P-token prompt, so no block before W = first_needed_block(P - 1)
+is ever read again. The producer leases only blocks [W, ceil(P/bs)) (it still holds them: it
+freed only behind its own last step, which started at or before P-1) and the consumer loads only
+from its own first needed block on (>= W; its blocks before are placeholders, kv_cache_manager),
+asking for lease index first - W. Both compute W from P, the window and the block size, which the
+handshake fingerprint makes equal ("window_handoff").
 A request is loaded at most once: after a load (or a failure cut back under "recompute") it
 computes whatever it misses locally, so a preempted decode never pulls stale leases again.
 """
@@ -20,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdcluster.engine.kv_connector import KVConnectorMetadata, KVTransferParams
+from pdcluster.engine.kv_window import first_needed_block
 from pdcluster.engine.request import Request, RequestStatus
 from pdcluster.handoff_trace import trace
 
@@ -57,9 +65,10 @@ def _remote_prefill(req: Request) -> KVTransferParams | None:
 
 
 class P2PScheduler:
-    def __init__(self, opts: P2POptions, block_size: int) -> None:
+    def __init__(self, opts: P2POptions, block_size: int, window: int | None = None) -> None:
         self.opts = opts
         self.block_size = block_size
+        self.window = window
         self.worker_meta: dict[str, Any] | None = None
         self.all_meta: list[dict[str, Any]] = []
         self._meta = P2PMetadata()
@@ -98,8 +107,10 @@ class P2PScheduler:
             return
         bs = self.block_size
         first, end = num_local // bs, -(-(num_local + num_external_tokens) // bs)
+        if self.window is not None:  # placeholders before this block: nothing there is read again
+            first = max(first, first_needed_block(num_local + num_external_tokens, self.window, bs))
         self._meta.loads.append({"request_id": request_id, "local_block_ids": list(block_ids[first:end]),
-                                 "first_block": first, "params": kv.to_wire()})
+                                 "first_block": first - self._lease_start(kv.num_tokens), "params": kv.to_wire()})
         self._loading.add(request_id)
         self.counters["loads_issued"] += 1
 
@@ -107,6 +118,12 @@ class P2PScheduler:
         """Producer: the finished prefill leg was aborted (no decode leg will read it): every rank
         ends its lease now instead of at expiry; a late reader is refused ("aborted")."""
         self._meta.drops.append(request_id)
+
+    def _lease_start(self, num_prompt_tokens: int) -> int:
+        """W: the first prompt block a decode leg can read (0 without a window)."""
+        if self.window is None:
+            return 0
+        return first_needed_block(num_prompt_tokens - 1, self.window, self.block_size)
 
     # -- both ------------------------------------------------------------------------------------
     def build_meta(self) -> P2PMetadata:
@@ -136,10 +153,15 @@ class P2PScheduler:
             return False, None
         num_blocks = -(-req.num_prompt_tokens // self.block_size)
         leased = list(block_ids[:num_blocks])
+        start = self._lease_start(req.num_prompt_tokens)
+        if self.window is not None and req.num_computed_tokens > req.num_prompt_tokens:
+            # It computed past its prompt (max_tokens > 1): its window may have left block W.
+            log.warning("request %s computed past its prompt with a sliding window: no hand-off", request_id)
+            return False, None
         transfer_id = kv.transfer_id if is_hex32(kv.transfer_id) else new_id()
         lease_id = new_id()
         self._meta.leases.append({"request_id": request_id, "transfer_id": transfer_id, "lease_id": lease_id,
-                                  "block_ids": leased})
+                                  "block_ids": leased[start:]})
         self.counters["leases_issued"] += 1
         trace("p.finished", request_id)
         return True, build_params(req, leased, self.block_size, self.worker_meta, transfer_id, lease_id,

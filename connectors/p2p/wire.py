@@ -48,6 +48,7 @@ FINGERPRINT = MessageSchema("p2p_fp", 1, {
     "num_layers": _COUNT, "num_kv_heads": _COUNT, "head_dim": _COUNT, "block_size": _COUNT,
     "layout": Field(str, True, (1, 16)), "connector_version": _COUNT, "body_version": _COUNT,
     "kv_scales": Field(str, False, (1, 64)),  # fp8 caches only
+    "window_handoff": Field(str, False, (1, 16)),  # every layer slides: only the window's tail is sent
 })
 HS_REQ = MessageSchema("p2p_hs_req", 1, {"nonce": _NONCE, "ts_ms": _TS, "consumer_id": _ID,
                                           "fingerprint": Field(dict, True, (0, 32))})
@@ -110,6 +111,8 @@ def fingerprint(engine_config: EngineConfig) -> dict[str, Any]:
           "num_layers": m.num_hidden_layers, "num_kv_heads": m.num_key_value_heads, "head_dim": m.head_dim,
           "block_size": c.block_size, "layout": "NHD", "connector_version": CONNECTOR_VERSION,
           "body_version": BODY_VERSION}
+    if m.kv_window is not None:  # the hand-off sends only the window's tail (p2p/scheduler_side.py)
+        fp["window_handoff"] = "tail"
     if c.kv_cache_dtype in FP8_KV_DTYPES:  # fp8 bytes mean value / scale: the scales must match too
         from pdcluster.models.layers.kv_quant import kv_scales_digest  # lazy: torch
 

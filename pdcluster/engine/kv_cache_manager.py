@@ -195,12 +195,25 @@ class KVCacheManager:
             raise ValueError(f"{request_id}: prefix-cache hits can only be added to a request without blocks")
         if num_new_computed_tokens != len(new_computed_blocks) * self.block_size:
             raise ValueError(f"{request_id}: num_new_computed_tokens does not match new_computed_blocks")
-        num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_external_tokens + num_new_tokens
+        num_done = request.num_computed_tokens + num_new_computed_tokens + num_external_tokens
+        num_tokens = num_done + num_new_tokens
         if num_tokens > self.max_model_len:
             raise ValueError(f"{request_id}: {num_tokens} tokens exceed max_model_len={self.max_model_len}")
         self._free_behind_window(request_id, request.num_computed_tokens)
         num_held = len(held) if held else 0
-        num_to_allocate = max(0, _cdiv(num_tokens, self.block_size) - num_held - len(new_computed_blocks))
+        # Window: a new request's blocks wholly behind num_done are placeholders, hits there are not
+        # held and a connector loads nothing there; a held one whose computed point moved back (a
+        # failed load cut it) gets real blocks again where its window now reads (`remake`).
+        lead = remake = 0
+        if self.sliding_window is not None and held is None:
+            lead = self._first_needed_block(num_done)
+            new_computed_blocks = [self.null_block] * min(lead, len(new_computed_blocks)) + new_computed_blocks[lead:]
+        elif self.sliding_window is not None:
+            need_from = self._first_needed_block(request.num_computed_tokens)
+            remake = max(0, min(self.num_skipped_blocks.get(request_id, 0), num_held) - need_from)
+        num_lead = max(0, lead - len(new_computed_blocks))  # placeholders after the hits
+        num_to_allocate = max(0, _cdiv(num_tokens, self.block_size) - num_held - len(new_computed_blocks)
+                              - num_lead) + remake
         # Hits sitting in the free list stop being allocatable once touched (placeholders hold nothing).
         held_hits = [b for b in new_computed_blocks if b is not self.null_block]
         num_free_hits = sum(1 for b in held_hits if b.ref_cnt == 0)
@@ -210,16 +223,32 @@ class KVCacheManager:
         if held is None:
             held = self.req_to_blocks[request_id] = []
             self.num_cached_blocks[request_id] = len(new_computed_blocks)
-            self.num_skipped_blocks[request_id] = len(new_computed_blocks) - len(held_hits)
+            self.num_skipped_blocks[request_id] = len(new_computed_blocks) - len(held_hits) + num_lead
             # One lookup per admission (a resumed request counts again: it looked up again).
             self._prefix_queries += request.num_tokens
             self._prefix_hits += num_new_computed_tokens
             self._external_hits += num_external_tokens
         self.pool.touch(held_hits)
         new_blocks = self.pool.get_new_blocks(num_to_allocate)
+        if remake:
+            start = self.num_skipped_blocks[request_id] - remake
+            held[start:start + remake] = new_blocks[:remake]
+            new_blocks = new_blocks[remake:]
+            self.num_skipped_blocks[request_id] = start
+            # They are recomputed: publish them (again) from there once they are.
+            self.num_cached_blocks[request_id] = min(self.num_cached_blocks[request_id], start)
         held.extend(new_computed_blocks)
+        held.extend([self.null_block] * num_lead)
         held.extend(new_blocks)
-        return [b.block_id for b in new_computed_blocks] + [b.block_id for b in new_blocks]
+        return [b.block_id for b in new_computed_blocks] + [0] * num_lead + [b.block_id for b in new_blocks]
+
+    def recompute_point(self, request_id: str, num_tokens: int) -> int:
+        """Where a request whose KV from num_tokens on is bad can resume: num_tokens, unless a
+        token there would read a placeholder (nothing kept that far back): then 0."""
+        if self.sliding_window is None or num_tokens == 0:
+            return num_tokens
+        skipped = self.num_skipped_blocks.get(request_id, 0)
+        return num_tokens if self._first_needed_block(num_tokens) >= skipped else 0
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Publish the request's blocks that num_computed_tokens made full. Call after every step

@@ -154,6 +154,11 @@ class KVConnectorBase(ABC):
     # CURVE key pair), "engine_id" (the worker id). A connector with strict option checking lists
     # only what it understands, so it never receives another connector's settings.
     deployment_options: frozenset[str] = frozenset()
+    # True when the connector works with blocks behind a sliding window freed (placeholders, id 0,
+    # in the block ids it is given, before the window of the tokens computed): it must then never
+    # read or write those. False (the default) keeps every block of every request (e.g. a store
+    # save reads them all).
+    frees_behind_window: bool = False
 
     def __init__(self, role: KVConnectorRole,
                  failure_policy: KVTransferFailure | str = KVTransferFailure.FAIL) -> None:

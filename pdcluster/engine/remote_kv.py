@@ -151,7 +151,7 @@ class RemoteKV:
             first = next((i for i, b in enumerate(block_ids) if b in bad), None)
             if first is None:
                 continue
-            cut = first * self.block_size
+            cut = self.kv.recompute_point(request.request_id, first * self.block_size)  # window: maybe 0
             if policy == KVTransferFailure.FAIL:
                 num_bad = sum(1 for b in block_ids if b in bad)
                 fail(request, f"KV transfer failed for {num_bad} of {len(block_ids)} blocks of request "

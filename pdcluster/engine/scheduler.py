@@ -42,11 +42,12 @@ class Scheduler:
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.max_model_len = scheduler_config.max_model_len
-        # Blocks behind the window are freed only without a KV connector: a hand-off or a store
-        # save reads every block of a request (kv_cache_manager.py).
+        # Blocks behind the window are freed unless a KV connector needs every block of a request
+        # (a store save reads them all; the P2P hand-off sends only the window's tail).
+        frees = connector is None or getattr(connector, "frees_behind_window", False)
         self.kv = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
                                  cache_config.enable_prefix_caching, scheduler_config.max_model_len,
-                                 enable_kv_events, sliding_window if connector is None else None)
+                                 enable_kv_events, sliding_window if frees else None)
         self.connector = connector
         self.log_stats = log_stats
         self.requests: dict[str, Request] = {}  # every unfinished request, whatever its state
