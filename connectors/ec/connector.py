@@ -129,6 +129,7 @@ class P2PECConnector(ECConnectorBase):
             out["errors_control_handshake"] = int(self.server.refusals())
             for reason in ("malformed", "too_large", "replayed"):
                 out[f"errors_control_{reason}"] = out.get(f"producer_refused_{reason}", 0)
+            out["errors_data_refused"] = out.get("producer_data_refused", 0)  # its transfer server
         return out
 
     def shutdown(self) -> None:

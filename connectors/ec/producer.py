@@ -112,7 +112,11 @@ class ECProducer:
         out: dict[str, Any] = dict(self.store.stats())
         with self._lock:
             out.update({f"producer_{k}": v for k, v in self.counters.items()})
-        out["producer_bytes_served"] = self.server.stats().get("bytes_read", 0)
+        server = self.server.stats()
+        out["producer_bytes_served"] = server.get("bytes_read", 0)
+        # Refused data-plane connections (garbage, bad or replayed tokens, header timeouts): the
+        # connector exports them as errors_data_refused, beside its control-port refusals.
+        out["producer_data_refused"] = server.get("refused_total", 0)
         return out
 
     def close(self) -> None:

@@ -12,8 +12,9 @@ all), then:
 - every port gets random bytes, a plaintext HTTP request, a plaintext (NULL-mechanism) ZMQ peer,
   a plaintext gRPC call to a method nobody serves, and a connection that sends half a frame and
   stays open; ZMQ CURVE ports (KV events, the P2P side channel, the EC control port) never answer
-  the plaintext peer, and the EC control port counts it (pdcluster_ec_errors_total{reason=
-  "control_handshake"});
+  the plaintext peer, and the EC planes count what they refused (pdcluster_ec_errors_total{reason=
+  "control_handshake"|"control_*"} for the control port, reason="data_refused" for its transfer
+  server);
 - afterwards every process still runs and the cluster answers with the same tokens as before (for
   E/P/D: an image request equals the offline text).
 
@@ -229,9 +230,14 @@ def test_epd_ec_ports_refuse_plaintext_and_garbage_and_count_it(epd_cluster, lla
         return total(scrape(ready["instances"][name]["metrics"]), "pdcluster_ec_errors_total",
                      lambda labels: labels.get("reason", "").startswith("control_"))
 
+    def data_refusals(name: str) -> float:
+        return total(scrape(ready["instances"][name]["metrics"]), "pdcluster_ec_errors_total",
+                     lambda labels: labels.get("reason") == "data_refused")
+
     fetched = wait_for(remote, 1)
     assert fetched >= 1  # prefill-0 fetched the encoder's output
     refused = {name: control_refusals(name) for name in ec_ports}
+    data_refused = {name: data_refusals(name) for name in ec_ports}
     probe_tree(proc, ready, other_ca)
     assert ready["after"] == before
     image = random_image(22)  # a new image: the encoder encodes it, P fetches it over the EC planes
@@ -240,4 +246,6 @@ def test_epd_ec_ports_refuse_plaintext_and_garbage_and_count_it(epd_cluster, lla
     for name in ec_ports:  # the plaintext ZMQ peer and the garbage on its control port, counted
         assert wait_for(lambda name=name: control_refusals(name), refused[name] + 1) >= refused[name] + 1, \
             f"{name}: EC control refusals not counted"
+        assert wait_for(lambda name=name: data_refusals(name), data_refused[name] + 1) >= data_refused[name] + 1, \
+            f"{name}: garbage on the EC data plane not counted"
     assert wait_for(remote, fetched + 1) >= fetched + 1  # the EC data plane still serves after the garbage
