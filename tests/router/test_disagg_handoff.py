@@ -145,3 +145,17 @@ def test_decode_worker_gone_before_the_first_decode_token_ends_cleanly(cluster, 
     assert last.error_message
     prefill = next(w for w in c.workers if w.name == "p0")
     assert wait_until(lambda: is_idle(prefill.address), 60), worker_stats(prefill.address)
+
+
+def test_handoff_trace_is_opt_in(tmp_path, monkeypatch):
+    from pdcluster.handoff_trace import trace
+
+    monkeypatch.delenv("PDCLUSTER_HANDOFF_TRACE", raising=False)
+    trace("r.prefill_sent", "req-1")  # unset: nothing written anywhere
+    path = tmp_path / "trace.txt"
+    monkeypatch.setenv("PDCLUSTER_HANDOFF_TRACE", str(path))
+    trace("r.prefill_sent", "req-1")
+    trace("d.ready", "req-1")
+    lines = [line.split(" ") for line in path.read_text().splitlines()]
+    assert [(e, r) for _, e, r in lines] == [("r.prefill_sent", "req-1"), ("d.ready", "req-1")]
+    assert float(lines[0][0]) <= float(lines[1][0])
