@@ -1,20 +1,22 @@
-"""Encoder-role chaos: an encode worker (encode-0) and an aggregated worker (both-0) on the tiny
-random LLaVA (made by transformers at test time), an in-process router, multimodal chat requests.
+"""Encoder-role chaos on the tiny random LLaVA (made by transformers at test time), an in-process
+router and multimodal chat requests, in two layouts: encode-0 + both-0 (aggregated), and encode-0
++ prefill-0 + decode-0 (P2P KV hand-off; prefill-0 fetches the encoder's outputs, the decode leg
+gets the images only). "The worker" below is both-0 or prefill-0.
 
 Faults: SIGKILL / SIGSTOP of the encoder while it is inside the request's Encode (ec_hold_cli.py
 holds every Encode while a file exists, so the signal lands mid-request however fast the machine
 is), and a FaultProxy (reset / blackhole / corrupt) on the EC control port and on the EC data plane
-between the encoder and the worker that fetches its outputs. The encoder announces 127.0.0.2:PORT
-for both (the connector's advertise_host; the data address through the CLI hook) and the proxies
-listen there, forwarding to its real 127.0.0.1 ports; both-0 reads over TCP (transport "tcp"), so
-every byte of the EC planes crosses a proxy.
+between the encoder and the worker. The encoder announces 127.0.0.2:PORT for both (the connector's
+advertise_host; the data address through the CLI hook) and the proxies listen there, forwarding to
+its real 127.0.0.1 ports; the worker reads over TCP (transport "tcp"), so every byte of the EC
+planes crosses a proxy.
 
 For each: the request answers with the offline text (the worker encodes locally: the router keeps
 the media) or a clear error, by its deadline; the fault shows in the router's
-pdcluster_router_ec_encodes_total{result} or both-0's pdcluster_ec_errors_total{reason}; afterwards
-nothing runs on either worker, the test process has no new thread or listener, and a killed
-encoder leaves no process and (once a new one started: it reaps segments nobody holds) no
-/dev/shm segment. All rows are slow (two LLaVA workers start in ~20-60 s on a busy box)."""
+pdcluster_router_ec_encodes_total{result} or the worker's pdcluster_ec_errors_total{reason};
+afterwards nothing runs on any worker (Stats, KV leases), the test process has no new thread or
+listener, and a killed encoder leaves no process and (once a new one started: it reaps segments
+nobody holds) no /dev/shm segment. All rows are slow (each layout's workers start in ~20-60 s)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import io
 import itertools
 import json
 import pathlib
+import secrets
 import signal
 import socket
 import threading
@@ -72,6 +75,8 @@ class Ec:
     control: FaultProxy
     data: FaultProxy
     hold: pathlib.Path
+    workers: list[WorkerProc]  # every worker but the encoder; `worker` (the first) fetches its outputs
+    layout: str
 
     def follow_data_port(self) -> None:
         """Point the data proxy at the port the (re)started encoder's TransferServer bound."""
@@ -105,8 +110,12 @@ def offline(ckpt: str) -> Iterator[Callable[[Any], str]]:
         llm.shutdown()
 
 
-@pytest.fixture(scope="module")
-def ec(ckpt: str, key_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ec]:
+@pytest.fixture(scope="module", params=["aggregated", "disagg"])
+def ec(request: pytest.FixtureRequest, ckpt: str, key_dir: pathlib.Path,
+       tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ec]:
+    """encode-0 + both-0 (aggregated), or encode-0 + prefill-0 + decode-0 (P2P KV hand-off): the
+    worker that fetches the encoder's outputs is both-0 or prefill-0 (a decode leg after a KV
+    hand-off gets the images only)."""
     hold = tmp_path_factory.mktemp("ec-hold")
     logs = tmp_path_factory.mktemp("ec-logs")
     cport, dport = _free_port(), _free_port()
@@ -114,34 +123,40 @@ def ec(ckpt: str, key_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactor
     encoder = EcHoldWorker("encode-0", ["--role", "encode", *common, "--ec-connector-options", json.dumps(
         {"port": cport, "advertise_host": LOOP2, "lease_s": 5.0})], logs,
         env={HOLD_ENV: str(hold), DATA_ENV: f"{LOOP2}:{dport}"})
-    worker = EcHoldWorker("both-0", ["--role", "both", *common, "--ec-connector-options", json.dumps(CONSUMER_EC)],
-                          logs)
+    ec_args = ["--ec-connector-options", json.dumps(CONSUMER_EC)]
+    if request.param == "aggregated":
+        others = [EcHoldWorker("both-0", ["--role", "both", *common, *ec_args], logs)]
+    else:
+        kv = {"PDCLUSTER_KV_CONNECTOR_OPTIONS": json.dumps({"params_secret": secrets.token_hex(32)})}
+        others = [EcHoldWorker(name, ["--role", role, *common, *ec_args, "--kv-connector", "p2p"], logs, env=kv)
+                  for name, role in (("prefill-0", "prefill"), ("decode-0", "decode"))]
+    everyone = [encoder, *others]
     pids: list[int] = []
     proxies: list[FaultProxy] = []
     try:
-        for w in (encoder, worker):
+        for w in everyone:
             w.wait_ready(180)
         proxies = [FaultProxy(("127.0.0.1", cport), port=cport, host=LOOP2),
                    FaultProxy(("127.0.0.1", 1), port=dport, host=LOOP2)]
-        state = Ec(encoder, worker, *proxies, hold)
+        state = Ec(encoder, others[0], *proxies, hold, others, request.param)
         state.follow_data_port()
         yield state
     finally:
         for p in proxies:
             p.close()
-        pids = [w.pid for w in (encoder, worker) if w.proc is not None]
-        for w in (encoder, worker):
+        pids = [w.pid for w in everyone if w.proc is not None]
+        for w in everyone:
             w.stop()
     assert leftover_processes(pids) == []
     assert shm_segments(pids) == []
 
 
 @pytest.fixture
-def rig(loop_thread, ec: Ec, ckpt: str) -> Iterator[Rig]:
-    for w in (ec.encoder, ec.worker):  # a SIGKILLed encoder was restarted by its row
+def rig(loop_thread, ec: Ec, ckpt: str, key_dir: pathlib.Path) -> Iterator[Rig]:
+    for w in (ec.encoder, *ec.workers):  # a SIGKILLed encoder was restarted by its row
         w.wait_ready(180)
-    rig = make_rig(loop_thread, [ec.encoder, ec.worker], ckpt, encode_timeout_s=ENCODE_TIMEOUT_S,
-                   stall_timeout_s=60.0)
+    rig = make_rig(loop_thread, [ec.encoder, *ec.workers], ckpt, encode_timeout_s=ENCODE_TIMEOUT_S,
+                   stall_timeout_s=60.0, key_dir=str(key_dir))
     try:
         yield rig
     finally:
@@ -174,8 +189,9 @@ def _counters(rig: Rig, ec: Ec) -> dict[str, float]:
     out = {f"router ec_encodes {k}": v for k, v in
            _by_label(rig.cluster.metrics_text(), "pdcluster_router_ec_encodes_total", "result").items()}
     text = urllib.request.urlopen(ec.worker.ready["metrics"], timeout=10).read().decode()
-    out.update({f"both-0 ec_errors {k}": v for k, v in _by_label(text, "pdcluster_ec_errors_total", "reason").items()})
-    out.update({f"both-0 mm_items {k}": v for k, v in _by_label(text, "pdcluster_mm_items_total", "source").items()})
+    who = ec.worker.name
+    out.update({f"{who} ec_errors {k}": v for k, v in _by_label(text, "pdcluster_ec_errors_total", "reason").items()})
+    out.update({f"{who} mm_items {k}": v for k, v in _by_label(text, "pdcluster_mm_items_total", "source").items()})
     return out
 
 
@@ -234,7 +250,7 @@ def _case(rig: Rig, ec: Ec, offline, chaos_rows: list[ResultRow], name: str) -> 
         ec.follow_data_port()
         # Its new stdout reader belongs to the module's WorkerProc, not to this row.
         rig.baseline.threads |= {t.ident for t in threading.enumerate() if t.name == f"{ec.encoder.name}-stdout"}
-        assert rig.cluster.wait_healthy(2, 60), "the restarted encoder never came back"
+        assert rig.cluster.wait_healthy(1 + len(ec.workers), 60), "the restarted encoder never came back"
     leaks = rig.leaks() + [f"process {p}" for p in leftover_processes(killed)]
     leaks += [f"shm {s}" for s in shm_segments(killed)]
     after = _counters(rig, ec)
@@ -244,6 +260,7 @@ def _case(rig: Rig, ec: Ec, offline, chaos_rows: list[ResultRow], name: str) -> 
     shown = ", ".join(f"{k} +{v:g}" for k, v in sorted(moved.items())) or "no counter moved"
     if orphans:
         shown += f"; killed encoder's shm segments {len(orphans)} until the restarted encoder reaped them"
+    role += "" if ec.layout == "aggregated" else " (E->P, P/D)"
     chaos_rows.append(ResultRow(name.removesuffix(", data"), role, 1, end == "right", end == "error", end == "lost",
                                 leaks, recover, shown + (f"; {error[:150]}" if error else ""),
                                 command="PDCLUSTER_CHAOS_TABLE=/tmp/chaos.md .venv/bin/python -m pytest -m slow "
@@ -268,7 +285,8 @@ def test_no_fault_fetches_through_both_proxies(rig, ec, offline):
 
     def fetched() -> bool:  # engine counters are as of its last step
         after.update(_counters(rig, ec))
-        return after.get("both-0 mm_items remote", 0) - before.get("both-0 mm_items remote", 0) >= 1
+        key = f"{ec.worker.name} mm_items remote"
+        return after.get(key, 0) - before.get(key, 0) >= 1
 
     assert wait_until(fetched, 20, 0.1), after
     assert after.get("router ec_encodes ok", 0) - before.get("router ec_encodes ok", 0) == 1
