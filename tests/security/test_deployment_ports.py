@@ -42,6 +42,7 @@ from pdcluster.client import Client
 PROMPT = list(range(5, 30))
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 HANDSHAKES = "pdcluster_tls_handshakes_total"
+ZMQ_REFUSALS = "pdcluster_zmq_handshake_refusals_total"
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +147,8 @@ def probe_tree(proc: subprocess.Popen, ready: dict, other_ca, zmq_speakers: set[
     assert non_loopback(pids) == [], "non-loopback listener"
     first_worker = next(iter(ready["instances"].values()))["pid"]
     tls = check_tls_ports(ports, ready, other_ca, serve_pki(first_worker))
+    metrics = {name: i["metrics"] for name, i in ready["instances"].items() if i["metrics"]}
+    zmq_refused = {name: total(scrape(url), ZMQ_REFUSALS) for name, url in metrics.items()}
     rng = random.Random(0)
     ctx = zmq.Context()
     held: list[socket.socket] = []
@@ -162,6 +165,9 @@ def probe_tree(proc: subprocess.Popen, ready: dict, other_ca, zmq_speakers: set[
         ctx.destroy(linger=0)
     assert all(os.path.exists(f"/proc/{pid}") for pid in pids), "a process died"
     assert proc.poll() is None
+    for name, url in metrics.items():  # each worker's KV-event CURVE sockets refused the plaintext peer
+        assert wait_for(lambda url=url: total(scrape(url), ZMQ_REFUSALS), zmq_refused[name] + 1) > zmq_refused[name], \
+            f"{name}: plaintext ZMQ peers not counted"
     return pids
 
 
