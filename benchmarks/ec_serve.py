@@ -8,7 +8,8 @@ hidden 512, 12 layers, so the tower costs something on a CPU; a tiny Llama decod
 `pdcluster bench serve --backend openai-chat --dataset-name random-mm` against it (224x224 random
 images, N per request, one request at a time so TTFT is latency, not queueing). random-mm never
 repeats an image, so this measures the extra hop (Encode RPC + EC fetch) against local encoding,
-not sharing. Prints one line per (layout, images): mean / median / p99 TTFT in ms.
+not sharing (benchmarks/ec_ttft.py measures a request whose encoding already exists and is fetched).
+Prints one line per (layout, images): mean / median / p99 TTFT in ms.
 """
 
 from __future__ import annotations

@@ -29,6 +29,9 @@ timed in this process on fresh images (an encoder-only engine, no cache): the re
 fetch replaces. Bytes are the deltas of pdcluster_ec_transfer_bytes_total summed over the
 cluster's workers during the measured request. TTFT is measured as `pdcluster bench serve`
 does (cluster/bench/openai_backend.py: send -> first chunk with text), streaming 4 tokens.
+On a box with more runnable threads than cores, --threads 1 keeps torch's OpenMP team from
+waiting on descheduled threads (2 threads on 2 loaded cores: ~3 s wall for one image's tower,
+1 thread: ~0.5 s).
 """
 
 from __future__ import annotations
@@ -215,8 +218,13 @@ def main() -> None:
     p.add_argument("--images", default="1,4")
     p.add_argument("--repeats", type=int, default=5, help="measured requests per (mode, images); medians")
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads of every worker and of the tower timer (OMP_NUM_THREADS and "
+                        "PDCLUSTER_NUM_THREADS); 0: torch's default (one per core)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    if args.threads:  # before torch is imported here; the serve processes inherit it
+        os.environ["OMP_NUM_THREADS"] = os.environ["PDCLUSTER_NUM_THREADS"] = str(args.threads)
     counts = [int(x) for x in args.images.split(",")]
     modes = [m for m in args.modes.split(",") if m]
     from throughput import cpu_path
@@ -239,7 +247,7 @@ def main() -> None:
     print(f"load average {os.getloadavg()}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"repeats": args.repeats, "rows": table}, f, indent=1)
+            json.dump({"repeats": args.repeats, "threads": args.threads or "default", "rows": table}, f, indent=1)
 
 
 if __name__ == "__main__":
