@@ -94,18 +94,23 @@ class RoutingPolicy(ABC):
 
 
 class RoundRobin(RoutingPolicy):
+    """One turn counter per pool (the roles of the workers it picks from): with one shared counter,
+    a disaggregated request's prefill and decode picks alternate on it, so with two workers per
+    pool every prefill would land on the first worker and every decode on the second."""
+
     name = "round_robin"
 
     def __init__(self) -> None:
-        self._next = 0
+        self._next: dict[frozenset[str], int] = {}  # at most one entry per combination of roles
 
     def pick(self, request: RouteRequest, workers: Sequence[WorkerView], stats: StatsMap) -> WorkerView | None:
         candidates = _healthy(workers)
         if not candidates:
             return None
-        w = candidates[self._next % len(candidates)]
-        self._next += 1
-        return w
+        pool = frozenset(w.role for w in workers)
+        turn = self._next.get(pool, 0)
+        self._next[pool] = turn + 1
+        return candidates[turn % len(candidates)]
 
 
 class LeastLoaded(RoutingPolicy):

@@ -34,6 +34,14 @@ def test_round_robin_cycles_and_skips_unhealthy():
     assert {p.pick(REQ, sick, {}).worker_id for _ in range(4)} == {"w0", "w2"}
 
 
+def test_round_robin_turns_per_pool_so_interleaved_prefill_and_decode_picks_both_spread():
+    p = RoundRobin()
+    prefill = [WorkerView("p0", "x", role="prefill"), WorkerView("p1", "x", role="prefill")]
+    decode = [WorkerView("d0", "x", role="decode"), WorkerView("d1", "x", role="decode")]
+    picks = [(p.pick(REQ, prefill, {}).worker_id, p.pick(REQ, decode, {}).worker_id) for _ in range(4)]
+    assert picks == [("p0", "d0"), ("p1", "d1"), ("p0", "d0"), ("p1", "d1")]
+
+
 def test_no_healthy_worker_gives_none():
     sick = [WorkerView("w0", "x", healthy=False)]
     index = PrefixIndex()
