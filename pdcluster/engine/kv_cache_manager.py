@@ -23,7 +23,9 @@ position below c - w + 1, so blocks wholly before it are freed (vLLM's SlidingWi
 the same): their entries become `null_block`, a placeholder that holds no reference (its id, 0,
 is never read: the attention backends read only a query's window). Freed blocks that were
 published stay in the prefix cache until evicted. A prefix-cache hit needs only the blocks a
-hit's end can still see: earlier ones are not held (placeholders), whether cached or not.
+hit's end can still see: earlier ones are not held (placeholders), whether cached or not. The
+same holds for tokens a connector loads (P2P sends only the window's tail): a new request's
+blocks wholly behind its computed-plus-loaded point are placeholders from the start.
 
     tokens   | t0 .. t3 | t4 .. t7 | t8 .. t11 | t12 t13 |      w = 6, c = 14: keys >= 9 are read
     blocks   |   null   |   null   |    b9     |   b4    |      (9 // 4 = block 2 is the first held)
