@@ -49,6 +49,7 @@ from .wire import (
 )
 
 log = logging.getLogger(__name__)
+_EXPECTED = frozenset({ECFetchError.MISSING, ECFetchError.EVICTED})  # logged at INFO, the rest WARNING
 _STATUS_REASON = {MISSING: ECFetchError.MISSING, EVICTED: ECFetchError.EVICTED,
                   "incompatible": ECFetchError.INCOMPATIBLE, "malformed": ECFetchError.MALFORMED}
 _MAX_BACKOFF_S = 0.05
@@ -131,7 +132,11 @@ class ECFetcher:
             try:
                 out = self._load_item(sock, load)
             except _Failed as e:
-                log.debug("ec fetch of %s from %s: %s", load.mm_hash[:12], producer.address, e)
+                # Gone or evicted items are the cache working as designed; anything else is a
+                # fault an operator should see, named with its producer (the counter has no peer).
+                level = logging.INFO if e.reason in _EXPECTED else logging.WARNING
+                log.log(level, "ec fetch of %s from %s (%s) failed: %s: %s; encoding locally", load.mm_hash[:12],
+                        producer.producer_id or "?", producer.address, e.reason.value, e)
                 report.failed[load.mm_hash] = e.reason
                 if e.reason is ECFetchError.TIMEOUT:  # the producer is gone: do not wait again per item
                     self._drop_socket(producer.address, producer.public_key)

@@ -65,9 +65,17 @@ class ECProducer:
                                          on_refusal=lambda reason: self._count(f"data_refused_{reason}"),
                                          authorize=self._grant_live)
             self.region_id = self.server.register(self.region)
-            self.data_address = self.server.address  # read once: a stopped server has no address
+            host, port = self.server.address  # read once: a stopped server has no address
+            if host in ("0.0.0.0", "::", "[::]"):  # a wildcard bind is not an address a consumer can dial
+                if not opts.advertise_host:
+                    raise ValueError("p2p_ec data_host is a wildcard address: set advertise_host")
+                host = opts.advertise_host
+            self.data_address = (host, port)
             self.server.start()
         except BaseException:
+            server = getattr(self, "server", None)
+            if server is not None:
+                server.stop()
             self.region.close()
             raise
 

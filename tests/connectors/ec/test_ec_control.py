@@ -224,3 +224,21 @@ def test_nothing_leaks_after_shutdown(ec_keys) -> None:
     assert not os.path.exists(shm)
     assert not ports & {port for _, port in listening([os.getpid()])}
     _wait(lambda: {t.ident for t in threading.enumerate()} <= before, "the connector's threads to end")
+
+
+def test_wildcard_data_host_needs_an_advertised_address(tmp_path) -> None:
+    """A producer bound to a wildcard never announces 0.0.0.0 as where to fetch from."""
+    from pdcluster.connectors.ec.options import ECOptions
+    from pdcluster.connectors.ec.producer import ECProducer
+    from pdcluster.security.keys import ensure_instance_keys
+
+    keys = str(tmp_path / "keys")
+    ensure_instance_keys(keys, ["enc"])
+    base = {"keys_dir": keys, "key_name": "enc", "data_host": "0.0.0.0", "max_bytes": 1 << 16}
+    with pytest.raises(ValueError, match="data_host is a wildcard address: set advertise_host"):
+        ECProducer(ECOptions.from_dict(base), fingerprint="fp")
+    producer = ECProducer(ECOptions.from_dict({**base, "advertise_host": "127.0.0.1"}), fingerprint="fp")
+    try:
+        assert producer.data_address[0] == "127.0.0.1"
+    finally:
+        producer.close()
