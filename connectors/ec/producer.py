@@ -24,7 +24,12 @@ from typing import Any
 import blake3
 
 from pdcluster.engine.ec_connector import ECItemState
-from pdcluster.security.envelope import MalformedMessage, ReplayGuard, decode, encode
+from pdcluster.security.envelope import (
+    RefusedRequest,
+    ReplayGuard,
+    encode,
+    open_request,
+)
 from pdcluster.transfer import OP_READ, Capability, TransferServer, alloc_region, issue_token, local_host_id
 from pdcluster.transfer.integrity import transfer_mac_key
 
@@ -143,20 +148,12 @@ class ECProducer:
 
     def handle(self, frames: list[bytes], sender: str | None = None) -> list[bytes]:
         """Reply frames (after the ROUTER identity) for one request's frames. Never raises."""
-        if len(frames) != 1:
-            return self._error(b"", "malformed", f"expected one frame, got {len(frames)}")
-        if len(frames[0]) > MAX_FRAME_BYTES:
+        if len(frames) == 1 and len(frames[0]) > MAX_FRAME_BYTES:
             return self._error(b"", "too_large", f"message of {len(frames[0])} bytes > {MAX_FRAME_BYTES}")
         try:
-            kind, body = decode(REQUESTS, frames[0], MAX_FRAME_BYTES)
-        except MalformedMessage as e:
-            return self._error(b"", "malformed", f"malformed message: {e}")
-        nonce = body["nonce"]
-        try:
-            with self._lock:
-                self._guard.check_and_remember(nonce, body["ts_ms"])
-        except MalformedMessage as e:
-            return self._error(nonce, "replayed", str(e))
+            kind, body, nonce = open_request(frames, REQUESTS, MAX_FRAME_BYTES, self._guard, self._lock)
+        except RefusedRequest as e:
+            return self._error(e.nonce, e.reason, str(e))
         self._count(f"requests_{kind}")
         try:
             if kind == "ec_fetch":

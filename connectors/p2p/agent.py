@@ -22,7 +22,12 @@ import threading
 from collections import Counter
 from typing import Any
 
-from pdcluster.security.envelope import MalformedMessage, ReplayGuard, decode, encode
+from pdcluster.security.envelope import (
+    RefusedRequest,
+    ReplayGuard,
+    encode,
+    open_request,
+)
 from pdcluster.transfer import OP_READ, Capability, Region, TransferServer, issue_token, local_host_id
 from pdcluster.transfer.integrity import transfer_mac_key
 
@@ -106,18 +111,10 @@ class ProducerAgent:
         """Reply frames (after the ROUTER identity) for one request's frames. Never raises.
         sender: the authenticated peer (the ZAP User-Id: its CURVE key's name); lease operations
         are checked against it (the first consumer to use a lease owns it)."""
-        if len(frames) != 1:
-            return self._error(b"", "malformed", f"expected one frame, got {len(frames)}")
         try:
-            kind, body = decode(REQUESTS, frames[0], MAX_FRAME_BYTES)
-        except MalformedMessage as e:
-            return self._error(b"", "malformed", f"malformed message: {e}")
-        nonce = body["nonce"]
-        try:
-            with self._guard_lock:
-                self._guard.check_and_remember(nonce, body["ts_ms"])
-        except MalformedMessage as e:
-            return self._error(nonce, "replayed", str(e))
+            kind, body, nonce = open_request(frames, REQUESTS, MAX_FRAME_BYTES, self._guard, self._guard_lock)
+        except RefusedRequest as e:
+            return self._error(e.nonce, e.reason, str(e))
         self._count(f"requests_{kind}")
         try:
             if kind == "p2p_hs_req":

@@ -322,3 +322,31 @@ def verify(
         raise MalformedMessage("signed envelope: MAC does not verify")
     guard.check_and_remember(nonce, ts_ms)
     return payload
+
+
+class RefusedRequest(Exception):
+    """open_request's refusal: the error reply's nonce (b"" before one was read) and reason."""
+
+    def __init__(self, nonce: bytes, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.nonce, self.reason = nonce, reason
+
+
+def open_request(frames: list[bytes], registry: SchemaRegistry, max_size: int, guard: ReplayGuard,
+                 lock: Any) -> tuple[str, dict[str, Any], bytes]:
+    """(kind, body, nonce) of one control-plane request: exactly one frame, a valid envelope of
+    `registry`, a nonce + timestamp `guard` (held under `lock`) has not seen. RefusedRequest with
+    reason "malformed" or "replayed" otherwise (the connectors' control ports share this)."""
+    if len(frames) != 1:
+        raise RefusedRequest(b"", "malformed", f"expected one frame, got {len(frames)}")
+    try:
+        kind, body = decode(registry, frames[0], max_size)
+    except MalformedMessage as e:
+        raise RefusedRequest(b"", "malformed", f"malformed message: {e}") from None
+    nonce = body["nonce"]
+    try:
+        with lock:
+            guard.check_and_remember(nonce, body["ts_ms"])
+    except MalformedMessage as e:
+        raise RefusedRequest(nonce, "replayed", str(e)) from None
+    return kind, body, nonce
