@@ -8,18 +8,13 @@ from __future__ import annotations
 import base64
 import io
 import json
-import os
-import pathlib
-import subprocess
-import sys
 import time
 import urllib.request
 
 import pytest
+import ray_up
 from models.llava_tiny import make_tiny_llava, random_image
 from prometheus_client.parser import text_string_to_metric_families
-
-from pdcluster.cluster import ray_head
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 TEMPLATE = (
@@ -29,24 +24,9 @@ TEMPLATE = (
     "{{ content['text'] + ' '}}{% endfor %}{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}")
 
 
-def cli(env: dict, *argv: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pdcluster.cluster.cli", *argv], env=env, capture_output=True,
-                          text=True, timeout=timeout)
-
-
 @pytest.fixture
 def cluster_env(tmp_path):
-    """As test_ray_local's: the finalizer brings down whatever is still up (by its recorded pids)."""
-    ns = f"ec{os.getpid()}"
-    env = {**os.environ, "PDCLUSTER_STATE_DIR": str(tmp_path / "state")}
-    env.pop("RAY_ADDRESS", None)
-    yield env, ns
-    path = pathlib.Path(env["PDCLUSTER_STATE_DIR"]) / f"{ns}.json"
-    if path.exists():
-        state = json.loads(path.read_text())
-        cli(env, "down", "--namespace", ns, timeout=120)
-        if state.get("head_pid"):
-            ray_head.stop_local_head(state["head_pid"], start_time=state.get("head_start", 0))
+    yield from ray_up.cluster_env(tmp_path, "ec")
 
 
 def _computed(ready: dict) -> float:
@@ -75,7 +55,7 @@ def test_up_epd_serves_an_image_computed_once(cluster_env, tmp_path) -> None:
                             SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0].outputs[0].text
     finally:
         llm.shutdown()
-    up = cli(env, "up", "--detach", "--model", ckpt, "--encode", "1", "--prefill", "1", "--decode", "1",
+    up = ray_up.cli(env, "up", "--detach", "--model", ckpt, "--encode", "1", "--prefill", "1", "--decode", "1",
              "--connector", "p2p", "--grpc-port", "0", "--http-port", "0", "--namespace", ns, "--num-cpus", "4",
              "--max-model-len", "256", "--num-kv-blocks", "64", "--block-size", "4", "--policy", "round_robin",
              timeout=300)

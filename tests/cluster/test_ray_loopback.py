@@ -5,42 +5,25 @@ gRPC servers, and pdcluster's own router and workers, read from /proc for the he
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
+import ray_up
 from proc_sockets import listening, non_loopback
 
-from pdcluster.cluster import ray_head
 from pdcluster.cluster.ray_head import descendants
 
 pytestmark = pytest.mark.ray
 
 
-def cli(env: dict, *argv: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pdcluster.cluster.cli", *argv], env=env, capture_output=True,
-                          text=True, timeout=timeout)
-
-
 @pytest.fixture
 def cluster_env(tmp_path):
-    ns = f"lb{os.getpid()}"
-    env = {**os.environ, "PDCLUSTER_STATE_DIR": str(tmp_path / "state")}
-    env.pop("RAY_ADDRESS", None)
-    yield env, ns
-    path = pathlib.Path(env["PDCLUSTER_STATE_DIR"]) / f"{ns}.json"
-    state = json.loads(path.read_text()) if path.exists() else None
-    if state is not None:
-        cli(env, "down", "--namespace", ns, timeout=180)
-        if state.get("head_pid"):
-            ray_head.stop_local_head(state["head_pid"], start_time=state.get("head_start", 0))
+    yield from ray_up.cluster_env(tmp_path, "lb")
 
 
 def test_local_up_listens_on_loopback_only(cluster_env) -> None:
     env, ns = cluster_env
-    up = cli(env, "up", "--detach", "--workers", "1", "--grpc-port", "0", "--http-port", "0", "--namespace", ns,
+    up = ray_up.cli(env, "up", "--detach", "--workers", "1", "--grpc-port", "0", "--http-port", "0", "--namespace", ns,
              "--num-cpus", "2", timeout=300)
     assert up.returncode == 0, up.stdout + up.stderr
     assert "loopback only" in up.stderr and "token authentication" in up.stderr
@@ -51,5 +34,5 @@ def test_local_up_listens_on_loopback_only(cluster_env) -> None:
     # GCS, raylet, agents, router gRPC + HTTP, the worker's gRPC at least.
     assert len(ports) >= 8, ports
     assert non_loopback(pids) == []
-    down = cli(env, "down", "--namespace", ns, timeout=180)
+    down = ray_up.cli(env, "down", "--namespace", ns, timeout=180)
     assert down.returncode == 0, down.stdout + down.stderr

@@ -8,15 +8,13 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import subprocess
-import sys
 import time
 import urllib.request
 
 import grpc
 import pytest
+import ray_up
 
-from pdcluster.cluster import ray_head
 from pdcluster.cluster.ray_tls import ENV_KEY, WORKER_SERVER_NAME
 from pdcluster.security.pki import init_pki
 from pdcluster.worker.tls import TLSConfig, channel_credentials
@@ -24,23 +22,9 @@ from pdcluster.worker.tls import TLSConfig, channel_credentials
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
-def cli(env: dict, *argv: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pdcluster.cluster.cli", *argv], env=env, capture_output=True,
-                          text=True, timeout=timeout)
-
-
 @pytest.fixture
 def cluster_env(tmp_path):
-    ns = f"tls{os.getpid()}"
-    env = {**os.environ, "PDCLUSTER_STATE_DIR": str(tmp_path / "state")}
-    env.pop("RAY_ADDRESS", None)
-    yield env, ns
-    path = pathlib.Path(env["PDCLUSTER_STATE_DIR"]) / f"{ns}.json"
-    state = json.loads(path.read_text()) if path.exists() else None
-    if state is not None:
-        cli(env, "down", "--namespace", ns, timeout=180)
-        if state.get("head_pid"):
-            ray_head.stop_local_head(state["head_pid"], start_time=state.get("head_start", 0))
+    yield from ray_up.cluster_env(tmp_path, "tls")
 
 
 def _health(addr: str, creds: grpc.ChannelCredentials | None) -> int:
@@ -56,7 +40,7 @@ def test_up_workers_refuse_plaintext_and_other_ca(cluster_env, tmp_path) -> None
     from pdcluster.client import Client
 
     env, ns = cluster_env
-    up = cli(env, "up", "--detach", "--workers", "1", "--grpc-port", "0", "--http-port", "-1", "--namespace", ns,
+    up = ray_up.cli(env, "up", "--detach", "--workers", "1", "--grpc-port", "0", "--http-port", "-1", "--namespace", ns,
              "--num-cpus", "2", "--no-dashboard", timeout=300)
     assert up.returncode == 0, up.stdout + up.stderr
     ready = json.loads(next(x for x in up.stdout.splitlines() if x.startswith("PDCLUSTER_READY ")).split(" ", 1)[1])
@@ -87,6 +71,6 @@ def test_up_workers_refuse_plaintext_and_other_ca(cluster_env, tmp_path) -> None
     assert os.stat(key).st_mode & 0o777 == 0o600
     assert os.stat(os.path.dirname(key)).st_mode & 0o777 == 0o700
     assert ENV_KEY.encode() not in pathlib.Path(f"/proc/{child}/environ").read_bytes()
-    down = cli(env, "down", "--namespace", ns, timeout=180)
+    down = ray_up.cli(env, "down", "--namespace", ns, timeout=180)
     assert down.returncode == 0, down.stdout + down.stderr
     assert not os.path.exists(key)
