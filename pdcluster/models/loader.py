@@ -6,6 +6,10 @@ dtype (layers/weight_slice.py). q/k/v and gate/up are fused here, at load time, 
 runs one matmul for each; an MoE layer's per-expert tensors (`...experts.<e>.gate_proj.weight`,
 Mixtral's `w1/w3/w2`) are stacked into its `experts.w13_weight` / `experts.w2_weight`. Tensors the model has no parameter for (e.g. rotary `inv_freq`) are
 ignored; parameters no tensor filled are an error that names them.
+
+After loading, `load_model` packs the linear layers' and the LM head's weights for oneDNN where
+that is exact (CPU, bfloat16: layers/cpu_gemm.py; PDCLUSTER_CPU_PREPACK=0 turns it off). Loading
+again drops the packed copies first, so a stale copy never multiplies.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from torch import nn
 from pdcluster.models.decoder import STACKED_PARAMS
 from pdcluster.models.hf_config import ModelConfig, check_weights_exist
 from pdcluster.models.layers.attention_backend import AttentionBackend
+from pdcluster.models.layers.cpu_gemm import drop_packed, prepack_model
 from pdcluster.models.layers.fused_moe import EXPERT_PARTS
 from pdcluster.models.registry import get_model_class
 
@@ -42,6 +47,8 @@ def load_model(config: ModelConfig, attn_backend: AttentionBackend, ops_backend:
     with torch.device(device):
         model = cls(config, attn_backend, ops_backend=ops_backend, tp_rank=tp_rank, tp_size=tp_size)
     load_weights(model, config.model_path)
+    packed, candidates = prepack_model(model)  # after loading: packs the loaded values
+    logger.debug("oneDNN pre-packed %d of %d linear weights", packed, candidates)
     return model.eval()
 
 
@@ -113,6 +120,7 @@ def _required_shards(params: dict[str, nn.Parameter]) -> set[tuple[str, ShardId]
 def load_weights(model: nn.Module, path: str | pathlib.Path) -> None:
     # named_parameters() lists a tied lm_head weight once, under the embedding's name.
     params = dict(model.named_parameters())
+    drop_packed(model)  # a tied LM head's copy is not dropped by the embedding's loader
     renames = getattr(model, "CHECKPOINT_RENAMES", ())
     loaded: set[tuple[str, ShardId]] = set()
     ignored: list[str] = []

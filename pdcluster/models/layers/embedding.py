@@ -7,6 +7,10 @@ sum (all-reduce); the LM head computes the logits of its range and the ranks con
 
     V=10, t=4: num_local=3   rank0 [0,3)  rank1 [3,6)  rank2 [6,9)  rank3 [9,10) + 2 zero rows
     all-gather: [r0 logits | r1 | r2 | r3 incl. 2 pad columns] -> cut to [:, :V]
+
+On CPU in bfloat16 the LM head multiplies with a oneDNN-packed copy of its weight (`prepack()`,
+layers/cpu_gemm.py). When tied, the embedding's plain weight stays for the lookup, so the packed
+copy costs the embedding's bytes again.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdcluster.models.layers.cpu_gemm import pack_weight, packed_linear, use_packed
 from pdcluster.models.layers.weight_slice import Loaded, narrow, shape_of
 
 if TYPE_CHECKING:
@@ -59,11 +64,31 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """hidden (N, H) -> logits (N, V) float32. Shares its weight with the embedding when tied."""
 
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__(vocab_size, hidden_size, dtype, tp_rank, tp_size)
+        self.weight.weight_loader = self._load
+        # oneDNN-packed copy of `weight` (a plain attribute: not a parameter, not in state_dict).
+        self.packed_weight: torch.Tensor | None = None
+
+    def _load(self, param: nn.Parameter, loaded: Loaded, shard_id: str | int | None = None) -> None:
+        self.packed_weight = None  # a packed copy of the old values would be stale
+        self.weight_loader(param, loaded, shard_id)
+
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
-        self.weight = embedding.weight
+        self.weight = embedding.weight  # loaded through the embedding's loader, once
+        self.packed_weight = None
+
+    def prepack(self) -> bool:
+        """Pack the loaded (or tied) weight for oneDNN where that is exact and available."""
+        self.packed_weight = pack_weight(self.weight)
+        return self.packed_weight is not None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)  # (N, num_local)
+        if use_packed(self.packed_weight):
+            logits = packed_linear(hidden, self.packed_weight)  # type: ignore[arg-type]  # (N, num_local)
+        else:
+            logits = F.linear(hidden, self.weight)  # (N, num_local)
         if self.tp_size > 1:
             if self.tp_group is None:
                 raise RuntimeError("ParallelLMHead with tp_size > 1 needs tp_group set before forward")

@@ -19,6 +19,10 @@ KV heads over ranks (Hk global KV heads, t ranks), rows of the checkpoint's k_pr
 
 Each rank's q heads [r*Hq/t, (r+1)*Hq/t) attend to its KV head(s) with the usual GQA grouping,
 because r*Hk//t is exactly the KV head of those q heads.
+
+On CPU in bfloat16 each layer also holds a oneDNN-packed copy of its weight (`prepack()`, called
+after loading: layers/cpu_gemm.py) and multiplies with it; the plain `weight` parameter stays
+(the compiled graph, state readers and reloads use it). Loading into the weight drops the copy.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdcluster.models.layers.cpu_gemm import pack_weight, packed_linear, use_packed
 from pdcluster.models.layers.weight_slice import Loaded, narrow, shape_of, whole
 
 if TYPE_CHECKING:
@@ -61,18 +66,35 @@ class LinearBase(nn.Module):
         self.in_features, self.out_features = in_features, out_features  # local (this rank's) sizes
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        self.weight.weight_loader = self._load
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
+            self.bias.weight_loader = self._load
         else:
             self.register_parameter("bias", None)
+        # oneDNN-packed copy of `weight` (a plain attribute: not a parameter, not in state_dict).
+        self.packed_weight: torch.Tensor | None = None
+
+    def _load(self, param: nn.Parameter, loaded: Loaded, shard_id: str | int | None = None) -> None:
+        self.packed_weight = None  # a packed copy of the old values would be stale
+        self.weight_loader(param, loaded, shard_id)
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: str | int | None = None) -> None:
         raise NotImplementedError
 
+    def prepack(self) -> bool:
+        """Pack the loaded weight for oneDNN where that is exact and available (cpu_gemm)."""
+        self.packed_weight = pack_weight(self.weight, self.bias)
+        return self.packed_weight is not None
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ weight.T (+ bias): through the packed copy when there is one, else F.linear."""
+        if use_packed(self.packed_weight):
+            return packed_linear(x, self.packed_weight, bias)  # type: ignore[arg-type]
+        return F.linear(x, self.weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -173,9 +195,9 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
+            return self.matmul(x, self.bias)
         if self.tp_group is None:
             raise RuntimeError("RowParallelLinear with tp_size > 1 needs tp_group set before forward")
-        out = F.linear(x, self.weight)  # (T, out): this rank's partial sum
+        out = self.matmul(x, None)  # (T, out): this rank's partial sum
         self.tp_group.all_reduce(out)
         return out if self.bias is None else out + self.bias

@@ -1,0 +1,171 @@
+"""oneDNN pre-packed CPU weights (models/layers/cpu_gemm.py): the packed layers give exactly what
+F.linear gives, the model generates the same tokens with packing on and off, and packing stays
+off where it is not exact (float32, float16) or not wanted (PDCLUSTER_CPU_PREPACK=0)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models.test_model_equivalence import engine_config, make_prompts, run_greedy
+from tiny_models import make_tiny_checkpoint
+
+from pdcluster.engine.model_runner import ModelRunner
+from pdcluster.models.layers import cpu_gemm
+from pdcluster.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pdcluster.models.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+
+BF16 = torch.bfloat16
+ROWS = (1, 2, 7, 64, 300)  # decode GEMV, small batches, a prefill-sized GEMM
+
+needs_packing = pytest.mark.skipif(
+    cpu_gemm.pack_weight(torch.randn(8, 8, dtype=BF16)) is None,
+    reason="this CPU / torch build cannot pack bf16 weights exactly (F.linear is used)")
+
+
+def _fill(layer: torch.nn.Module, seed: int = 0) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for p in layer.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+
+
+def _layers(dtype: torch.dtype) -> dict[str, torch.nn.Module]:
+    return {
+        "replicated+bias": ReplicatedLinear(48, 40, True, dtype),
+        "replicated": ReplicatedLinear(48, 40, False, dtype),
+        "column+bias": ColumnParallelLinear(48, 72, True, dtype),
+        "merged": MergedColumnParallelLinear(48, [64, 64], False, dtype),
+        "qkv+bias": QKVParallelLinear(48, 8, 6, 2, True, dtype),
+        "row+bias": RowParallelLinear(96, 48, True, dtype),
+        "row": RowParallelLinear(96, 48, False, dtype),
+        "lm_head": ParallelLMHead(500, 48, dtype),
+    }
+
+
+@needs_packing
+@pytest.mark.parametrize("kind", sorted(_layers(BF16)))
+def test_packed_layer_equals_f_linear(kind: str) -> None:
+    layer = _layers(BF16)[kind]
+    _fill(layer)
+    in_features = layer.weight.shape[1]
+    xs = [torch.randn(m, in_features, dtype=BF16) for m in ROWS]
+    xs.append(torch.randn(5, 2 * in_features, dtype=BF16)[:, ::2])  # a strided view of activations
+    with torch.inference_mode():
+        plain = [layer(x) for x in xs]
+    assert layer.prepack() and layer.packed_weight is not None
+    with torch.inference_mode():
+        for x, want in zip(xs, plain):
+            assert torch.equal(layer(x), want), (kind, x.shape)
+
+
+class _SumGroup:
+    """A stand-in TP group: all_reduce adds the other rank's partial sum."""
+
+    def __init__(self, other: torch.Tensor) -> None:
+        self.other = other
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        return t.add_(self.other)
+
+
+@needs_packing
+def test_row_parallel_shards_reduce_to_the_unpacked_result() -> None:
+    full = RowParallelLinear(64, 24, True, BF16)
+    _fill(full, seed=3)
+    x = torch.randn(3, 64, dtype=BF16)
+    ranks = [RowParallelLinear(64, 24, True, BF16, tp_rank=r, tp_size=2) for r in range(2)]
+    for layer in ranks:
+        layer.weight.weight_loader(layer.weight, full.weight.data)
+        layer.bias.weight_loader(layer.bias, full.bias.data)
+    partial1 = F.linear(x[:, 32:], ranks[1].weight)  # rank 1's partial, unpacked
+    ranks[0].tp_group = _SumGroup(partial1)
+    with torch.inference_mode():
+        want = ranks[0](x[:, :32])
+        assert ranks[0].prepack()
+        assert torch.equal(ranks[0](x[:, :32]), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_float32_and_float16_stay_unpacked(dtype: torch.dtype) -> None:
+    # oneDNN's fp32 GEMM rounds differently from F.linear's; fp16 needs AVX512-FP16.
+    layer = ReplicatedLinear(16, 8, True, dtype)
+    _fill(layer)
+    assert not layer.prepack() and layer.packed_weight is None
+
+
+def test_disabled_by_env_falls_back_to_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_gemm.ENV, "0")
+    layer = ColumnParallelLinear(16, 8, True, BF16)
+    _fill(layer)
+    assert cpu_gemm.unpackable_reason(layer.weight) == f"{cpu_gemm.ENV}=0"
+    assert not layer.prepack()
+    x = torch.randn(2, 16, dtype=BF16)
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+@needs_packing
+def test_loading_again_drops_the_stale_packed_copy() -> None:
+    layer = ReplicatedLinear(16, 8, False, BF16)
+    _fill(layer)
+    assert layer.prepack()
+    new = torch.randn(8, 16, dtype=BF16)
+    layer.weight.weight_loader(layer.weight, new)
+    assert layer.packed_weight is None
+    x = torch.randn(2, 16, dtype=BF16)
+    assert torch.equal(layer(x), F.linear(x, new))
+
+
+@needs_packing
+def test_tied_head_packs_a_copy_and_the_embedding_keeps_its_weight() -> None:
+    emb, head = VocabParallelEmbedding(300, 32, BF16), ParallelLMHead(300, 32, BF16)
+    head.tie_to(emb)
+    emb.weight.data.copy_(torch.randn(300, 32))
+    ids, hidden = torch.tensor([0, 5, 299]), torch.randn(4, 32, dtype=BF16)
+    want = head(hidden)
+    assert head.prepack() and head.weight is emb.weight
+    assert torch.equal(head(hidden), want)
+    assert torch.equal(emb(ids), emb.weight.data[ids])
+
+
+@needs_packing
+@pytest.mark.slow
+def test_compiled_layer_equals_eager_packed() -> None:
+    # The traced graph multiplies the plain weight (an mkldnn tensor cannot enter inductor).
+    layer = QKVParallelLinear(48, 8, 6, 2, True, BF16)
+    _fill(layer)
+    assert layer.prepack()
+    compiled = torch.compile(layer, fullgraph=True)
+    for m in (1, 5, 33):
+        x = torch.randn(m, 48, dtype=BF16)
+        with torch.inference_mode():
+            assert torch.equal(compiled(x), layer(x))
+
+
+def _runner(path: str, monkeypatch: pytest.MonkeyPatch, pack: bool) -> ModelRunner:
+    monkeypatch.setenv(cpu_gemm.ENV, "1" if pack else "0")
+    return ModelRunner(engine_config(path, compute_dtype="bfloat16"))
+
+
+@needs_packing
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: tied embeddings, q/k/v bias
+def test_bf16_greedy_same_tokens_packed_and_unpacked(arch: str, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = make_tiny_checkpoint(arch, tmp_path / arch, dtype=BF16)
+    prompts = make_prompts(384, lens=(9, 30, 1))
+    plain = _runner(path, monkeypatch, pack=False)
+    assert cpu_gemm.packed_count(plain.model)[0] == 0
+    want = run_greedy(plain, prompts, max_tokens=16, stagger=True)
+    packed = _runner(path, monkeypatch, pack=True)
+    n, total = cpu_gemm.packed_count(packed.model)
+    assert n == total == 2 * 4 + 1  # per layer qkv, o, gate_up, down; the LM head
+    assert run_greedy(packed, prompts, max_tokens=16, stagger=True) == want
+    # The parameters (names, values: what any digest or count reads) do not change.
+    a, b = dict(plain.model.named_parameters()), dict(packed.model.named_parameters())
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    if arch == "qwen2":
+        assert packed.model.lm_head.weight is packed.model.model.embed_tokens.weight
