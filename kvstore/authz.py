@@ -16,7 +16,7 @@ from pdcluster.security.grpc_authz import RolePolicy, peer_identity
 _SERVICE = "/pdcluster.v1.KVStoreMaster/"
 NODE_METHODS = ("MountSegment", "UnmountSegment", "Heartbeat")
 WORKER_METHODS = ("PutStart", "PutEnd", "PutRevoke", "ReserveArena", "CommitArena", "ReleaseArena", "GetReplicas",
-                  "Remove")
+                  "OpenLookup", "Remove")  # OpenLookup: GetReplicas over the same-host socket (lookup_socket.py)
 LOOKUP_METHODS = ("Exists", "BatchExists")
 
 

@@ -9,7 +9,8 @@ returns WRITE tokens) -> the bytes go straight from the caller's buffer to every
 publishes. If any replica write fails the put is revoked, so a partial object is never visible.
 Gets take a lease (the master keeps the bytes until it expires) and read one replica, trying the
 next on failure. Small same-host puts take one RPC per batch instead (client_arena.py); how bytes
-reach a replica (shared memory or TCP) is replica_io.py; the master connection is master_rpc.py.
+reach a replica (shared memory or TCP) is replica_io.py; the master connection is master_rpc.py,
+and same-host lookups skip gRPC over the master's lookup socket (lookup_client.py).
 
 Integrity: with an `object_key` (the store key the workers share, object_mac.py) every put MACs
 its object and the master records the MAC with it; every get checks the bytes it read against
@@ -28,6 +29,7 @@ from pdcluster.transfer import TransferError
 from .byte_views import byte_view, byte_views
 from .client_arena import WriteArenas
 from .entities import Status
+from .lookup_client import LookupSession
 from .master_rpc import KVStoreError, MasterRPC
 from .object_mac import check_store_key, mac_matches, object_mac
 from .replica_io import Hit, ReplicaIO
@@ -47,7 +49,10 @@ class KVStoreClient:
     def __init__(self, master_addr: str | Sequence[str], *, num_streams: int = 4, use_shm: bool = True, rpc_timeout_s: float = 10.0,
                  max_parallel: int = 8, tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, arena_bytes: int = 8 << 20, arena_max_object: int = 256 << 10,
-                 object_key: bytes | str | None = None, io_timeout_s: float | None = None) -> None:
+                 object_key: bytes | str | None = None, io_timeout_s: float | None = None,
+                 lookup_socket: bool | None = None) -> None:
+        # lookup_socket: GetReplicas over the master's same-host Unix socket when it offers one
+        # (kvstore/lookup_client.py; gRPC otherwise); default: when copying through shared memory
         self._object_key = check_store_key(object_key)
         self._master = MasterRPC(master_addr, timeout_s=rpc_timeout_s, tls_ca=tls_ca, tls_cert=tls_cert,
                                  tls_key=tls_key)
@@ -56,8 +61,14 @@ class KVStoreClient:
         self._arenas = WriteArenas(self._master, self._replica_io, arena_bytes=arena_bytes, max_object=arena_max_object,
                                    object_key=self._object_key)
         self.counters = {"mac_mismatches": 0}
+        use_lookup = use_shm if lookup_socket is None else lookup_socket
+        self._lookup = LookupSession(self._master, self._replica_io.host_id,
+                                     timeout_s=min(rpc_timeout_s, 5.0)) if use_lookup else None
+        self.lookup_counters = self._lookup.counters if self._lookup is not None else {}
 
     def close(self) -> None:
+        if self._lookup is not None:
+            self._lookup.close()
         self._arenas.close()
         self._replica_io.close()
         self._master.close()
@@ -159,6 +170,10 @@ class KVStoreClient:
         master skips minting them) unless tokens_for_all, or once mapping a segment failed."""
         shm_host = "" if tokens_for_all or not self._replica_io.tokenless_gets else self._replica_io.host_id
         request = pb.KVGetReplicasRequest(keys=list(keys), shm_host_id=shm_host)
+        if self._lookup is not None:
+            resp = self._lookup.get_replicas(request)  # None: no session now, ask over gRPC
+            if resp is not None:
+                return resp.results
         return self._master.call("GetReplicas", request).results
 
     def get_bytes(self, key: str) -> bytes | None:

@@ -26,6 +26,7 @@ from .authz import kvstore_policy
 from .core import MasterCore
 from .entities import MasterConfig
 from .failover import restrict_feed
+from .lookup_socket import LookupSocket
 from .metrics import serve_metrics
 from .oplog import FSYNC_POLICIES
 from .rpc import add_tls_server_args, make_channel, server_credentials
@@ -42,7 +43,8 @@ class MasterServer:
                  data_dir: str | None = None, fsync: str = "interval", snapshot_interval_s: float = 300.0,
                  metrics_port: int | None = None, credentials: grpc.ServerCredentials | None = None,
                  tick_s: float = 0.2, max_workers: int = 8, role_policy: RolePolicy | None = None,
-                 ha: HAOptions | None = None) -> None:
+                 ha: HAOptions | None = None, lookup_socket: bool = True) -> None:
+        # lookup_socket: serve GetReplicas to same-host clients on a Unix socket too (kvstore/lookup_socket.py)
         # ha: a standby / peer master (kvstore/standby.py); None: a lone master, as before
         # role_policy: with mutual TLS, which certificate roles may call what (kvstore/authz.py)
         self.role_policy = role_policy
@@ -54,6 +56,7 @@ class MasterServer:
         self._creds = credentials
         self._tick_s = tick_s
         self._max_workers = max_workers
+        self._lookup_socket = lookup_socket
         self._stop = threading.Event()
         self._grpc: grpc.Server | None = None
         self._httpd = None
@@ -87,6 +90,10 @@ class MasterServer:
             self.tls_audit.start(self.port)
         if self.ha is not None:
             self.role = self.ha.decide(self.address)  # a standby does not recover: its state comes from the primary
+        if self._lookup_socket:
+            ha = self.ha
+            gate = (lambda: (ha.role.primary, ha.role.epoch)) if ha is not None else (lambda: (True, 0))
+            self.servicer.lookup = LookupSocket(self.servicer.get_replicas, gate, max_batch=self.core.config.max_batch)
         server.start()
         if self.ha is not None:
             self.ha.start()
@@ -113,6 +120,8 @@ class MasterServer:
             self.ha.stop()
         if self._grpc is not None:
             self._grpc.stop(grace_s).wait()
+        if self.servicer.lookup is not None:
+            self.servicer.lookup.close()
         if self.tls_audit is not None:
             self.tls_audit.stop()
         if self._ticker is not None:
@@ -146,6 +155,9 @@ def add_master_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arena-max-fraction", type=float, default=d.arena_max_fraction,
                    help="largest write arena, as a fraction of a segment")
     add_tls_server_args(p)
+    p.add_argument("--lookup-socket", action=argparse.BooleanOptionalAction, default=True,
+                   help="also answer same-host clients' lookups on a Unix socket in a private directory, "
+                        "opened through the gRPC API (kvstore/lookup_socket.py)")
     p.add_argument("--standby-of", default=None, metavar="ADDR",
                    help="start as the standby of the primary master at ADDR: follow its op log, take over when it dies")
     p.add_argument("--peer", default=None, metavar="ADDR",
@@ -182,7 +194,7 @@ def build_master(args: argparse.Namespace) -> MasterServer:
                         data_dir=args.data_dir, fsync=args.fsync, snapshot_interval_s=args.snapshot_interval_s,
                         metrics_port=args.metrics_port, credentials=creds,
                         role_policy=restrict_feed(kvstore_policy()) if args.tls_cert and args.tls_client_ca else None,
-                        ha=_ha_options(args))
+                        ha=_ha_options(args), lookup_socket=args.lookup_socket)
     server.tls_audit = audit
     return server
 

@@ -96,14 +96,20 @@ class MasterRPC:
             err.failover = moved
             raise err from e
         epoch = _epoch_of(call)
+        if not self.accept_epoch(epoch):
+            err = KVStoreError(f"kvstore master {self._addrs[i]} answered from epoch {epoch} < {self._epoch}: "
+                               "a fenced old primary")
+            err.failover = True
+            raise err
+        return resp
+
+    def accept_epoch(self, epoch: int) -> bool:
+        """Note the epoch of an answer; False: it is below the highest seen (a fenced old primary)."""
         with self._lock:
             if epoch < self._epoch and len(self._addrs) > 1:
-                err = KVStoreError(f"kvstore master {self._addrs[i]} answered from epoch {epoch} < {self._epoch}: "
-                                   "a fenced old primary")
-                err.failover = True
-                raise err
+                return False
             self._epoch = epoch
-        return resp
+            return True
 
     def close(self) -> None:
         for ch in self._channels.values():

@@ -32,6 +32,7 @@ class MasterServicer(pb_grpc.KVStoreMasterServicer):
         self.cfg = core.config
         self._templates: dict[int, tuple[Segment, tuple[str, int, str], pb.KVReplica]] = {}
         self.refusals: dict[str, int] = {}  # node-identity refusals by reason (kvstore/authz.py)
+        self.lookup: Any = None  # the same-host LookupSocket, set by MasterServer (kvstore/lookup_socket.py)
 
     def _refuse_node(self, ctx: grpc.ServicerContext, reason: str, why: str) -> None:
         self.refusals[reason] = self.refusals.get(reason, 0) + 1
@@ -132,6 +133,18 @@ class MasterServicer(pb_grpc.KVStoreMasterServicer):
 
     def GetReplicas(self, req: pb.KVGetReplicasRequest, ctx: grpc.ServicerContext) -> pb.KVGetReplicasResponse:
         self._check_batch(len(req.keys), ctx)
+        return self.get_replicas(req)
+
+    def OpenLookup(self, req: pb.KVOpenLookupRequest, ctx: grpc.ServicerContext) -> pb.KVOpenLookupResponse:
+        """A ticket for the same-host lookup socket (kvstore/lookup_socket.py); empty without one."""
+        issued = self.lookup.issue() if self.lookup is not None else None
+        if issued is None:
+            return pb.KVOpenLookupResponse()
+        return pb.KVOpenLookupResponse(path=self.lookup.path, ticket=issued[0], expiry_ms=issued[1],
+                                       host_id=self.lookup.host_id)
+
+    def get_replicas(self, req: pb.KVGetReplicasRequest) -> pb.KVGetReplicasResponse:
+        """GetReplicas' answer (the batch already checked): over gRPC and the lookup socket."""
         resp = pb.KVGetReplicasResponse()
         with self.core.lock:
             now = self.core.clock()
@@ -206,4 +219,5 @@ class MasterServicer(pb_grpc.KVStoreMasterServicer):
 
     def stats(self) -> dict[str, float]:
         with self.core.lock:
-            return self.store.stats() | {f"refused_{k}": v for k, v in self.refusals.items()}
+            out = self.store.stats() | {f"refused_{k}": v for k, v in self.refusals.items()}
+        return out | (dict(self.lookup.counters) if self.lookup is not None else {})

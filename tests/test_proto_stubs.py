@@ -67,7 +67,7 @@ def test_kvstore_master_methods():
     assert {m.name for m in master.methods} == {
         "PutStart", "PutEnd", "PutRevoke", "ReserveArena", "CommitArena", "ReleaseArena", "GetReplicas", "Exists",
         "BatchExists", "Remove", "MountSegment", "UnmountSegment", "Heartbeat", "Stats", "FollowOpLog", "AckOpLog",
-        "GetRole"}
+        "GetRole", "OpenLookup"}
     assert master.methods_by_name["FollowOpLog"].server_streaming  # the standby's op-log feed
 
 

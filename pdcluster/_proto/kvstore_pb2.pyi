@@ -218,6 +218,22 @@ class KVGetReplicasResponse(_message.Message):
     results: _containers.RepeatedCompositeFieldContainer[KVGetReplicasResult]
     def __init__(self, results: _Optional[_Iterable[_Union[KVGetReplicasResult, _Mapping]]] = ...) -> None: ...
 
+class KVOpenLookupRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KVOpenLookupResponse(_message.Message):
+    __slots__ = ("path", "ticket", "expiry_ms", "host_id")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    EXPIRY_MS_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    ticket: bytes
+    expiry_ms: int
+    host_id: str
+    def __init__(self, path: _Optional[str] = ..., ticket: _Optional[bytes] = ..., expiry_ms: _Optional[int] = ..., host_id: _Optional[str] = ...) -> None: ...
+
 class KVExistsRequest(_message.Message):
     __slots__ = ("key",)
     KEY_FIELD_NUMBER: _ClassVar[int]

@@ -69,6 +69,11 @@ class KVStoreMasterStub:
                 request_serializer=pdcluster_dot_v1_dot_kvstore__pb2.KVGetReplicasRequest.SerializeToString,
                 response_deserializer=pdcluster_dot_v1_dot_kvstore__pb2.KVGetReplicasResponse.FromString,
                 _registered_method=True)
+        self.OpenLookup = channel.unary_unary(
+                '/pdcluster.v1.KVStoreMaster/OpenLookup',
+                request_serializer=pdcluster_dot_v1_dot_kvstore__pb2.KVOpenLookupRequest.SerializeToString,
+                response_deserializer=pdcluster_dot_v1_dot_kvstore__pb2.KVOpenLookupResponse.FromString,
+                _registered_method=True)
         self.Exists = channel.unary_unary(
                 '/pdcluster.v1.KVStoreMaster/Exists',
                 request_serializer=pdcluster_dot_v1_dot_kvstore__pb2.KVExistsRequest.SerializeToString,
@@ -167,6 +172,15 @@ class KVStoreMasterServicer:
 
     def GetReplicas(self, request, context):
         """Replicas plus read tokens under a short lease (nothing reuses the bytes before it expires).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def OpenLookup(self, request, context):
+        """A same-host fast path for GetReplicas (kvstore/lookup_socket.py): a single-use ticket for the
+        master's Unix socket, where the caller then sends GetReplicas requests framed, without gRPC.
+        Same callers as GetReplicas (workers); the socket session ends at expiry_ms.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -273,6 +287,11 @@ def add_KVStoreMasterServicer_to_server(servicer, server):
                     servicer.GetReplicas,
                     request_deserializer=pdcluster_dot_v1_dot_kvstore__pb2.KVGetReplicasRequest.FromString,
                     response_serializer=pdcluster_dot_v1_dot_kvstore__pb2.KVGetReplicasResponse.SerializeToString,
+            ),
+            'OpenLookup': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenLookup,
+                    request_deserializer=pdcluster_dot_v1_dot_kvstore__pb2.KVOpenLookupRequest.FromString,
+                    response_serializer=pdcluster_dot_v1_dot_kvstore__pb2.KVOpenLookupResponse.SerializeToString,
             ),
             'Exists': grpc.unary_unary_rpc_method_handler(
                     servicer.Exists,
@@ -514,6 +533,33 @@ class KVStoreMaster:
             '/pdcluster.v1.KVStoreMaster/GetReplicas',
             pdcluster_dot_v1_dot_kvstore__pb2.KVGetReplicasRequest.SerializeToString,
             pdcluster_dot_v1_dot_kvstore__pb2.KVGetReplicasResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenLookup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdcluster.v1.KVStoreMaster/OpenLookup',
+            pdcluster_dot_v1_dot_kvstore__pb2.KVOpenLookupRequest.SerializeToString,
+            pdcluster_dot_v1_dot_kvstore__pb2.KVOpenLookupResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,7 +1,8 @@
 """kvstore master authorization by role under mutual TLS (issue 16, item 2), in-process servers on
 127.0.0.1: only storage nodes mount / heartbeat / unmount, and only under their own node id
 (a live node's address cannot be moved); only workers put, get and remove; a plaintext peer and
-a certificate from another CA are refused at the handshake. Every refusal is counted."""
+a certificate from another CA are refused at the handshake; only workers get a lookup-socket
+ticket (OpenLookup). Every refusal is counted."""
 
 from __future__ import annotations
 
@@ -73,6 +74,7 @@ def test_only_workers_put_get_and_remove(cluster, ids: dict[str, Identity]) -> N
     with _client(master, ids["worker"]) as worker:
         assert worker.put("k", b"kv bytes") == Status.OK
         assert worker.get_bytes("k") == b"kv bytes"
+        assert worker.lookup_counters["lookup_socket_gets"] == 1  # its ticket came over mTLS, as a worker
     for name in ("client", "n0"):  # a CA-signed peer of another role
         with _client(master, ids[name]) as other:
             for op in (lambda: other.put("x", b"no"), lambda: other.get_bytes("k"), lambda: other.remove("k")):
@@ -83,6 +85,8 @@ def test_only_workers_put_get_and_remove(cluster, ids: dict[str, Identity]) -> N
     refused = master.role_policy.refusals
     assert refused["/pdcluster.v1.KVStoreMaster/ReserveArena:client"] == 1  # a small put starts with an arena
     assert refused["/pdcluster.v1.KVStoreMaster/GetReplicas:client"] == 1
+    assert refused["/pdcluster.v1.KVStoreMaster/OpenLookup:client"] == 1  # no lookup-socket ticket either
+    assert refused["/pdcluster.v1.KVStoreMaster/OpenLookup:kvstore-node"] == 1
     assert refused["/pdcluster.v1.KVStoreMaster/Remove:kvstore-node"] == 1
     with _client(master, ids["worker"]) as worker:
         assert worker.get_bytes("k") == b"kv bytes"  # nothing was removed
