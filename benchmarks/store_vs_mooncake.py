@@ -14,7 +14,9 @@ wall throughput tends to share-of-cores / CPU per byte), and the median of the p
 kvstore/Mooncake ratios (`paired`: the two ran seconds apart in each round). With the object key
 set (the default deployment, issue 16 item 6) every kvstore object is MACed at put and checked on
 every get; Mooncake has no such check. kvstore_tcp is the kvstore's remote-node path (no shared
-memory) for reference.
+memory) for reference; kvstore_grpc is the same-host kvstore with its master's lookup socket off
+(`--no-lookup-socket`: every GetReplicas over gRPC, kvstore/lookup_socket.py), for a paired
+before/after of that path.
 """
 
 from __future__ import annotations
@@ -101,11 +103,12 @@ def main(argv: list[str] | None = None) -> int:
         def started_since(n: int) -> list[int]:
             return [proc.pid for proc in stores.started[n:]]
 
-        for name, use_shm in (("kvstore", True), ("kvstore_tcp", False)):
+        for name, use_shm, extra in (("kvstore", True, ()), ("kvstore_grpc", True, ("--no-lookup-socket",)),
+                                     ("kvstore_tcp", False, ())):
             if name in wanted:
                 n0 = len(stores.started)
                 master = stores.kvstore(node_size=f"{16 * args.total_mib}M", master_args=(
-                    "--lease-ttl-s", "0.5", "--grace-s", "0.1", "--put-timeout-s", "0.5"))
+                    "--lease-ttl-s", "0.5", "--grace-s", "0.1", "--put-timeout-s", "0.5", *extra))
                 backends[name] = make_backend("kvstore", {"master": master, "use_shm": use_shm})
                 pids[name] = started_since(n0)
         if "mooncake" in wanted:
@@ -134,12 +137,17 @@ def main(argv: list[str] | None = None) -> int:
                 row[k + "_cpu_s_per_gb"] = statistics.median(x[1] for x in v)
                 row[k + "_sys_cpu_s_per_gb"] = statistics.median(x[2] for x in v)
             for op in ("put", "get"):  # per round, kvstore and Mooncake ran seconds apart: a paired ratio
-                if "kvstore" in backends and "mooncake" in backends:  # cancels slower load swings
-                    row[f"{op}_ratio_paired"] = statistics.median(
-                        a[0] / b[0] for a, b in zip(stats[f"kvstore_{op}"], stats[f"mooncake_{op}"], strict=True))
+                for other in ("mooncake", "kvstore_grpc"):  # cancels slower load swings
+                    if "kvstore" in backends and other in backends:
+                        tag = "" if other == "mooncake" else "_vs_grpc"
+                        row[f"{op}_ratio_paired{tag}"] = statistics.median(
+                            a[0] / b[0] for a, b in zip(stats[f"kvstore_{op}"], stats[f"{other}_{op}"], strict=True))
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
-        for b in backends.values():
+        for n, b in backends.items():
+            lookups = getattr(getattr(b, "_client", None), "lookup_counters", None)
+            if lookups:  # which path the gets took (kvstore/lookup_client.py)
+                print(f"{n}: {lookups}", file=sys.stderr)
             b.close()
     names = list(backends)
     print(f"object key (kvstore MAC): {'on' if store_key_from_env() else 'off'}; median of {args.repeats} "
@@ -156,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         cpu_ratio = (f"{r['mooncake_get_sys_cpu_s_per_gb'] / max(r['kvstore_get_sys_cpu_s_per_gb'], 1e-9):.2f}"
                      if both else "-")  # > 1: kvstore needs less CPU per byte (client + store processes)
         print(f"| {r['size_kib']} KiB | {cells} | {ratio} | {paired} | {cpu_ratio} |")
+    if "kvstore_grpc" in names and "kvstore" in names:
+        print("paired get kvstore (lookup socket) / kvstore_grpc (--no-lookup-socket): "
+              + ", ".join(f"{r['size_kib']} KiB {r['get_ratio_paired_vs_grpc']:.2f}" for r in rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
