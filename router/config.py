@@ -12,6 +12,7 @@ from .policies import ROUTING_POLICIES
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 20  # gRPC's own default; prompts of ~1M tokens still fit
 WORKER_CHANNELS = ("stream", "call")
+DISAGG_MODES = ("sequential", "concurrent")
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,12 @@ class RouterConfig:
     prefix_load_weight: float = 0.5
     # Disaggregation: prefill remotely only when the uncached part of the prompt is longer.
     disagg_min_uncached_tokens: int = 0
+    # "sequential": the decode leg is sent when the prefill leg has returned; "concurrent": both
+    # legs at once, the decode worker admits its leg while prefill runs and gets the params by
+    # Worker.ProvideKVParams (router/concurrent_disagg.py). A decode leg waits for them at most
+    # disagg_params_timeout_s.
+    disagg_mode: str = "sequential"
+    disagg_params_timeout_s: float = 60.0
     worker_wait_timeout_s: float = 60.0      # startup: wait this long for a worker (model/tokenizer)
     tls: TLSConfig | None = None             # frontends (gRPC and HTTPS); ca= requires client certs
     worker_tls: TLSConfig | None = None      # channels to the workers (ca= verifies them)
@@ -81,6 +88,10 @@ class RouterConfig:
                      "params_cache_bytes", "max_images_per_request", "max_image_bytes", "ec_directory_images"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.disagg_mode not in DISAGG_MODES:
+            raise ValueError(f"disagg_mode: {self.disagg_mode!r} is not one of {DISAGG_MODES}")
+        if not 0 < self.disagg_params_timeout_s <= 3600:
+            raise ValueError(f"disagg_params_timeout_s must be in (0, 3600], got {self.disagg_params_timeout_s}")
         if self.worker_channel not in WORKER_CHANNELS:
             raise ValueError(f"worker_channel: {self.worker_channel!r} is not one of {WORKER_CHANNELS}")
         if not 0 <= self.max_stop_token_ids <= MAX_STOP_TOKEN_IDS:

@@ -9,6 +9,8 @@
                          decode leg with the kv_transfer_params it returned (DESIGN.md section 3);
                          chosen only when both pools are up and the uncached part of the prompt is
                          longer than disagg_min_uncached_tokens (else the decode side prefills)
+      concurrent:        (disagg_mode="concurrent") both legs at once, the params handed to the
+                         admitted decode leg by Worker.ProvideKVParams (concurrent_disagg.py)
     finally              a request that did not finish cleanly (client cancel, deadline, error)
                          is aborted on every worker it touched
 
@@ -31,6 +33,7 @@ import grpc
 from pdcluster._proto import common_pb2, worker_pb2
 from pdcluster.handoff_trace import trace
 
+from . import concurrent_disagg
 from .config import RouterConfig
 from .convert import error_response
 from .ec_stage import EcStage
@@ -96,7 +99,7 @@ class Orchestrator:
         """Worker deltas for the client. Raises RouterError only before the first delta; after it,
         failures arrive as a final delta with finish_reason ERROR."""
         self.stall_watch.ensure_started()
-        flow = self._disaggregated(state) if self._use_disaggregation(state) else self._aggregated(state)
+        flow = self._disagg_flow(state) if self._use_disaggregation(state) else self._aggregated(state)
         try:
             done = False
             while True:
@@ -183,6 +186,11 @@ class Orchestrator:
         route = RouteRequest(state.request_id, state.prep.prompt_token_ids, hashes)
         matched = self.policy.prefix_match(route, views)
         return max(matched.values(), default=0) * (self.legs.block_size() or 0)
+
+    def _disagg_flow(self, state: RequestState) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
+        if self.config.disagg_mode == "concurrent" and concurrent_disagg.applies(state):
+            return concurrent_disagg.run(self, state)
+        return self._disaggregated(state)
 
     async def _disaggregated(self, state: RequestState) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
         """Prefill leg (max_tokens=1) on a prefill worker, its first token straight to the client,

@@ -86,6 +86,10 @@ class WorkerClient:
         return await self.stub.Encode(worker_pb2.EncodeRequest(request_id=request_id, images=list(images)),
                                       timeout=timeout_s)
 
+    async def provide_kv_params(self, request: worker_pb2.ProvideKVParamsRequest, timeout_s: float | None) -> None:
+        """Worker.ProvideKVParams: the prefill leg's result for a decode leg waiting there."""
+        await self.stub.ProvideKVParams(request, timeout=timeout_s)
+
     async def abort(self, request_ids: Sequence[str], timeout_s: float = 5.0) -> list[str]:
         resp = await self.stub.Abort(common_pb2.AbortRequest(request_ids=list(request_ids)), timeout=timeout_s)
         return list(resp.aborted_request_ids)

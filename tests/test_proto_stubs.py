@@ -52,7 +52,7 @@ def test_stubs_import_and_services_exist():
     assert router.methods_by_name["Generate"].server_streaming
     worker = worker_pb2.DESCRIPTOR.services_by_name["Worker"]
     assert {m.name for m in worker.methods} == {"Generate", "GenerateStream", "Abort", "Stats", "GetInfo", "Drain",
-                                                 "Encode"}
+                                                 "Encode", "ProvideKVParams"}
     assert worker.methods_by_name["Generate"].server_streaming
     stream = worker.methods_by_name["GenerateStream"]
     assert stream.client_streaming and stream.server_streaming

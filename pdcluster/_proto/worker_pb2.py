@@ -25,39 +25,43 @@ _sym_db = _symbol_database.Default()
 from . import common_pb2 as pdcluster_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdcluster/v1/worker.proto\x12\x0cpdcluster.v1\x1a\x19pdcluster/v1/common.proto\"3\n\rEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06images\x18\x02 \x03(\x0c\"L\n\x0e\x45ncodeResponse\x12:\n\x12\x65\x63_transfer_params\x18\x01 \x01(\x0b\x32\x1e.pdcluster.v1.EcTransferParams\"4\n\x0c\x44rainRequest\x12\x16\n\ttimeout_s\x18\x01 \x01(\x01H\x00\x88\x01\x01\x42\x0c\n\n_timeout_s\"8\n\rDrainResponse\x12\x14\n\x0cnum_finished\x18\x01 \x01(\r\x12\x11\n\tnum_moved\x18\x02 \x01(\r\"\xe9\x02\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x35\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1c.pdcluster.v1.SamplingParams\x12?\n\x12kv_transfer_params\x18\x04 \x01(\x0b\x32\x1e.pdcluster.v1.KvTransferParamsH\x00\x88\x01\x01\x12\x0e\n\x06stream\x18\x05 \x01(\x08\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12 \n\x18prefill_output_token_ids\x18\x07 \x03(\r\x12\x0e\n\x06images\x18\x08 \x03(\x0c\x12:\n\x12\x65\x63_transfer_params\x18\t \x03(\x0b\x32\x1e.pdcluster.v1.EcTransferParamsB\x15\n\x13_kv_transfer_params\"\x9a\x04\n\x16WorkerGenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.pdcluster.v1.SampleLogprobs\x12\x1b\n\x13token_arrival_times\x18\x05 \x03(\x01\x12\x10\n\x08\x66inished\x18\x06 \x01(\x08\x12\x31\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x1a.pdcluster.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x08 \x01(\rH\x00\x12\x12\n\x08stop_str\x18\t \x01(\tH\x00\x12\"\n\x05usage\x18\n \x01(\x0b\x32\x13.pdcluster.v1.Usage\x12\x15\n\rerror_message\x18\x0b \x01(\t\x12?\n\x12kv_transfer_params\x18\x0c \x01(\x0b\x32\x1e.pdcluster.v1.KvTransferParamsH\x01\x88\x01\x01\x12\x12\n\nstream_tag\x18\r \x01(\x04\x12?\n\x12\x65\x63_transfer_params\x18\x0e \x01(\x0b\x32\x1e.pdcluster.v1.EcTransferParamsH\x02\x88\x01\x01\x42\r\n\x0bstop_reasonB\x15\n\x13_kv_transfer_paramsB\x15\n\x13_ec_transfer_params\"y\n\x0eStreamGenerate\x12\x34\n\x07request\x18\x01 \x01(\x0b\x32#.pdcluster.v1.WorkerGenerateRequest\x12\x16\n\ttimeout_s\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x0b\n\x03tag\x18\x03 \x01(\x04\x42\x0c\n\n_timeout_s\"Y\n\x13WorkerStreamRequest\x12.\n\x08generate\x18\x01 \x03(\x0b\x32\x1c.pdcluster.v1.StreamGenerate\x12\x12\n\nabort_tags\x18\x02 \x03(\x04\"M\n\x0bStreamError\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x0b\n\x03tag\x18\x04 \x01(\x04\"w\n\x14WorkerStreamResponse\x12\x34\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32$.pdcluster.v1.WorkerGenerateResponse\x12)\n\x06\x65rrors\x18\x02 \x03(\x0b\x32\x19.pdcluster.v1.StreamError\"\x0e\n\x0cStatsRequest\"\x10\n\x0eGetInfoRequest\"\xc4\x03\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12&\n\x04role\x18\x02 \x01(\x0e\x32\x18.pdcluster.v1.WorkerRole\x12\r\n\x05model\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x15\n\rmax_model_len\x18\x07 \x01(\r\x12\x0f\n\x07tp_size\x18\x08 \x01(\r\x12\x1b\n\x13num_kv_blocks_total\x18\t \x01(\x04\x12\x14\n\x0ckv_connector\x18\n \x01(\t\x12\x14\n\x0c\x65ngine_epoch\x18\x0b \x01(\x04\x12\x0f\n\x07version\x18\x0c \x01(\t\x12\x1a\n\x12kv_events_endpoint\x18\r \x01(\t\x12\x1c\n\x14kv_snapshot_endpoint\x18\x0e \x01(\t\x12\x1c\n\x14kv_events_public_key\x18\x0f \x01(\x0c\x12\x15\n\reos_token_ids\x18\x10 \x03(\r\x12\x14\n\x0c\x65\x63_connector\x18\x11 \x01(\t\x12\x13\n\x0b\x65\x63_endpoint\x18\x12 \x01(\t\x12\x15\n\rec_public_key\x18\x13 \x01(\x0c\x32\x8a\x04\n\x06Worker\x12W\n\x08Generate\x12#.pdcluster.v1.WorkerGenerateRequest\x1a$.pdcluster.v1.WorkerGenerateResponse0\x01\x12[\n\x0eGenerateStream\x12!.pdcluster.v1.WorkerStreamRequest\x1a\".pdcluster.v1.WorkerStreamResponse(\x01\x30\x01\x12@\n\x05\x41\x62ort\x12\x1a.pdcluster.v1.AbortRequest\x1a\x1b.pdcluster.v1.AbortResponse\x12>\n\x05Stats\x12\x1a.pdcluster.v1.StatsRequest\x1a\x19.pdcluster.v1.WorkerStats\x12\x41\n\x07GetInfo\x12\x1c.pdcluster.v1.GetInfoRequest\x1a\x18.pdcluster.v1.WorkerInfo\x12@\n\x05\x44rain\x12\x1a.pdcluster.v1.DrainRequest\x1a\x1b.pdcluster.v1.DrainResponse\x12\x43\n\x06\x45ncode\x12\x1b.pdcluster.v1.EncodeRequest\x1a\x1c.pdcluster.v1.EncodeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdcluster/v1/worker.proto\x12\x0cpdcluster.v1\x1a\x19pdcluster/v1/common.proto\"\xbb\x01\n\x16ProvideKVParamsRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12?\n\x12kv_transfer_params\x18\x03 \x01(\x0b\x32\x1e.pdcluster.v1.KvTransferParamsH\x00\x88\x01\x01\x12 \n\x18prefill_output_token_ids\x18\x04 \x03(\rB\x15\n\x13_kv_transfer_params\"\x19\n\x17ProvideKVParamsResponse\"3\n\rEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06images\x18\x02 \x03(\x0c\"L\n\x0e\x45ncodeResponse\x12:\n\x12\x65\x63_transfer_params\x18\x01 \x01(\x0b\x32\x1e.pdcluster.v1.EcTransferParams\"4\n\x0c\x44rainRequest\x12\x16\n\ttimeout_s\x18\x01 \x01(\x01H\x00\x88\x01\x01\x42\x0c\n\n_timeout_s\"8\n\rDrainResponse\x12\x14\n\x0cnum_finished\x18\x01 \x01(\r\x12\x11\n\tnum_moved\x18\x02 \x01(\r\"\xc1\x03\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x35\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1c.pdcluster.v1.SamplingParams\x12?\n\x12kv_transfer_params\x18\x04 \x01(\x0b\x32\x1e.pdcluster.v1.KvTransferParamsH\x00\x88\x01\x01\x12\x0e\n\x06stream\x18\x05 \x01(\x08\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12 \n\x18prefill_output_token_ids\x18\x07 \x03(\r\x12\x0e\n\x06images\x18\x08 \x03(\x0c\x12:\n\x12\x65\x63_transfer_params\x18\t \x03(\x0b\x32\x1e.pdcluster.v1.EcTransferParams\x12\x1c\n\x14\x61wait_kv_transfer_id\x18\n \x01(\t\x12 \n\x13kv_params_timeout_s\x18\x0b \x01(\x01H\x01\x88\x01\x01\x42\x15\n\x13_kv_transfer_paramsB\x16\n\x14_kv_params_timeout_s\"\x9a\x04\n\x16WorkerGenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.pdcluster.v1.SampleLogprobs\x12\x1b\n\x13token_arrival_times\x18\x05 \x03(\x01\x12\x10\n\x08\x66inished\x18\x06 \x01(\x08\x12\x31\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x1a.pdcluster.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x08 \x01(\rH\x00\x12\x12\n\x08stop_str\x18\t \x01(\tH\x00\x12\"\n\x05usage\x18\n \x01(\x0b\x32\x13.pdcluster.v1.Usage\x12\x15\n\rerror_message\x18\x0b \x01(\t\x12?\n\x12kv_transfer_params\x18\x0c \x01(\x0b\x32\x1e.pdcluster.v1.KvTransferParamsH\x01\x88\x01\x01\x12\x12\n\nstream_tag\x18\r \x01(\x04\x12?\n\x12\x65\x63_transfer_params\x18\x0e \x01(\x0b\x32\x1e.pdcluster.v1.EcTransferParamsH\x02\x88\x01\x01\x42\r\n\x0bstop_reasonB\x15\n\x13_kv_transfer_paramsB\x15\n\x13_ec_transfer_params\"y\n\x0eStreamGenerate\x12\x34\n\x07request\x18\x01 \x01(\x0b\x32#.pdcluster.v1.WorkerGenerateRequest\x12\x16\n\ttimeout_s\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x0b\n\x03tag\x18\x03 \x01(\x04\x42\x0c\n\n_timeout_s\"Y\n\x13WorkerStreamRequest\x12.\n\x08generate\x18\x01 \x03(\x0b\x32\x1c.pdcluster.v1.StreamGenerate\x12\x12\n\nabort_tags\x18\x02 \x03(\x04\"M\n\x0bStreamError\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x0b\n\x03tag\x18\x04 \x01(\x04\"w\n\x14WorkerStreamResponse\x12\x34\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32$.pdcluster.v1.WorkerGenerateResponse\x12)\n\x06\x65rrors\x18\x02 \x03(\x0b\x32\x19.pdcluster.v1.StreamError\"\x0e\n\x0cStatsRequest\"\x10\n\x0eGetInfoRequest\"\xc4\x03\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12&\n\x04role\x18\x02 \x01(\x0e\x32\x18.pdcluster.v1.WorkerRole\x12\r\n\x05model\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x15\n\rmax_model_len\x18\x07 \x01(\r\x12\x0f\n\x07tp_size\x18\x08 \x01(\r\x12\x1b\n\x13num_kv_blocks_total\x18\t \x01(\x04\x12\x14\n\x0ckv_connector\x18\n \x01(\t\x12\x14\n\x0c\x65ngine_epoch\x18\x0b \x01(\x04\x12\x0f\n\x07version\x18\x0c \x01(\t\x12\x1a\n\x12kv_events_endpoint\x18\r \x01(\t\x12\x1c\n\x14kv_snapshot_endpoint\x18\x0e \x01(\t\x12\x1c\n\x14kv_events_public_key\x18\x0f \x01(\x0c\x12\x15\n\reos_token_ids\x18\x10 \x03(\r\x12\x14\n\x0c\x65\x63_connector\x18\x11 \x01(\t\x12\x13\n\x0b\x65\x63_endpoint\x18\x12 \x01(\t\x12\x15\n\rec_public_key\x18\x13 \x01(\x0c\x32\xea\x04\n\x06Worker\x12W\n\x08Generate\x12#.pdcluster.v1.WorkerGenerateRequest\x1a$.pdcluster.v1.WorkerGenerateResponse0\x01\x12[\n\x0eGenerateStream\x12!.pdcluster.v1.WorkerStreamRequest\x1a\".pdcluster.v1.WorkerStreamResponse(\x01\x30\x01\x12@\n\x05\x41\x62ort\x12\x1a.pdcluster.v1.AbortRequest\x1a\x1b.pdcluster.v1.AbortResponse\x12>\n\x05Stats\x12\x1a.pdcluster.v1.StatsRequest\x1a\x19.pdcluster.v1.WorkerStats\x12\x41\n\x07GetInfo\x12\x1c.pdcluster.v1.GetInfoRequest\x1a\x18.pdcluster.v1.WorkerInfo\x12@\n\x05\x44rain\x12\x1a.pdcluster.v1.DrainRequest\x1a\x1b.pdcluster.v1.DrainResponse\x12\x43\n\x06\x45ncode\x12\x1b.pdcluster.v1.EncodeRequest\x1a\x1c.pdcluster.v1.EncodeResponse\x12^\n\x0fProvideKVParams\x12$.pdcluster.v1.ProvideKVParamsRequest\x1a%.pdcluster.v1.ProvideKVParamsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdcluster.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ENCODEREQUEST']._serialized_start=70
-  _globals['_ENCODEREQUEST']._serialized_end=121
-  _globals['_ENCODERESPONSE']._serialized_start=123
-  _globals['_ENCODERESPONSE']._serialized_end=199
-  _globals['_DRAINREQUEST']._serialized_start=201
-  _globals['_DRAINREQUEST']._serialized_end=253
-  _globals['_DRAINRESPONSE']._serialized_start=255
-  _globals['_DRAINRESPONSE']._serialized_end=311
-  _globals['_WORKERGENERATEREQUEST']._serialized_start=314
-  _globals['_WORKERGENERATEREQUEST']._serialized_end=675
-  _globals['_WORKERGENERATERESPONSE']._serialized_start=678
-  _globals['_WORKERGENERATERESPONSE']._serialized_end=1216
-  _globals['_STREAMGENERATE']._serialized_start=1218
-  _globals['_STREAMGENERATE']._serialized_end=1339
-  _globals['_WORKERSTREAMREQUEST']._serialized_start=1341
-  _globals['_WORKERSTREAMREQUEST']._serialized_end=1430
-  _globals['_STREAMERROR']._serialized_start=1432
-  _globals['_STREAMERROR']._serialized_end=1509
-  _globals['_WORKERSTREAMRESPONSE']._serialized_start=1511
-  _globals['_WORKERSTREAMRESPONSE']._serialized_end=1630
-  _globals['_STATSREQUEST']._serialized_start=1632
-  _globals['_STATSREQUEST']._serialized_end=1646
-  _globals['_GETINFOREQUEST']._serialized_start=1648
-  _globals['_GETINFOREQUEST']._serialized_end=1664
-  _globals['_WORKERINFO']._serialized_start=1667
-  _globals['_WORKERINFO']._serialized_end=2119
-  _globals['_WORKER']._serialized_start=2122
-  _globals['_WORKER']._serialized_end=2644
+  _globals['_PROVIDEKVPARAMSREQUEST']._serialized_start=71
+  _globals['_PROVIDEKVPARAMSREQUEST']._serialized_end=258
+  _globals['_PROVIDEKVPARAMSRESPONSE']._serialized_start=260
+  _globals['_PROVIDEKVPARAMSRESPONSE']._serialized_end=285
+  _globals['_ENCODEREQUEST']._serialized_start=287
+  _globals['_ENCODEREQUEST']._serialized_end=338
+  _globals['_ENCODERESPONSE']._serialized_start=340
+  _globals['_ENCODERESPONSE']._serialized_end=416
+  _globals['_DRAINREQUEST']._serialized_start=418
+  _globals['_DRAINREQUEST']._serialized_end=470
+  _globals['_DRAINRESPONSE']._serialized_start=472
+  _globals['_DRAINRESPONSE']._serialized_end=528
+  _globals['_WORKERGENERATEREQUEST']._serialized_start=531
+  _globals['_WORKERGENERATEREQUEST']._serialized_end=980
+  _globals['_WORKERGENERATERESPONSE']._serialized_start=983
+  _globals['_WORKERGENERATERESPONSE']._serialized_end=1521
+  _globals['_STREAMGENERATE']._serialized_start=1523
+  _globals['_STREAMGENERATE']._serialized_end=1644
+  _globals['_WORKERSTREAMREQUEST']._serialized_start=1646
+  _globals['_WORKERSTREAMREQUEST']._serialized_end=1735
+  _globals['_STREAMERROR']._serialized_start=1737
+  _globals['_STREAMERROR']._serialized_end=1814
+  _globals['_WORKERSTREAMRESPONSE']._serialized_start=1816
+  _globals['_WORKERSTREAMRESPONSE']._serialized_end=1935
+  _globals['_STATSREQUEST']._serialized_start=1937
+  _globals['_STATSREQUEST']._serialized_end=1951
+  _globals['_GETINFOREQUEST']._serialized_start=1953
+  _globals['_GETINFOREQUEST']._serialized_end=1969
+  _globals['_WORKERINFO']._serialized_start=1972
+  _globals['_WORKERINFO']._serialized_end=2424
+  _globals['_WORKER']._serialized_start=2427
+  _globals['_WORKER']._serialized_end=3045
 # @@protoc_insertion_point(module_scope)

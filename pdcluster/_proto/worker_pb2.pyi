@@ -7,6 +7,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ProvideKVParamsRequest(_message.Message):
+    __slots__ = ("request_id", "transfer_id", "kv_transfer_params", "prefill_output_token_ids")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    transfer_id: str
+    kv_transfer_params: _common_pb2.KvTransferParams
+    prefill_output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., kv_transfer_params: _Optional[_Union[_common_pb2.KvTransferParams, _Mapping]] = ..., prefill_output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ProvideKVParamsResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class EncodeRequest(_message.Message):
     __slots__ = ("request_id", "images")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -36,7 +52,7 @@ class DrainResponse(_message.Message):
     def __init__(self, num_finished: _Optional[int] = ..., num_moved: _Optional[int] = ...) -> None: ...
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "kv_transfer_params", "stream", "eos_token_ids", "prefill_output_token_ids", "images", "ec_transfer_params")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "kv_transfer_params", "stream", "eos_token_ids", "prefill_output_token_ids", "images", "ec_transfer_params", "await_kv_transfer_id", "kv_params_timeout_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +62,8 @@ class WorkerGenerateRequest(_message.Message):
     PREFILL_OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     EC_TRANSFER_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    AWAIT_KV_TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_PARAMS_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _common_pb2.SamplingParams
@@ -55,7 +73,9 @@ class WorkerGenerateRequest(_message.Message):
     prefill_output_token_ids: _containers.RepeatedScalarFieldContainer[int]
     images: _containers.RepeatedScalarFieldContainer[bytes]
     ec_transfer_params: _containers.RepeatedCompositeFieldContainer[_common_pb2.EcTransferParams]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_transfer_params: _Optional[_Union[_common_pb2.KvTransferParams, _Mapping]] = ..., stream: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., prefill_output_token_ids: _Optional[_Iterable[int]] = ..., images: _Optional[_Iterable[bytes]] = ..., ec_transfer_params: _Optional[_Iterable[_Union[_common_pb2.EcTransferParams, _Mapping]]] = ...) -> None: ...
+    await_kv_transfer_id: str
+    kv_params_timeout_s: float
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_transfer_params: _Optional[_Union[_common_pb2.KvTransferParams, _Mapping]] = ..., stream: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., prefill_output_token_ids: _Optional[_Iterable[int]] = ..., images: _Optional[_Iterable[bytes]] = ..., ec_transfer_params: _Optional[_Iterable[_Union[_common_pb2.EcTransferParams, _Mapping]]] = ..., await_kv_transfer_id: _Optional[str] = ..., kv_params_timeout_s: _Optional[float] = ...) -> None: ...
 
 class WorkerGenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "logprobs", "token_arrival_times", "finished", "finish_reason", "stop_token_id", "stop_str", "usage", "error_message", "kv_transfer_params", "stream_tag", "ec_transfer_params")

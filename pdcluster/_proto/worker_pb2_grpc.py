@@ -71,6 +71,11 @@ class WorkerStub:
                 request_serializer=pdcluster_dot_v1_dot_worker__pb2.EncodeRequest.SerializeToString,
                 response_deserializer=pdcluster_dot_v1_dot_worker__pb2.EncodeResponse.FromString,
                 _registered_method=True)
+        self.ProvideKVParams = channel.unary_unary(
+                '/pdcluster.v1.Worker/ProvideKVParams',
+                request_serializer=pdcluster_dot_v1_dot_worker__pb2.ProvideKVParamsRequest.SerializeToString,
+                response_deserializer=pdcluster_dot_v1_dot_worker__pb2.ProvideKVParamsResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -134,6 +139,16 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProvideKVParams(self, request, context):
+        """Concurrent disaggregation (router --disagg-mode concurrent): hand the prefill leg's result
+        (its kv_transfer_params and first token) to a decode leg already admitted here with
+        await_kv_transfer_id. Router only; refused unless request_id waits here under that
+        transfer_id and the params were made for that request. Returns once the leg has them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -171,6 +186,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Encode,
                     request_deserializer=pdcluster_dot_v1_dot_worker__pb2.EncodeRequest.FromString,
                     response_serializer=pdcluster_dot_v1_dot_worker__pb2.EncodeResponse.SerializeToString,
+            ),
+            'ProvideKVParams': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProvideKVParams,
+                    request_deserializer=pdcluster_dot_v1_dot_worker__pb2.ProvideKVParamsRequest.FromString,
+                    response_serializer=pdcluster_dot_v1_dot_worker__pb2.ProvideKVParamsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -363,6 +383,33 @@ class Worker:
             '/pdcluster.v1.Worker/Encode',
             pdcluster_dot_v1_dot_worker__pb2.EncodeRequest.SerializeToString,
             pdcluster_dot_v1_dot_worker__pb2.EncodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProvideKVParams(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdcluster.v1.Worker/ProvideKVParams',
+            pdcluster_dot_v1_dot_worker__pb2.ProvideKVParamsRequest.SerializeToString,
+            pdcluster_dot_v1_dot_worker__pb2.ProvideKVParamsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -16,7 +16,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +25,7 @@ from pdcluster.engine.block_pool import KVEvent
 from pdcluster.engine.ec_transfer_params import ECTransferParams
 from pdcluster.engine.engine_counters import EngineCounters
 from pdcluster.engine.kv_transfer_params import KVTransferParams
-from pdcluster.engine.llm_engine import LLMEngine
+from pdcluster.engine.llm_engine import LLMEngine, check_prior_tokens
 from pdcluster.engine.outputs import CompletionOutput, RequestOutput
 from pdcluster.sampling_params import SamplingParams
 
@@ -121,6 +121,7 @@ class AsyncEngine:
         prefill_output_token_ids: Sequence[int] | None = None,
         multi_modal_data: dict[str, Any] | None = None,
         ec_transfer_params: Sequence[ECTransferParams] = (),
+        kv_params_later: Callable[[], Awaitable[tuple[KVTransferParams | None, Sequence[int]]]] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield RequestOutput deltas until one with finished=True. ValueError for bad input;
         cancelling the iteration (or the task consuming it) aborts the request and frees its blocks.
@@ -128,7 +129,10 @@ class AsyncEngine:
         prefill_output_token_ids = the prefill leg's tokens (see LLMEngine.prepare_request).
         multi_modal_data: {"image": PIL images or encoded bytes} (multimodal models).
         ec_transfer_params: producers holding those images' encoder outputs: fetched (EC
-        connector) before the request is scheduled; any item that fails is encoded locally."""
+        connector) before the request is scheduled; any item that fails is encoded locally.
+        kv_params_later: a concurrent decode leg (no kv_transfer_params nor prefill tokens yet):
+        the request is validated now and enters the engine once this returns (kv_transfer_params,
+        prefill_output_token_ids); what it raises ends the request. Nothing is allocated before."""
         if self._dead is not None:
             raise EngineDeadError(f"engine is not running: {self._dead!r}")
         runner_error = self.engine.core.health_error()  # e.g. a tensor-parallel rank died while idle
@@ -147,6 +151,11 @@ class AsyncEngine:
         counters, num_prompt_tokens = self.counters, request.num_prompt_tokens
         try:
             await self._fetch_encoder_outputs(request)
+            if kv_params_later is not None:
+                kv, prior = await kv_params_later()
+                request.output_token_ids = check_prior_tokens(prior, request.sampling_params,
+                                                              request.num_prompt_tokens, self.engine.config)
+                request.kv_transfer_params = kv
             self._cmds.put(("add", request, text, stream))
             while True:
                 item = await stream.queue.get()

@@ -100,7 +100,7 @@ class LLMEngine:
         if self.mm_processor is not None and pixels is not None:
             mm_features = self.mm_processor.features(ids, pixels)
             text = prompt if isinstance(prompt, str) else text  # the user's prompt, not the expansion
-        prior = _check_prior_tokens(prefill_output_token_ids, params, len(ids), self.config)
+        prior = check_prior_tokens(prefill_output_token_ids, params, len(ids), self.config)
         if params.logit_bias and params.logit_bias[-1][0] >= self.config.model.vocab_size:
             raise ValueError(f"logit_bias: token id {params.logit_bias[-1][0]} is outside the vocabulary "
                              f"[0, {self.config.model.vocab_size})")
@@ -197,8 +197,8 @@ class LLMEngine:
         self.core.shutdown()
 
 
-def _check_prior_tokens(token_ids: Sequence[int] | None, params: SamplingParams, num_prompt_tokens: int,
-                        config: EngineConfig) -> list[int]:
+def check_prior_tokens(token_ids: Sequence[int] | None, params: SamplingParams, num_prompt_tokens: int,
+                       config: EngineConfig) -> list[int]:
     if not token_ids:
         return []
     out = list(token_ids)

@@ -3,7 +3,9 @@ GenerateStream session alike.
 
     check()        a request's sampling params and the role's verdict on its KV params, or Refusal
     track()/forget() the in-flight map (request id -> Inflight), one entry per running request
-    start_pump()   the engine request as a task feeding a sink (a queue, or a stream session)
+    start_pump()   the engine request as a task feeding a sink (a queue, or a stream session);
+                   a concurrent decode leg (await_kv_transfer_id) waits in kv_waits first
+    provide()      ProvideKVParams: the prefill leg's params and token(s) for such a waiting leg
     refusal_for()  the status an engine item ends a request with, if any
     response()     one engine item as a WorkerGenerateResponse (ABORTED: abort_response)
     abort()        cancel the pump (the engine frees the blocks) and end the request with ABORT
@@ -37,6 +39,7 @@ from pdcluster.engine.outputs import RequestOutput
 from pdcluster.sampling_params import SamplingParams
 from pdcluster.worker import convert
 from pdcluster.worker.inflight import Inflight, Refusal
+from pdcluster.worker.kv_params_wait import KVParamsTimeout, KVParamsWaits, check_timeout, check_transfer_id
 from pdcluster.worker.roles import KvTransferRejected, RoleHandler
 
 log = logging.getLogger(__name__)
@@ -76,6 +79,7 @@ class RequestTable:
         self.draining = False
         # Counted on the event loop only; the metrics thread reads ints (a torn read is impossible).
         self.ended: dict[str, int] = dict.fromkeys(END_REASONS, 0)
+        self.kv_waits = KVParamsWaits()  # concurrent decode legs waiting for ProvideKVParams
 
     def __len__(self) -> int:
         return len(self._inflight)
@@ -98,6 +102,8 @@ class RequestTable:
                 if request.HasField("kv_transfer_params") else None
             kv = self.role.accept(kv)
             ec_params(request)
+            if request.await_kv_transfer_id or request.HasField("kv_params_timeout_s"):
+                self._check_awaiting(request)
         except ValueError as e:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         except KvTransferRejected as e:
@@ -109,6 +115,34 @@ class RequestTable:
         if self.draining:
             raise Refusal(grpc.StatusCode.UNAVAILABLE, "worker is draining; send the request to another worker")
         return params, kv
+
+    def _check_awaiting(self, request: worker_pb2.WorkerGenerateRequest) -> None:
+        if not request.await_kv_transfer_id:
+            raise ValueError("kv_params_timeout_s: only for a decode leg with await_kv_transfer_id")
+        check_transfer_id(request.await_kv_transfer_id)
+        check_timeout(request.kv_params_timeout_s if request.HasField("kv_params_timeout_s") else None)
+        for name in ("kv_transfer_params", "prefill_output_token_ids", "images", "ec_transfer_params"):
+            if (request.HasField(name) if name == "kv_transfer_params" else len(getattr(request, name))):
+                raise ValueError(f"{name}: a decode leg with await_kv_transfer_id gets no {name} "
+                                 "(the KV hand-off arrives by ProvideKVParams; images are not supported)")
+        if self.role.name not in ("decode", "both") or not self.role.connector_name:
+            raise KvTransferRejected(f"await_kv_transfer_id: a {self.role.name} worker without a KV consumer "
+                                     "does not serve decode legs; send it to a decode worker")
+
+    def provide(self, request: worker_pb2.ProvideKVParamsRequest) -> None:
+        """ProvideKVParams: check the params like a decode leg's and hand them to the waiting leg;
+        Refusal naming the field otherwise."""
+        try:
+            kv = convert.kv_params_from_proto(request.kv_transfer_params) \
+                if request.HasField("kv_transfer_params") else None
+            if kv is not None and not kv.do_remote_prefill:
+                raise ValueError("kv_transfer_params: set do_remote_prefill (the decode leg's params)")
+            kv = self.role.accept(kv)
+        except ValueError as e:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        except KvTransferRejected as e:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
+        self.kv_waits.provide(request.request_id, request.transfer_id, kv, list(request.prefill_output_token_ids))
 
     def track(self, request_id: str, inflight: Inflight) -> None:
         self._inflight[request_id] = inflight
@@ -131,13 +165,28 @@ class RequestTable:
         previous = self._pumps.get(request_id)
         if previous is not None and previous.done():
             previous = None
-        task = asyncio.get_running_loop().create_task(self._pump(request_id, request, params, kv, sink, previous))
+        waiter = None
+        if request.await_kv_transfer_id:  # checked: registered now, so ProvideKVParams finds it at once
+            timeout = check_timeout(request.kv_params_timeout_s if request.HasField("kv_params_timeout_s") else None)
+            waiter = self.kv_waits.register(request_id, request.await_kv_transfer_id, timeout)
+        task = asyncio.get_running_loop().create_task(self._pump(request_id, request, params, kv, sink, previous,
+                                                                 waiter))
         self._pumps[request_id] = task
         task.add_done_callback(lambda t: self._pumps.pop(request_id) if self._pumps.get(request_id) is t else None)
         return task
 
     async def _pump(self, request_id: str, request: worker_pb2.WorkerGenerateRequest, params: SamplingParams,
-                    kv: KVTransferParams | None, sink: Sink, previous: asyncio.Task | None) -> None:
+                    kv: KVTransferParams | None, sink: Sink, previous: asyncio.Task | None,
+                    waiter: Any = None) -> None:
+        try:
+            await self._pump_inner(request_id, request, params, kv, sink, previous, waiter)
+        finally:
+            if waiter is not None:
+                self.kv_waits.drop(request_id, waiter)
+
+    async def _pump_inner(self, request_id: str, request: worker_pb2.WorkerGenerateRequest, params: SamplingParams,
+                          kv: KVTransferParams | None, sink: Sink, previous: asyncio.Task | None,
+                          waiter: Any) -> None:
         if previous is not None:
             await asyncio.wait([previous])
         prior = list(request.prefill_output_token_ids)  # the decode leg's; the engine validates them
@@ -147,7 +196,9 @@ class RequestTable:
         # Where other instances hold this request's encoder outputs (passed only when there are
         # some: an engine without an EC connector takes no such argument).
         ec = ec_params(request)
-        extra = {"ec_transfer_params": ec} if ec and mm_data else {}
+        extra: dict[str, Any] = {"ec_transfer_params": ec} if ec and mm_data else {}
+        if waiter is not None:  # validated and tokenized now; enters the engine with the params
+            extra["kv_params_later"] = waiter.wait
         try:
             async with aclosing(self.engine.generate(list(request.prompt_token_ids), params, request_id=request_id,
                                                      kv_transfer_params=kv, prefill_output_token_ids=prior or None,
@@ -173,6 +224,8 @@ class RequestTable:
         if isinstance(item, BaseException):
             if isinstance(item, ValueError):
                 return Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(item))
+            if isinstance(item, KVParamsTimeout):
+                return Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, str(item))
             if isinstance(item, EngineDeadError):
                 return Refusal(grpc.StatusCode.UNAVAILABLE, str(item))
             log.error("request failed", exc_info=item)

@@ -91,8 +91,9 @@ def _resolve_role(role: RoleHandler | str) -> RoleHandler:
     raise ValueError(f"role must be 'prefill', 'decode', 'both', 'encode' or a RoleHandler, got {role!r}")
 
 
-# Encode too: it makes the worker compute and hold encoder outputs under a lease, on request data.
-ROUTER_ONLY = ("Generate", "GenerateStream", "Abort", "Drain", "Encode")
+# Encode too: it makes the worker compute and hold encoder outputs under a lease, on request data;
+# ProvideKVParams: it tells a decode leg which producer's blocks to read.
+ROUTER_ONLY = ("Generate", "GenerateStream", "Abort", "Drain", "Encode", "ProvideKVParams")
 
 
 def worker_policy() -> RolePolicy:

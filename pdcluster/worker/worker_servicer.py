@@ -13,6 +13,9 @@ request at any await, each freeing its KV blocks in the engine:
 engine). Errors before the first response are gRPC status codes; after it, a final response
 with finish_reason ERROR.
 
+ProvideKVParams (concurrent disaggregation, kv_params_wait.py) hands the prefill leg's params and
+first token to a decode leg admitted earlier with await_kv_transfer_id; router only (server.py).
+
 Encode (encode_rpc.py) runs the vision encoder on images and returns the EC params of its outputs.
 
 GenerateStream (the router's path) runs many requests over one call with the same per-request
@@ -177,6 +180,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         hit_rate = self._hit_rate.update(int(stats.get("prefix_cache_queries", 0)), int(stats.get("prefix_cache_hits", 0)))
         return build_stats(self.worker_id, self.role.proto_role, self.model_name,
                            self.engine.block_size, stats, self.kv_events_info(), hit_rate)
+
+    async def ProvideKVParams(self, request: worker_pb2.ProvideKVParamsRequest,  # noqa: N802
+                              context: grpc.aio.ServicerContext) -> worker_pb2.ProvideKVParamsResponse:
+        try:
+            self.requests.provide(request)
+        except Refusal as refusal:
+            await context.abort(refusal.code, refusal.message)
+        return worker_pb2.ProvideKVParamsResponse()
 
     async def Encode(self, request: worker_pb2.EncodeRequest,  # noqa: N802
                      context: grpc.aio.ServicerContext) -> worker_pb2.EncodeResponse:
