@@ -5,11 +5,14 @@ machine's measured read bandwidth.
     python benchmarks/decode_roofline.py                      # 125M bench Llama, bf16 checkpoint
     python benchmarks/decode_roofline.py --prompt-len 512 --steps 64 --compute-dtype float32
     python benchmarks/decode_roofline.py --enforce-eager      # without torch.compile
+    PDCLUSTER_CPU_PREPACK=0 python benchmarks/decode_roofline.py   # F.linear, no oneDNN pre-packing
 
 Bandwidth: the best of several full reads (torch.sum) of a buffer far larger than the caches, with
 the engine's thread count; a copy (read + write) is printed beside it. Decode: one request driven
 through ModelRunner directly (prefill, then timed single-token steps: the whole step, runner
-input building and sampling included), median of the steps.
+input building and sampling included), median of the steps. Printed beside it: how many linear
+weights run oneDNN pre-packed (models/layers/cpu_gemm.py), the process CPU time per step (the
+machine may be shared: CPU time above threads x wall time means waiting) and the load average.
 """
 
 from __future__ import annotations
@@ -53,7 +56,8 @@ def bytes_per_step(model, kv_itemsize: int, cfg, seq_len: int) -> tuple[int, int
 
 
 def decode_ms(model_path: str, compute_dtype: str, prompt_len: int, steps: int,
-              enforce_eager: bool = False) -> tuple[float, object]:
+              enforce_eager: bool = False) -> tuple[float, float, object]:
+    """(median ms per decode step, mean process CPU ms per step, the runner)."""
     import torch
 
     from pdcluster.config import EngineArgs
@@ -72,13 +76,15 @@ def decode_ms(model_path: str, compute_dtype: str, prompt_len: int, steps: int,
     runner.execute(SchedulerOutput([NewRequestData("r", prompt, [], params, list(range(num_blocks)), 0)], [],
                                    {"r": prompt_len}, prompt_len))
     times = []
+    cpu0 = time.process_time()
     with torch.inference_mode():
         for i in range(steps):
             so = SchedulerOutput([], [CachedRequestData("r", [], prompt_len + i)], {"r": 1}, 1)
             t0 = time.perf_counter()
             runner.execute(so)
             times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times[2:] or times), runner
+    cpu_ms = 1e3 * (time.process_time() - cpu0) / steps
+    return 1e3 * statistics.median(times[2:] or times), cpu_ms, runner
 
 
 def main() -> None:
@@ -96,18 +102,23 @@ def main() -> None:
         torch.set_num_threads(int(os.environ["PDCLUSTER_NUM_THREADS"]))
     model = ensure_bench_model(args.model_dir)
     read_gbs, copy_gbs = read_bandwidth(args.buffer_mib << 20)
-    ms, runner = decode_ms(model, args.compute_dtype, args.prompt_len, args.steps, args.enforce_eager)
+    ms, cpu_ms, runner = decode_ms(model, args.compute_dtype, args.prompt_len, args.steps, args.enforce_eager)
     cfg = runner.config.model
     weights, kv = bytes_per_step(runner.model, runner.kv_caches.element_size(), cfg,
                                  args.prompt_len + args.steps // 2)
     floor_ms = 1e3 * (weights + kv) / (read_gbs * 1e9)
     compiled = type(runner.forward_fn).__name__ == "CompiledForward"
+    from pdcluster.models.layers.cpu_gemm import packed_count
+
+    packed, linears = packed_count(runner.model)
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "default")
     print(f"threads={torch.get_num_threads()} compute_dtype={cfg.dtype} kv={runner.kv_caches.dtype} compiled={compiled} "
-          f"load={os.getloadavg()[0]:.1f}")
+          f"prepacked={packed}/{linears} onednn_isa={isa} load={os.getloadavg()[0]:.1f}")
     print(f"bandwidth: read {read_gbs:.1f} GB/s (sum of {args.buffer_mib} MiB), copy {copy_gbs:.1f} GB/s (r+w)")
     print(f"bytes per step: weights {weights / 1e6:.1f} MB + KV {kv / 1e6:.2f} MB at ~{args.prompt_len} tokens")
     print(f"batch-1 decode: {ms:.2f} ms/token; roofline {floor_ms:.2f} ms/token -> "
-          f"{100 * floor_ms / ms:.0f}% of the memory roofline ({(weights + kv) / ms / 1e6:.1f} GB/s achieved)")
+          f"{100 * floor_ms / ms:.0f}% of the memory roofline ({(weights + kv) / ms / 1e6:.1f} GB/s achieved); "
+          f"process CPU {cpu_ms:.2f} ms/step")
 
 
 if __name__ == "__main__":

@@ -153,19 +153,53 @@ def _runner(path: str, monkeypatch: pytest.MonkeyPatch, pack: bool) -> ModelRunn
 
 
 @needs_packing
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: tied embeddings, q/k/v bias
-def test_bf16_greedy_same_tokens_packed_and_unpacked(arch: str, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = make_tiny_checkpoint(arch, tmp_path / arch, dtype=BF16)
+# qwen2: tied embeddings, q/k/v bias; qwen2_moe (float32 checkpoint loaded as bf16): the router
+# gate, the shared expert's MLP and its 1-wide gate pack, the stacked experts do not.
+@pytest.mark.parametrize("arch,linears", [("llama", 2 * 4 + 1), ("qwen2", 2 * 4 + 1), ("qwen2_moe", 2 * 6 + 1)])
+def test_bf16_greedy_same_tokens_packed_and_unpacked(arch: str, linears: int, tmp_path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    if arch == "qwen2_moe":
+        from models.tiny_archs import make_checkpoint
+
+        path = make_checkpoint(arch, tmp_path / arch)
+    else:
+        path = make_tiny_checkpoint(arch, tmp_path / arch, dtype=BF16)
     prompts = make_prompts(384, lens=(9, 30, 1))
     plain = _runner(path, monkeypatch, pack=False)
     assert cpu_gemm.packed_count(plain.model)[0] == 0
     want = run_greedy(plain, prompts, max_tokens=16, stagger=True)
     packed = _runner(path, monkeypatch, pack=True)
     n, total = cpu_gemm.packed_count(packed.model)
-    assert n == total == 2 * 4 + 1  # per layer qkv, o, gate_up, down; the LM head
+    # per layer qkv, o, gate_up, down (MoE: qkv, o, router gate, shared gate_up, down, gate); the LM head
+    assert n == total == linears
     assert run_greedy(packed, prompts, max_tokens=16, stagger=True) == want
     # The parameters (names, values: what any digest or count reads) do not change.
     a, b = dict(plain.model.named_parameters()), dict(packed.model.named_parameters())
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     if arch == "qwen2":
         assert packed.model.lm_head.weight is packed.model.model.embed_tokens.weight
+
+
+@needs_packing
+@pytest.mark.slow  # compiles (~30 s on a loaded 2-core machine)
+def test_compiled_bf16_engine_same_tokens_packed_and_unpacked(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Compiled prefill steps trace the plain weights; eager decode steps and the LM head use the
+    # packed ones: the tokens must not change either way.
+    from pdcluster import LLM, SamplingParams
+    from pdcluster.engine.compiled_forward import CompiledForward
+
+    monkeypatch.setenv("PDCLUSTER_COMPILE", "1")
+    path = make_tiny_checkpoint("qwen2", tmp_path / "qwen2", dtype=BF16)
+    prompts = make_prompts(384, lens=(5, 17, 40, 2))
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = []
+    for pack in (False, True):
+        monkeypatch.setenv(cpu_gemm.ENV, "1" if pack else "0")
+        llm = LLM(path, compute_dtype="bfloat16", max_num_seqs=2, max_num_batched_tokens=32, num_kv_blocks=64,
+                  block_size=8)
+        runner = llm.engine.core.runner
+        assert isinstance(runner.forward_fn, CompiledForward)
+        assert (cpu_gemm.packed_count(runner.model)[0] > 0) == pack
+        outs.append([list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)])
+        llm.shutdown()
+    assert outs[0] == outs[1]
