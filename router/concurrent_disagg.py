@@ -75,6 +75,7 @@ async def run(orch: Orchestrator, state: RequestState) -> AsyncIterator[worker_p
     trace("r.decode_sent", prep.request_id)
     decode_leg = orch.legs.run(state, ("decode",), decode, leg="decode")
     head = asyncio.ensure_future(anext(decode_leg))  # picks, sends and waits for the first delta
+    handing: asyncio.Future | None = None
     try:
         started = time.monotonic()
         last = None
@@ -101,18 +102,23 @@ async def run(orch: Orchestrator, state: RequestState) -> AsyncIterator[worker_p
             orch.metrics.kv_transfer_tokens.inc(last.kv_transfer_params.num_tokens)
         # t0 is as good as sent from here (the sequential rule): no retry of the decode leg elsewhere.
         state.sent_to_client = True
-        if not await _provide(orch, state, last, transfer_id, head):
+        # The hand-over runs while the frontend writes t0 (it must not wait for the RPC's reply).
+        handing = asyncio.ensure_future(_provide(orch, state, last, transfer_id, head))
+        first = worker_pb2.WorkerGenerateResponse(request_id=prep.request_id, token_ids=last.token_ids,
+                                                  text=last.text, logprobs=last.logprobs,
+                                                  token_arrival_times=last.token_arrival_times)
+        yield first  # TTFT is the prefill leg's
+        if not await handing:
             await _close(head, decode_leg)
             trace("r.concurrent_fallback", prep.request_id)
             decode_leg = orch.legs.run(state, ("decode",), _sequential_decode(state, last), leg="decode",
                                        exclude=state.failed_workers)
             head = asyncio.ensure_future(anext(decode_leg))
-        first = worker_pb2.WorkerGenerateResponse(request_id=prep.request_id, token_ids=last.token_ids,
-                                                  text=last.text, logprobs=last.logprobs,
-                                                  token_arrival_times=last.token_arrival_times)
-        yield first  # TTFT is the prefill leg's
         resp = await head
     except BaseException:
+        if handing is not None:
+            handing.cancel()
+            await asyncio.gather(handing, return_exceptions=True)
         await _close(head, decode_leg)
         raise
     while True:

@@ -148,6 +148,28 @@ def test_client_gone_while_the_decode_leg_waits_frees_it(cluster, loop_thread):
     assert worker_stats(decode.address).num_kv_blocks_free == free_before
 
 
+def test_a_decode_leg_that_timed_out_waiting_falls_back_to_sequential(cluster, reference, tmp_path, monkeypatch):
+    trace = tmp_path / "trace.txt"
+    monkeypatch.setenv("PDCLUSTER_HANDOFF_TRACE", str(trace))
+    c = cluster(eject_after_failures=1000, disagg_params_timeout_s=0.2)
+    prefill, decode = by_name(c, "p0"), by_name(c, "d0")
+    prompt, request_id = [97, 98, 99, 100, 101, 102], f"conc-{uuid.uuid4().hex[:12]}"
+    prefill.pause()
+    try:
+        stream = c.stub.Generate(request(prompt, 8, request_id), timeout=120)
+        got: list = []
+        reader = threading.Thread(target=lambda: got.extend(stream), daemon=True)
+        reader.start()
+        assert wait_until(lambda: waiting_here(decode.address, request_id), 30)
+        assert wait_until(lambda: not waiting_here(decode.address, request_id), 30)  # timed out there
+    finally:
+        prefill.resume()
+    reader.join(60)
+    assert tokens(got) == reference.tokens(prompt, 8) and got[-1].finish_reason == LENGTH
+    assert "r.concurrent_fallback" in trace.read_text()
+    assert all(wait_until(lambda w=w: is_idle(w.address), 30) for w in c.workers)
+
+
 def test_router_abort_while_the_decode_leg_waits_frees_it(cluster):
     c = cluster(eject_after_failures=1000)
     prefill, decode = by_name(c, "p0"), by_name(c, "d0")
