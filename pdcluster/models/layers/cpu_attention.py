@@ -7,62 +7,31 @@ Why this shape (measured on torch 2.13, AVX512 CPU; see /work/notes/perf.md):
     call here is 4-D.
   - Consecutive fresh prefills (nothing cached before them) of the same length are contiguous in
     q/k/v and run as ONE causal SDPA over a (n, T, H, D) view: no copy, one call per layer.
-  - For decode (one query token per request) the flash kernel in bfloat16 is slower than float32
-    (about 3x), and the padded context gather through a 5-D block-table index is slow. Instead
-    the plan built once per step holds a flat slot index (B*S,) and an additive float32 mask; each
-    layer gathers K/V with one index_select (head-major) and runs two bmm calls with the GQA
-    group as the query rows, in the cache dtype; mask and softmax in float32.
+  - Prefill chunks over a cached prefix gather their context by whole blocks (one index_select on
+    the (num_blocks, block_size * Hk * D) view) and run one masked 4-D SDPA.
+  - Decode rows (one query token per request) go to cpu_decode.py: grouped by context length so
+    the padding stays small, gathered by blocks, two bmm with mask and softmax in float32.
 
 StepPlan is derived from one AttentionMetadata and reused by every layer of that step.
 
 A sliding window w: a token at position p sees (p - w, p]. Nothing before a query's window is read
-from the cache: prefill chunks over a prefix gather from their first query's window start, decode
-gathers only each request's last w positions. So blocks that left every layer's window may be
-freed and reused (kv_cache_manager.py) while the request's block table still names them.
+from the cache: prefill chunks over a prefix gather from the block of their first query's window
+start, decode from the block of each request's position seq_len - w. So blocks that left every
+layer's window may be freed and reused (kv_cache_manager.py) while the request's block table still
+names them.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from pdcluster.models.layers import cpu_decode
 from pdcluster.models.layers.attention_backend import AttentionMetadata
-
-
-@dataclass
-class DecodePlan:
-    """The decode rows of a step: gather index and masks shared by every layer."""
-
-    tokens: torch.Tensor | None  # (B,) token rows of q/out; None when every token is a decode
-    tables: torch.Tensor  # (B, max_blocks) block tables of the decode rows
-    seq_lens: torch.Tensor  # (B,) int64
-    num_reqs: int
-    max_seq_len: int
-    block_size: int
-    # window (None: full) -> (slots (B * S,) int64: key j of request b at b * S + j, additive mask (B, 1, S))
-    views: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-
-    def view(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys the new tokens read and their float32 mask (0 visible, -inf padding). Full:
-        positions 0..max_seq_len-1. Window w (when some sequence is longer): each request's last
-        w positions [seq_len - w, seq_len), so no earlier (possibly freed) block is read."""
-        if window is not None and window >= self.max_seq_len:
-            window = None  # the window hides nothing this step
-        if window not in self.views:
-            dev = self.tables.device
-            if window is None:
-                pos = torch.arange(self.max_seq_len, device=dev)[None, :].expand(self.num_reqs, -1)
-            else:
-                pos = (self.seq_lens - window).clamp(min=0)[:, None] + torch.arange(window, device=dev)[None, :]
-            valid = pos < self.seq_lens[:, None]
-            pos = torch.minimum(pos, (self.seq_lens - 1).clamp(min=0)[:, None])  # inside the request's blocks
-            slots = self.tables.long().gather(1, pos // self.block_size) * self.block_size + pos % self.block_size
-            mask = torch.zeros(valid.shape, dtype=torch.float32, device=dev).masked_fill_(~valid, float("-inf"))
-            self.views[window] = (slots.reshape(-1), mask[:, None, :])
-        return self.views[window]
+from pdcluster.models.layers.cpu_decode import DecodePlan
 
 
 @dataclass
@@ -95,15 +64,11 @@ def build_plan(meta: AttentionMetadata, block_size: int) -> StepPlan:
         tables = meta.block_tables if rows is None else meta.block_tables[rows]
         seq_lens = (meta.seq_lens if rows is None else meta.seq_lens[rows]).long()
         max_seq_len = max(meta.seq_lens_cpu[i] for i in decode_rows)
-        tokens = None if all_decode else torch.tensor([starts[i] for i in decode_rows], device=dev)
-        decode = DecodePlan(tokens, tables, seq_lens, len(decode_rows), max_seq_len, block_size)
+        tokens_cpu = [starts[i] for i in decode_rows]
+        tokens = None if all_decode else torch.tensor(tokens_cpu, device=dev)
+        decode = DecodePlan(tokens, tables, seq_lens, len(decode_rows), max_seq_len, block_size, tokens_cpu,
+                            [meta.seq_lens_cpu[i] for i in decode_rows])
     return StepPlan(fresh_runs, prefills, decode)
-
-
-def _slots(table: torch.Tensor, lo: int, hi: int, block_size: int) -> torch.Tensor:
-    """(max_blocks,) block table -> (hi - lo,) int64 cache slots of positions lo..hi-1."""
-    pos = torch.arange(lo, hi, device=table.device)
-    return table[pos // block_size].long() * block_size + pos % block_size
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -111,7 +76,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
     """q (T, Hq, D), k/v (T, Hk, D) already written into the cache -> (T, Hq, D)."""
     dec = plan.decode
     if dec is not None and dec.tokens is None:
-        return _decode(q, k_cache, v_cache, dec, scale, window)
+        return cpu_decode.attend(q, None, k_cache, v_cache, dec, scale, window)
     out = torch.empty_like(q)
     for first, count, n in plan.fresh_runs:
         e = first + count * n
@@ -121,7 +86,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
         e = s + meta.query_lens_cpu[i]
         out[s:e] = _over_cache(q[s:e], k_cache, v_cache, meta.block_tables[i:i + 1], c, scale, window)
     if dec is not None:
-        out[dec.tokens] = _decode(q[dec.tokens], k_cache, v_cache, dec, scale, window)
+        cpu_decode.attend(q, out, k_cache, v_cache, dec, scale, window)
     return out
 
 
@@ -147,14 +112,16 @@ def _over_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, t
     """One chunk after context_len cached tokens: q (n, Hq, D) -> (n, Hq, D) over the cache."""
     n = q.shape[0]
     seq_len = context_len + n
-    hk, d = k_cache.shape[2], k_cache.shape[3]
-    # The first query (position context_len) sees nothing before context_len - window + 1.
-    lo = 0 if window is None else max(0, context_len - window + 1)
-    slots = _slots(table[0], lo, seq_len, k_cache.shape[1])
-    kc = k_cache.view(-1, hk, d).index_select(0, slots).to(q.dtype)  # (S, Hk, D)
-    vc = v_cache.view(-1, hk, d).index_select(0, slots).to(q.dtype)
-    # Query j sits at position context_len + j and sees [0, context_len + j] (the last `window`).
-    key_pos = torch.arange(lo, seq_len, device=q.device)
+    nblk, bs, hk, d = k_cache.shape
+    # The first query (position context_len) sees nothing before context_len - window + 1: read
+    # whole blocks from the one holding that position (blocks wholly behind it may be freed).
+    first = (0 if window is None else max(0, context_len - window + 1)) // bs
+    blocks = table[0, first:(seq_len - 1) // bs + 1].long()
+    kc = k_cache.view(nblk, -1).index_select(0, blocks).view(-1, hk, d).to(q.dtype)  # (S, Hk, D)
+    vc = v_cache.view(nblk, -1).index_select(0, blocks).view(-1, hk, d).to(q.dtype)
+    # Query j sits at position context_len + j and sees [0, context_len + j] (the last `window`);
+    # keys past seq_len - 1 (the rest of the last block) are behind every query's causal edge.
+    key_pos = torch.arange(first * bs, first * bs + kc.shape[0], device=q.device)
     query_pos = torch.arange(context_len, seq_len, device=q.device)
     mask = key_pos[None, :] <= query_pos[:, None]  # (n, S)
     if window is not None:
@@ -162,33 +129,6 @@ def _over_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, t
     out = F.scaled_dot_product_attention(_heads_first(q, 1), _heads_first(kc, 1), _heads_first(vc, 1),
                                          attn_mask=mask, scale=scale, enable_gqa=True)  # (1, Hq, n, D)
     return out[0].transpose(0, 1)
-
-
-def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, dec: DecodePlan, scale: float,
-            window: int | None) -> torch.Tensor:
-    """One new token per request: q (B, Hq, D) -> (B, Hq, D).
-
-    K/V are gathered head-major, (Hk * B, S, D) contiguous, so both products are plain bmm calls
-    over Hk * B matrices with the GQA group (G = Hq / Hk) as the query rows: scores (Hk * B, G, S)
-    = q @ K^T, float32 mask and softmax, P @ V. (bmm copies a strided K view per call in bf16: a
-    head-major copy once is cheaper.) The products run in the cache dtype, like transformers'
-    eager attention: a float32 copy of K costs more than the matmul."""
-    slots, mask = dec.view(window)
-    b, s = dec.num_reqs, mask.shape[-1]
-    hq, d = q.shape[1], q.shape[2]
-    hk = k_cache.shape[2]
-    group = hq // hk
-
-    def gather(cache: torch.Tensor) -> torch.Tensor:
-        rows = cache.view(-1, hk, d).index_select(0, slots).view(b, s, hk, d)
-        return rows.permute(2, 0, 1, 3).reshape(hk * b, s, d)
-
-    kc, vc = gather(k_cache), gather(v_cache)
-    qs = q.to(kc.dtype).view(b, hk, group, d).transpose(0, 1).reshape(hk * b, group, d)
-    scores = torch.bmm(qs, kc.transpose(1, 2)).float().mul_(scale).view(hk, b, group, s)
-    probs = scores.add_(mask).softmax(dim=-1).to(vc.dtype)  # mask (B, 1, S) broadcasts
-    out = torch.bmm(probs.view(hk * b, group, s), vc)  # (Hk * B, G, D)
-    return out.view(hk, b, group, d).permute(1, 0, 2, 3).reshape(b, hq, d).to(q.dtype)
 
 
 class PlanCache:
