@@ -52,12 +52,11 @@ from .protocol import (
     blocking_with_os_timeouts,
     recv_exact,
     send_views,
-    unpack_ranges,
-    window_segments,
 )
+from .ranges import RangeIndex, TableCache
 from .region import Region
 from .single_use import SingleUseGuard
-from .tokens import OP_READ, OP_WRITE, Capability, TokenError, check_claims, check_ranges, verify_token
+from .tokens import OP_READ, OP_WRITE, Capability, TokenError, check_claims, check_ranges_table, verify_token
 
 log = logging.getLogger(__name__)
 
@@ -194,6 +193,7 @@ class TransferServer:
     def _serve_conn(self, sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         head = memoryview(bytearray(REQ_FIXED_LEN))
+        tables = TableCache()  # the windows of one transfer repeat its token and range table
         authenticated = False  # idle_timeout_s only between requests of a peer that showed a token
         try:
             while not self._stopping.is_set():
@@ -214,7 +214,7 @@ class TransferServer:
                         raise ProtocolError(ST_BAD_REQUEST, "bad_magic")
                     self._recv_header_rest(sock, head, n)
                     sock.settimeout(self._io_timeout)
-                    self._handle(sock, head)
+                    self._handle(sock, head, tables)
                     authenticated = True
                 except ProtocolError as e:
                     self._refuse(e.reason)
@@ -258,7 +258,7 @@ class TransferServer:
             pass
 
     # -- one request -------------------------------------------------------------------------
-    def _handle(self, sock: socket.socket, head: memoryview) -> None:
+    def _handle(self, sock: socket.socket, head: memoryview, tables: TableCache) -> None:
         magic, version, op, flags, num_ranges, region_id, start, length, tid = REQ_HEADER.unpack_from(head)
         if magic != REQ_MAGIC or version != PROTO_VERSION or op not in (OP_READ, OP_WRITE):
             raise ProtocolError(ST_BAD_REQUEST, "bad_header")
@@ -273,10 +273,15 @@ class TransferServer:
         cap = verify_token(self._key, token, skew_ms=self._skew_ms)
         check_claims(cap, tid, op, region_id)
         suffix = NONCE_LEN if flags == FLAG_GMAC else 0  # the client's nonce follows the table
-        table = memoryview(bytearray(num_ranges * RANGE.size + suffix))
+        table_len = num_ranges * RANGE.size
+        table = memoryview(bytearray(table_len + suffix))
         recv_exact(sock, table)
-        ranges = unpack_ranges(table, num_ranges)
-        check_ranges(cap, ranges)
+        key = token + bytes(table[:table_len])
+        index = tables.get(key)
+        if index is None:
+            check_ranges_table(cap, num_ranges, table)
+            index = RangeIndex.from_table(table, num_ranges)
+            tables.put(key, index)
         if self._authorize is not None:
             reason = self._authorize(cap)
             if reason is not None:
@@ -284,14 +289,11 @@ class TransferServer:
         slot = self._acquire(region_id)
         try:
             view = slot.region.view
-            total = 0
-            for off, n in ranges:
-                if n == 0 or off + n > view.nbytes:
-                    raise ProtocolError(ST_OUT_OF_RANGE, "out_of_range")
-                total += n
-            if length == 0 or start + length > total:
+            if index.min_len == 0 or index.max_end > view.nbytes:
+                raise ProtocolError(ST_OUT_OF_RANGE, "out_of_range")
+            if length == 0 or start + length > index.total:
                 raise ProtocolError(ST_OUT_OF_RANGE, "bad_window")
-            pieces = window_segments(ranges, start, length)
+            pieces = index.window(start, length)
             if self._single_use is not None:  # after every other check: a refused try uses nothing up
                 self._single_use.claim(token, cap, start, length)
             # The payload phase on a blocking socket with the I/O timeout in the kernel: one
