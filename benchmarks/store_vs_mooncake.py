@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default="16,64,256,1024,4096", help="object sizes, KiB")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--backends", default="kvstore,mooncake,kvstore_tcp")
+    p.add_argument("--backends", default="kvstore,mooncake,kvstore_tcp", help="run in this order in every round")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     import numpy as np
@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                 backends["mooncake"] = make_backend("mooncake", {"mooncake_master": stores.mooncake(
                     segment_bytes=16 * total)})
                 pids["mooncake"] = started_since(n0)
+        backends = {n: backends[n] for n in wanted if n in backends}  # each round runs them in --backends order
         for b in backends.values():
             b.register_buffer(torch.from_numpy(src))
             b.register_buffer(torch.from_numpy(dst))
