@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from pdcluster.engine.kv_transfer_params import KVTransferParams
+from pdcluster.handoff_trace import trace
 from pdcluster.worker.inflight import Refusal
 
 DEFAULT_KV_PARAMS_TIMEOUT_S = 60.0
@@ -109,4 +110,5 @@ class KVParamsWaits:
             if kv.transfer_id and kv.transfer_id != transfer_id:
                 raise Refusal(grpc.StatusCode.PERMISSION_DENIED,
                               "kv_transfer_params.transfer_id: the params were made for another transfer")
+        trace("d.provided", request_id)
         waiter.future.set_result((kv, list(tokens)))
