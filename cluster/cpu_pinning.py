@@ -20,7 +20,10 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 
 ENV_CPUS = "PDCLUSTER_CPUS"
+ENV_THREADS = "PDCLUSTER_NUM_THREADS"  # torch threads of each engine process (engine/model_runner.py)
 MAX_CPU = 1 << 16
+# What a user may have set to size torch's pool themselves: then `serve` leaves it alone.
+USER_THREAD_VARS = (ENV_THREADS, "OMP_NUM_THREADS")
 
 
 def parse_cpu_list(text: str, *, name: str = ENV_CPUS) -> tuple[int, ...]:
@@ -74,6 +77,19 @@ def partition(cpus: Sequence[int], weights: Sequence[int]) -> list[tuple[int, ..
     return out
 
 
+def threads_per_rank(num_cpus: int, ranks: int) -> int:
+    """Torch threads for each of `ranks` unpinned engine processes sharing `num_cpus` CPUs: an even
+    split, at least one each (what the TP executor already does for the ranks of one instance).
+
+    Why: an OpenMP team of k threads finishes an op only when all k ran it, so two workers' teams of
+    every CPU each (1P+1D on one machine) stall each other's ops whenever both run: the ratio of an
+    op's time to its work then depends on the scheduler, not the model. threads_per_rank(2, 2) == 1,
+    threads_per_rank(16, 3) == 5, threads_per_rank(2, 3) == 1 (more ranks than CPUs: they share)."""
+    if num_cpus < 1 or ranks < 1:
+        raise ValueError(f"threads_per_rank needs num_cpus >= 1 and ranks >= 1, got {num_cpus}, {ranks}")
+    return max(1, num_cpus // ranks)
+
+
 def apply_from_env(env: Mapping[str, str] | None = None) -> tuple[int, ...] | None:
     """Pin this process to $PDCLUSTER_CPUS (if set): the CPUs pinned to, or None when it is unset. ValueError naming the variable when it asks for
     CPUs this process may not use."""
@@ -91,4 +107,5 @@ def apply_from_env(env: Mapping[str, str] | None = None) -> tuple[int, ...] | No
     return cpus
 
 
-__all__ = ["ENV_CPUS", "apply_from_env", "format_cpu_list", "parse_cpu_list", "partition"]
+__all__ = ["ENV_CPUS", "ENV_THREADS", "USER_THREAD_VARS", "apply_from_env", "format_cpu_list", "parse_cpu_list",
+           "partition", "threads_per_rank"]

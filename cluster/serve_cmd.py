@@ -66,6 +66,12 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pin-cpus", action="store_true",
                    help="give each worker cores of its own (disjoint slices of this process's CPUs, one core per "
                         "TP rank at least), so prefill and decode do not compete for the same cores")
+    p.add_argument("--worker-threads", default="0", type=_worker_threads_flag,
+                   help="torch threads of each worker TP rank: 0 (default) = torch's default (every CPU, in every "
+                        "worker); auto = this process's CPUs split evenly between all the workers' ranks, at least "
+                        "1 each, so the workers' thread pools do not oversubscribe the cores they share; N = N "
+                        "each. Ignored with --pin-cpus (a worker uses its slice) and when PDCLUSTER_NUM_THREADS or "
+                        "OMP_NUM_THREADS is set (yours wins)")
     p.add_argument("--demo-request", action="store_true",
                    help="once ready, stream one demo request through the router (the README's main job)")
     from pdcluster.cluster.worker_flags import add_forwarded_engine_flags
@@ -132,8 +138,11 @@ def run_serve(args: argparse.Namespace) -> int:
                   for i in range(count)]
     try:
         try:
+            tps = [tp_of[spec.name.rsplit("-", 1)[0]] for spec in specs]
             if args.pin_cpus:
-                specs = _pinned(specs, [tp_of[spec.name.rsplit("-", 1)[0]] for spec in specs])
+                specs = _pinned(specs, tps)
+            else:
+                specs = _threaded(specs, tps, getattr(args, "worker_threads", "0"))
             workers = launcher.start(specs)
         except (LaunchError, ValueError) as e:
             print(f"pdcluster serve: error: {e}", file=sys.stderr)
@@ -177,6 +186,35 @@ def _pinned(specs: list[WorkerSpec], tps: list[int]) -> list[WorkerSpec]:
         log.info("%s pinned to CPUs %s", spec.name, format_cpu_list(cpus))
     return [dataclasses.replace(spec, env={**spec.env, ENV_CPUS: format_cpu_list(cpus)})
             for spec, cpus in zip(specs, slices)]
+
+
+def _worker_threads_flag(text: str) -> str:
+    if text != "auto" and not (text.isdigit() and int(text) >= 0):
+        raise argparse.ArgumentTypeError(f"must be auto or a number >= 0, got {text!r}")
+    return text
+
+
+def worker_thread_count(flag: str, tps: list[int], num_cpus: int, environ: Any = None) -> int | None:
+    """Torch threads per TP rank `serve` gives its unpinned workers, or None to leave torch's default
+    (flag 0, or the user sized the pool through PDCLUSTER_NUM_THREADS / OMP_NUM_THREADS)."""
+    from pdcluster.cluster.cpu_pinning import USER_THREAD_VARS, threads_per_rank
+
+    environ = os.environ if environ is None else environ
+    if flag == "0" or any(environ.get(name) for name in USER_THREAD_VARS):
+        return None
+    return int(flag) if flag != "auto" else threads_per_rank(num_cpus, sum(tps))
+
+
+def _threaded(specs: list[WorkerSpec], tps: list[int], flag: str) -> list[WorkerSpec]:
+    """Each worker's torch thread count ($PDCLUSTER_NUM_THREADS), e.g. so the workers' OpenMP teams do not
+    oversubscribe the cores they share (cluster/cpu_pinning.threads_per_rank)."""
+    from pdcluster.cluster.cpu_pinning import ENV_THREADS
+
+    threads = worker_thread_count(flag, tps, len(os.sched_getaffinity(0)))
+    if threads is None:
+        return specs
+    log.info("workers: %d torch thread(s) per TP rank (--worker-threads %s)", threads, flag)
+    return [dataclasses.replace(spec, env={**spec.env, ENV_THREADS: str(threads)}) for spec in specs]
 
 
 def _instance_keys(key_dir: str, names: list[str]) -> bool:

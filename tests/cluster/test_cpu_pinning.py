@@ -89,3 +89,34 @@ def test_serve_pin_cpus_gives_prefill_and_decode_cores_of_their_own(tmp_path):
         assert len(out.token_ids) == 8
     finally:
         stop_serve(proc)
+
+
+def test_threads_per_rank_splits_the_cpus_between_the_ranks():
+    from pdcluster.cluster.cpu_pinning import threads_per_rank
+
+    assert threads_per_rank(2, 1) == 2
+    assert threads_per_rank(2, 2) == 1  # 1P+1D on two cores: one thread each
+    assert threads_per_rank(16, 3) == 5
+    assert threads_per_rank(2, 3) == 1  # never zero
+    with pytest.raises(ValueError, match="ranks >= 1"):
+        threads_per_rank(2, 0)
+
+
+def test_serve_worker_threads_flag_and_what_the_user_set_wins():
+    from pdcluster.cluster.serve_cmd import worker_thread_count
+
+    assert worker_thread_count("auto", [1, 1], 2, environ={}) == 1
+    assert worker_thread_count("auto", [1], 16, environ={}) == 16
+    assert worker_thread_count("auto", [2, 1, 1], 16, environ={}) == 4  # per TP rank
+    assert worker_thread_count("3", [1, 1], 2, environ={}) == 3
+    assert worker_thread_count("0", [1, 1], 2, environ={}) is None  # torch's default (serve's default)
+    assert worker_thread_count("auto", [1, 1], 2, environ={"PDCLUSTER_NUM_THREADS": "2"}) is None
+    assert worker_thread_count("auto", [1, 1], 2, environ={"OMP_NUM_THREADS": "2"}) is None
+
+
+def test_serve_refuses_a_bad_worker_threads_value_by_name():
+    out = subprocess.run([sys.executable, "-m", "pdcluster.cluster.cli", "serve", "--model", "/nonexistent",
+                          "--worker-threads", "-1", "--grpc-port", "0", "--http-port", "-1"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "--worker-threads" in out.stderr and "auto or a number" in out.stderr
