@@ -12,6 +12,11 @@ TTFT p50/p99, TPOT p50/p99 and ITL p99, and pdcluster's ratio to vLLM (< 1 = pdc
 The client is vLLM's (`vllm bench serve --backend vllm`), run from the vLLM venv, so neither side is
 measured with its own tool. The load average before each run is recorded: on a shared machine the
 figures mean little unless it stays near zero.
+
+Beside each run's client figures it prints where the time went, measured over the same run: the CPU
+each process of the server's session and the client used (share of one core, from /proc), and for
+pdcluster each worker's engine step time (its /metrics histogram: steps, mean, busy share) with the
+ratio TPOT p50 / mean decode-worker step (about 1 when the tokens' time is the model's step).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import argparse
 import json
 import os
 import pathlib
+import shlex
 import signal
 import socket
 import statistics
@@ -55,8 +61,56 @@ def wait_http(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
     raise RuntimeError(f"{url} did not answer within {timeout_s:.0f} s")
 
 
+def session_cpu(sid: int) -> dict[str, float]:
+    """CPU seconds (user + system) of every live process in session `sid`, by a short name."""
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                comm, rest = f.read().rsplit(")", 1)
+            fields = rest.split()
+            if int(fields[3]) != sid:  # fields[3]: the session id
+                continue
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        out[f"{_short_name(argv)}[{pid}]"] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def _short_name(argv: list[bytes]) -> str:
+    text = [a.decode(errors="replace") for a in argv]
+    for flag in ("--role", "bench"):
+        if flag in text and text.index(flag) + 1 < len(text):
+            return "worker-" + text[text.index(flag) + 1] if flag == "--role" else "client"
+    if "serve" in text:
+        return "router"
+    return os.path.basename(text[0]) if text and text[0] else "?"
+
+
+def step_stats(metrics_url: str) -> tuple[float, float]:
+    """(sum s, count) of a pdcluster worker's engine step histogram."""
+    with urllib.request.urlopen(metrics_url, timeout=5) as r:
+        text = r.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line.startswith(("pdcluster_engine_step_duration_seconds_sum", "pdcluster_engine_step_duration_seconds_count")):
+            values[line.split()[0].split("{")[0].rsplit("_", 1)[1]] = float(line.split()[-1])
+    return values.get("sum", 0.0), values.get("count", 0.0)
+
+
+def ready_instances(log: pathlib.Path) -> dict:
+    """pdcluster serve's instances (name -> {"metrics": URL, ...}) from its PDCLUSTER_READY line."""
+    for line in log.read_text(errors="replace").splitlines():
+        if line.startswith("PDCLUSTER_READY "):
+            return json.loads(line.split(" ", 1)[1]).get("instances", {})
+    return {}
+
+
 def start_server(kind: str, model: str, vllm_python: str, max_model_len: int, log: pathlib.Path,
-                 threads: int | None) -> tuple[subprocess.Popen, str]:
+                 threads: int | None, extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = dict(os.environ)
     if kind == "vllm":
@@ -72,7 +126,7 @@ def start_server(kind: str, model: str, vllm_python: str, max_model_len: int, lo
         pools = ["--workers", "1"] if kind == "pdcluster-1w" else ["--prefill", "1", "--decode", "1",
                                                                    "--connector", "p2p"]
         cmd = [sys.executable, "-m", "pdcluster.cluster.cli", "serve", "--model", model, *pools,
-               "--grpc-port", "0", "--http-port", str(port), "--max-model-len", str(max_model_len)]
+               "--grpc-port", "0", "--http-port", str(port), "--max-model-len", str(max_model_len), *extra]
     out = open(log, "wb")
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
@@ -95,7 +149,8 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 
 def run_client(vllm_python: str, base: str, model: str, rate: float, args: argparse.Namespace,
-               result_dir: pathlib.Path, name: str) -> dict:
+               result_dir: pathlib.Path, name: str, server: subprocess.Popen | None = None,
+               instances: dict | None = None) -> dict:
     cmd = [vllm_python, "-P", "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "vllm",
            "--base-url", base, "--model", model, "--tokenizer", model, "--dataset-name", "random",
            "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
@@ -103,10 +158,68 @@ def run_client(vllm_python: str, base: str, model: str, rate: float, args: argpa
            "--seed", "0", "--num-warmups", "2", "--percentile-metrics", "ttft,tpot,itl,e2el",
            "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(result_dir),
            "--result-filename", name]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=3600)
+    load = os.getloadavg()[0]
+    log = result_dir / (name + ".client.log")
+    with open(log, "wb") as out:
+        client = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    # The window: vLLM's main run (after its start-up and warm-up requests) to its summary.
+    _wait_for(log, b"Starting main benchmark", client)
+    before = _snapshot(server, client, instances)
+    _wait_for(log, b"Benchmark duration", client)
+    after = _snapshot(server, client, instances)
+    if client.wait(timeout=3600) != 0:
+        raise RuntimeError(f"vllm bench serve exited with {client.returncode} (see {log})")
     result = json.loads((result_dir / name).read_text())
-    result["loadavg_before"] = os.getloadavg()[0]
+    result["loadavg_before"] = load
+    result["breakdown"] = _breakdown(before, after)
     return result
+
+
+def _wait_for(log: pathlib.Path, text: bytes, proc: subprocess.Popen) -> None:
+    while text not in log.read_bytes() and proc.poll() is None:
+        time.sleep(0.2)
+
+
+def _snapshot(server: subprocess.Popen | None, client: subprocess.Popen, instances: dict | None) -> dict:
+    cpu = session_cpu(client.pid)
+    if server is not None:
+        cpu.update(session_cpu(server.pid))
+    for inst in (instances or {}).values():  # pdcluster's workers run in sessions of their own
+        if isinstance(inst.get("pid"), int):
+            cpu.update(session_cpu(inst["pid"]))
+    steps = {}
+    for inst_name, inst in (instances or {}).items():
+        try:
+            steps[inst_name] = step_stats(inst["metrics"])
+        except (OSError, KeyError, ValueError):
+            pass
+    return {"t": time.monotonic(), "cpu": cpu, "steps": steps}
+
+
+def _breakdown(before: dict, after: dict) -> dict:
+    wall = after["t"] - before["t"]
+    cpu = {k: round((v - before["cpu"].get(k, 0.0)) / wall, 3) for k, v in after["cpu"].items()}
+    steps = {}
+    for inst_name, (total, count) in after["steps"].items():
+        t0, c0 = before["steps"].get(inst_name, (0.0, 0.0))
+        if count > c0:
+            steps[inst_name] = {"steps": count - c0, "mean_step_ms": round(1e3 * (total - t0) / (count - c0), 2),
+                                "busy": round((total - t0) / wall, 3)}
+    return {"wall_s": round(wall, 2), "cpu_share": cpu, "steps": steps, "loadavg_after": os.getloadavg()[0]}
+
+
+def describe(result: dict) -> str:
+    """One line: each process's CPU share (of one core) and each worker's steps over the run."""
+    b = result.get("breakdown") or {}
+    cpu = ", ".join(f"{k} {v:.2f}" for k, v in sorted(b.get("cpu_share", {}).items(), key=lambda kv: -kv[1]) if v >= 0.005)
+    steps = b.get("steps", {})
+    parts = [f"cpu share: {cpu}"]
+    for inst_name, st in steps.items():
+        parts.append(f"{inst_name}: {st['steps']:.0f} steps, mean {st['mean_step_ms']:.1f} ms, busy {st['busy']:.2f}")
+    decode = next((st for n, st in steps.items() if n.startswith(("decode", "both"))), None)
+    if decode:
+        parts.append(f"TPOT p50 / mean step {result.get('median_tpot_ms', float('nan')) / decode['mean_step_ms']:.2f}")
+    return "; ".join(parts) + f" (load after {b.get('loadavg_after', float('nan')):.1f})"
 
 
 def main() -> None:
@@ -122,6 +235,7 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--threads", type=int, default=None, help="engine threads on both sides (default: theirs)")
+    p.add_argument("--pdcluster-args", default="", help="extra `pdcluster serve` flags, e.g. \"--worker-threads 0\"")
     p.add_argument("--result-dir", default="benchmarks/results/serve-vs-vllm")
     args = p.parse_args()
     if not os.path.exists(args.vllm_python):
@@ -133,15 +247,18 @@ def main() -> None:
     for rep in range(args.repeats):  # servers interleaved per repeat: load drifts hit both sides
         for kind in args.servers:
             proc, base = start_server(kind, model, args.vllm_python, args.max_model_len,
-                                      result_dir / f"{kind}-server.log", args.threads)
+                                      result_dir / f"{kind}-server.log", args.threads,
+                                      shlex.split(args.pdcluster_args))
             try:
                 for rate in args.rates:
                     name = f"{kind}-{rate:g}qps-run{rep}.json"
-                    r = run_client(args.vllm_python, base, model, rate, args, result_dir, name)
+                    instances = ready_instances(result_dir / f"{kind}-server.log") if kind != "vllm" else {}
+                    r = run_client(args.vllm_python, base, model, rate, args, result_dir, name, proc, instances)
                     results.setdefault((kind, rate), []).append(r)
                     print(f"{kind} {rate:g} req/s run {rep}: " + ", ".join(
                         f"{m} {r.get(m, float('nan')):.1f}" for m in METRICS) + f" (load {r['loadavg_before']:.1f})",
                         flush=True)
+                    print("    " + describe(r), flush=True)
             finally:
                 stop_server(proc)
     print("\n| server | req/s | " + " | ".join(METRICS) + " | vs vLLM (TTFT p50 / TPOT p50) |")
