@@ -58,12 +58,12 @@ class KVStoreClient:
                                  tls_key=tls_key)
         self._replica_io = ReplicaIO(num_streams=num_streams, use_shm=use_shm, max_parallel=max_parallel,
                                      io_timeout_s=rpc_timeout_s if io_timeout_s is None else io_timeout_s)
-        self._arenas = WriteArenas(self._master, self._replica_io, arena_bytes=arena_bytes, max_object=arena_max_object,
-                                   object_key=self._object_key)
-        self.counters = {"mac_mismatches": 0}
         use_lookup = use_shm if lookup_socket is None else lookup_socket
-        self._lookup = LookupSession(self._master, self._replica_io.host_id,
-                                     timeout_s=min(rpc_timeout_s, 5.0)) if use_lookup else None
+        self._lookup = LookupSession(self._master, self._replica_io.host_id, timeout_s=min(rpc_timeout_s, 5.0),
+                                     commit_timeout_s=rpc_timeout_s) if use_lookup else None
+        self._arenas = WriteArenas(self._master, self._replica_io, arena_bytes=arena_bytes, max_object=arena_max_object,
+                                   object_key=self._object_key, lookup=self._lookup)
+        self.counters = {"mac_mismatches": 0}
         self.lookup_counters = self._lookup.counters if self._lookup is not None else {}
 
     def close(self) -> None:

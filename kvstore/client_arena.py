@@ -21,6 +21,7 @@ from pdcluster._proto import kvstore_pb2 as pb
 from pdcluster.transfer import now_ms
 
 from .entities import Status
+from .lookup_client import LookupSession
 from .master_rpc import KVStoreError, MasterRPC
 from .object_mac import object_mac
 from .replica_io import ReplicaIO
@@ -67,9 +68,11 @@ class WriteArenas:
     """This client's arenas, one per replica_num; arena_bytes=0 turns them off."""
 
     def __init__(self, master: MasterRPC, replica_io: ReplicaIO, *, arena_bytes: int = 8 << 20,
-                 max_object: int = 256 << 10, object_key: bytes | None = None) -> None:
+                 max_object: int = 256 << 10, object_key: bytes | None = None,
+                 lookup: LookupSession | None = None) -> None:
         self._object_key = object_key  # MAC each object under it (object_mac.py)
         self._master = master
+        self._lookup = lookup  # a LookupSession: commits over the master's same-host socket (lookup_client.py)
         self._replica_io = replica_io
         self._arena_bytes = arena_bytes
         self.max_object = min(max_object, arena_bytes)
@@ -110,7 +113,9 @@ class WriteArenas:
                 else:
                     add(key=keys[i], offset=offset, size=views[i].nbytes,
                         mac=object_mac(self._object_key, keys[i], views[i]))
-            response = self._master.call("CommitArena", request)
+            response = self._lookup.commit_arena(request) if self._lookup is not None else None
+            if response is None:  # no same-host session now (lookup_client.py): gRPC
+                response = self._master.call("CommitArena", request)
             if response.status != Status.OK:  # expired, or lost with a node (or a master without it)
                 self._drop(arena, replica_num)
                 continue

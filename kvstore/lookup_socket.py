@@ -8,8 +8,10 @@ recv, answers, and blocks again: one wake-up per request on each side.
 
     client -> master   HELLO | ticket (32 B)            once; the ticket came from OpenLookup
     master -> client   b"\\x00"                          accepted (anything else: the master closed)
-    client -> master   u32 n | KVGetReplicasRequest     repeated
-    master -> client   u8 code | u64 epoch | u32 n | KVGetReplicasResponse
+    client -> master   u8 method | u32 n | request      repeated; method GET_REPLICAS or COMMIT_ARENA
+    master -> client   u8 code | u64 epoch | u32 n | response
+
+GetReplicas is the hot read; CommitArena is the one RPC of a small same-host put batch (client_arena.py).
 
 What guards it:
 - Who: a ticket is issued only by the OpenLookup RPC, which goes through the master's gRPC
@@ -18,9 +20,11 @@ What guards it:
   after the ticket was issued (the thread's reads time out then), so a caller whose certificate
   was revoked keeps at most that long. The socket is in a fresh 0700 directory, mode 0600:
   only the master's own user can connect at all. Refused hellos are counted (lookup_refused).
-- What: the same answer as GetReplicas (the servicer's get_replicas: leases, tokens for
-  replicas the caller cannot copy through shared memory); the data's integrity rests on the
-  object MAC the client checks on every get, as over gRPC.
+- What: the same answers as over gRPC (the servicer's get_replicas / commit_arena: leases, tokens
+  for replicas the caller cannot copy through shared memory, the op log); the data's integrity
+  rests on the object MAC the client checks on every get, as over gRPC. A commit is answered only
+  once every follower acknowledged its records (the ReplicationHub's begin_call/wait_replicated,
+  as PrimaryGate does for gRPC: semi-synchronous replication is unchanged).
 - Standby guard: every request asks `gate()`; a standby answers NOT_PRIMARY (the client goes
   back to gRPC, which fails over), and each answer carries the master's epoch, which the client
   checks like the kv-epoch trailer of a gRPC answer.
@@ -40,8 +44,9 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from pdcluster._proto import kvstore_pb2 as pb
 from pdcluster.transfer import local_host_id
@@ -50,7 +55,8 @@ log = logging.getLogger(__name__)
 
 HELLO = b"pdkvlk01"
 TICKET_LEN = 32
-REQUEST = struct.Struct("!I")
+REQUEST = struct.Struct("!BI")
+GET_REPLICAS, COMMIT_ARENA = 1, 2
 REPLY = struct.Struct("!BQI")
 OK, NOT_PRIMARY, INVALID = 0, 1, 2
 SESSION_S = 30.0
@@ -73,12 +79,21 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 class LookupSocket:
-    """answer: the servicer's get_replicas; gate: () -> (primary, epoch) of this master."""
+    """get_replicas / commit_arena: the servicer's; gate: () -> (primary, epoch) of this master;
+    replication: the HA ReplicationHub (begin_call / wait_replicated) or None for a lone master."""
 
-    def __init__(self, answer: Callable[[pb.KVGetReplicasRequest], pb.KVGetReplicasResponse],
-                 gate: Callable[[], tuple[bool, int]], *, max_batch: int, session_s: float = SESSION_S,
+    def __init__(self, get_replicas: Callable[[pb.KVGetReplicasRequest], pb.KVGetReplicasResponse],
+                 gate: Callable[[], tuple[bool, int]], *, max_batch: int,
+                 commit_arena: Callable[[pb.KVCommitArenaRequest], pb.KVCommitArenaResponse] | None = None,
+                 replication: Any = None, session_s: float = SESSION_S,
                  clock: Callable[[], float] = time.time) -> None:
-        self._answer, self._gate, self._max_batch = answer, gate, max_batch
+        # method -> (request type, answer, number of items, mutating)
+        self._methods: dict[int, tuple[Any, Callable[[Any], Message], Callable[[Any], int], bool]] = {
+            GET_REPLICAS: (pb.KVGetReplicasRequest, get_replicas, lambda r: len(r.keys), False)}
+        if commit_arena is not None:
+            self._methods[COMMIT_ARENA] = (pb.KVCommitArenaRequest, commit_arena, lambda r: len(r.items), True)
+        self._replication = replication
+        self._gate, self._max_batch = gate, max_batch
         self._session_s, self._clock = session_s, clock
         self.host_id = local_host_id()
         self._dir = tempfile.mkdtemp(prefix="pdkv-lookup-")  # mode 0700
@@ -161,23 +176,31 @@ class LookupSocket:
         if left <= 0:
             return False
         conn.settimeout(left)  # an idle session ends with its ticket's time
-        (n,) = REQUEST.unpack(recv_exact(conn, REQUEST.size))
+        method, n = REQUEST.unpack(recv_exact(conn, REQUEST.size))
         if n > MAX_FRAME:
             return False
         payload = recv_exact(conn, n)
         primary, epoch = self._gate()
         code, body = OK, b""
+        entry = self._methods.get(method)
         if not primary:
             code = NOT_PRIMARY
+        elif entry is None:
+            code = INVALID
         else:
+            kind, answer, count, mutating = entry
             try:
-                req = pb.KVGetReplicasRequest.FromString(payload)
+                req = kind.FromString(payload)
             except DecodeError:
                 req = None
-            if req is None or len(req.keys) > self._max_batch:
+            if req is None or count(req) > self._max_batch:
                 code = INVALID
+            elif mutating and self._replication is not None:
+                self._replication.begin_call()
+                body = answer(req).SerializeToString()
+                self._replication.wait_replicated()  # answered once the standby has the records
             else:
-                body = self._answer(req).SerializeToString()
+                body = answer(req).SerializeToString()
         with self._lock:
             self.counters["lookup_requests"] += 1
         conn.sendall(REPLY.pack(code, epoch, len(body)) + body)
@@ -198,4 +221,5 @@ class LookupSocket:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-__all__ = ["HELLO", "INVALID", "NOT_PRIMARY", "OK", "REPLY", "REQUEST", "LookupSocket", "recv_exact"]
+__all__ = ["COMMIT_ARENA", "GET_REPLICAS", "HELLO", "INVALID", "NOT_PRIMARY", "OK", "REPLY", "REQUEST", "LookupSocket",
+           "recv_exact"]

@@ -93,7 +93,9 @@ class MasterServer:
         if self._lookup_socket:
             ha = self.ha
             gate = (lambda: (ha.role.primary, ha.role.epoch)) if ha is not None else (lambda: (True, 0))
-            self.servicer.lookup = LookupSocket(self.servicer.get_replicas, gate, max_batch=self.core.config.max_batch)
+            self.servicer.lookup = LookupSocket(self.servicer.get_replicas, gate, max_batch=self.core.config.max_batch,
+                                                commit_arena=self.servicer.commit_arena,
+                                                replication=ha.hub if ha is not None else None)
         server.start()
         if self.ha is not None:
             self.ha.start()

@@ -121,6 +121,10 @@ class MasterServicer(pb_grpc.KVStoreMasterServicer):
 
     def CommitArena(self, req: pb.KVCommitArenaRequest, ctx: grpc.ServicerContext) -> pb.KVCommitArenaResponse:
         self._check_batch(len(req.items), ctx)
+        return self.commit_arena(req)
+
+    def commit_arena(self, req: pb.KVCommitArenaRequest) -> pb.KVCommitArenaResponse:
+        """CommitArena's answer (the batch already checked): over gRPC and the lookup socket."""
         items = [(item.key, item.offset, item.size if len(item.mac) <= MAX_MAC_LEN else 0, item.mac)
                  for item in req.items]  # size 0: INVALID
         with self.core.lock:

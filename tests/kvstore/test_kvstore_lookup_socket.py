@@ -1,5 +1,6 @@
-"""The master's same-host lookup socket (kvstore/lookup_socket.py, lookup_client.py): gets of a
-same-host client go over it once OpenLookup gave a ticket; a bad, reused or expired ticket is
+"""The master's same-host lookup socket (kvstore/lookup_socket.py, lookup_client.py): gets and
+small-put commits of a same-host client go over it once OpenLookup gave a ticket, a commit only
+answered after the replication wait; a bad, reused or expired ticket is
 refused and counted; a session ends with its ticket's time; a standby's NOT_PRIMARY and any
 failure on the socket send the client back to gRPC (the get still succeeds); the socket lives
 in a private directory and goes with the master."""
@@ -18,7 +19,17 @@ import pytest
 
 from pdcluster._proto import kvstore_pb2 as pb
 from pdcluster.kvstore import KVStoreClient, MasterConfig, MasterServer, Status, StorageNode
-from pdcluster.kvstore.lookup_socket import HELLO, NOT_PRIMARY, OK, REPLY, REQUEST, LookupSocket, recv_exact
+from pdcluster.kvstore.lookup_socket import (
+    COMMIT_ARENA,
+    GET_REPLICAS,
+    HELLO,
+    NOT_PRIMARY,
+    OK,
+    REPLY,
+    REQUEST,
+    LookupSocket,
+    recv_exact,
+)
 from pdcluster.kvstore.master_rpc import MasterRPC
 
 SECRET = secrets.token_bytes(32)
@@ -58,9 +69,10 @@ def test_gets_go_over_the_socket_and_read_the_right_bytes(cluster: MasterServer)
             assert c.batch_get(keys, out) == [3000] * 8
             assert all(np.array_equal(a, b) for a, b in zip(src, out, strict=True))
         assert c.get_bytes("missing") is None
-        assert c.lookup_counters == {"lookup_socket_gets": 4, "lookup_socket_failures": 0}
+        # the small put: one CommitArena (write arena) over the socket, then four lookups
+        assert c.lookup_counters == {"lookup_socket_gets": 4, "lookup_socket_commits": 1, "lookup_socket_failures": 0}
         stats = c.stats()
-    assert stats["lookup_sessions"] == 1 and stats["lookup_requests"] == 4 and stats["lookup_refused"] == 0
+    assert stats["lookup_sessions"] == 1 and stats["lookup_requests"] == 5 and stats["lookup_refused"] == 0
     with KVStoreClient(cluster.address, object_key=KEY, lookup_socket=False) as grpc_only:
         out = [np.zeros(3000, np.uint8) for _ in keys]
         assert grpc_only.batch_get(keys, out) == [3000] * 8 and grpc_only.lookup_counters == {}
@@ -75,9 +87,12 @@ def test_a_standby_answer_or_a_broken_session_falls_back_to_grpc(cluster: Master
         lookup._gate = lambda: (False, 7)  # what a standby says
         try:
             assert c.batch_get(keys, [np.zeros(5000, np.uint8) for _ in keys]) == [5000, 5000]
+            time.sleep(1.1)  # RETRY_S
+            assert c.batch_put(["c"], _objects(1, 4000)) == [Status.OK]  # the commit: refused there, then gRPC
         finally:
             lookup._gate = gate
-        assert c.lookup_counters["lookup_socket_failures"] == 1  # then gRPC answered
+        assert c.lookup_counters["lookup_socket_failures"] == 2  # both then answered over gRPC
+        assert c.lookup_counters["lookup_socket_commits"] == 1  # the first put's
         time.sleep(1.1)  # RETRY_S: the next get opens a new session
         out = [np.zeros(5000, np.uint8) for _ in keys]
         assert c.batch_get(keys, out) == [5000, 5000] and np.array_equal(out[1], src[1])
@@ -94,9 +109,47 @@ def _raw_session(path: str, ticket: bytes) -> socket.socket:
 
 def _ask(s: socket.socket, keys: list[str]) -> tuple[int, int, pb.KVGetReplicasResponse]:
     body = pb.KVGetReplicasRequest(keys=keys).SerializeToString()
-    s.sendall(REQUEST.pack(len(body)) + body)
+    s.sendall(REQUEST.pack(GET_REPLICAS, len(body)) + body)
     code, epoch, n = REPLY.unpack(recv_exact(s, REPLY.size))
     return code, epoch, pb.KVGetReplicasResponse.FromString(recv_exact(s, n) if n else b"")
+
+
+class _Hub:
+    """Records what a ReplicationHub would be asked (the semi-synchronous wait of a write)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def begin_call(self) -> None:
+        self.calls.append("begin")
+
+    def wait_replicated(self) -> None:
+        self.calls.append("wait")
+
+
+def test_a_commit_waits_for_replication_and_a_lookup_does_not() -> None:
+    hub = _Hub()
+
+    def commit(req: pb.KVCommitArenaRequest) -> pb.KVCommitArenaResponse:
+        hub.calls.append("commit")
+        return pb.KVCommitArenaResponse(statuses=[0] * len(req.items))
+
+    lk = LookupSocket(lambda req: pb.KVGetReplicasResponse(), lambda: (True, 2), max_batch=4, commit_arena=commit,
+                      replication=hub)
+    try:
+        ticket, _ = lk.issue()
+        with _raw_session(lk.path, ticket) as s:
+            assert recv_exact(s, 1) == b"\x00"
+            assert _ask(s, ["x"])[0] == OK and hub.calls == []
+            body = pb.KVCommitArenaRequest(arena_id="a1", items=[pb.KVArenaItem(key="k", offset=0, size=1)]).SerializeToString()
+            s.sendall(REQUEST.pack(COMMIT_ARENA, len(body)) + body)
+            code, epoch, n = REPLY.unpack(recv_exact(s, REPLY.size))
+            assert (code, epoch) == (OK, 2) and list(pb.KVCommitArenaResponse.FromString(recv_exact(s, n)).statuses) == [0]
+            assert hub.calls == ["begin", "commit", "wait"]
+            s.sendall(REQUEST.pack(99, 0))  # an unknown method
+            assert REPLY.unpack(recv_exact(s, REPLY.size))[0] != OK
+    finally:
+        lk.close()
 
 
 def test_tickets_are_single_use_and_sessions_end() -> None:
