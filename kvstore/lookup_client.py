@@ -47,9 +47,10 @@ class LookupSession:
 
     def commit_arena(self, request: pb.KVCommitArenaRequest) -> pb.KVCommitArenaResponse | None:
         """As get_replicas, for CommitArena. A commit the socket lost the answer to is sent again
-        over gRPC, as MasterRPC itself resends it after a timeout with two masters: a key it had
-        published answers ALREADY_EXISTS (the bytes are ours), never a second object. Waits the
-        full RPC timeout: under HA the answer waits for the standby's acknowledgement."""
+        over gRPC, as MasterRPC itself resends one after a timeout with two masters: an item the
+        lost commit had published is then refused (its extent is taken: INVALID, or the key:
+        ALREADY_EXISTS), i.e. reported failed as a lost gRPC answer would be; never a second
+        object. Waits the full RPC timeout: under HA the answer waits for the standby's ack."""
         return self._call(COMMIT_ARENA, request, pb.KVCommitArenaResponse, "lookup_socket_commits",
                           self._commit_timeout)
 
