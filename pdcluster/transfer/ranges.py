@@ -10,33 +10,49 @@ per transfer (per connection on the server, see TableCache) and each window bise
 
 from __future__ import annotations
 
+import struct
+from array import array
 from bisect import bisect_right
 from collections.abc import Iterable
-from itertools import accumulate
+from itertools import accumulate, chain
 
 from .protocol import RANGE
 
 
 class RangeIndex:
-    """Immutable view of (offset, length) ranges: total, bounds and windows of their concatenation."""
+    """Immutable view of (offset, length) ranges: total, bounds and windows of their concatenation.
 
-    __slots__ = ("ranges", "_starts", "total", "max_end", "min_len")
+    Compact, since the server keeps one per connection: the ranges as their wire table (16 B
+    each) and the prefix sums as an array (8 B each), not Python tuples (~160 B per range)."""
+
+    __slots__ = ("_table", "_starts", "total", "max_end", "min_len")
 
     def __init__(self, ranges: Iterable[tuple[int, int]]) -> None:
-        self.ranges = list(ranges)
-        lengths = [n for _, n in self.ranges]
-        self._starts = list(accumulate(lengths, initial=0))  # _starts[i] = bytes before range i
-        self.total = self._starts[-1]
-        self.max_end = max((o + n for o, n in self.ranges), default=0)
-        self.min_len = min(lengths, default=0)
+        flat = list(chain.from_iterable(ranges))
+        self._init(struct.pack(f"!{len(flat)}Q", *flat), flat[1::2], flat[0::2])
 
     @classmethod
     def from_table(cls, table: bytes | memoryview, num_ranges: int) -> RangeIndex:
         """From the wire's range table (num_ranges x RANGE, protocol.py)."""
-        return cls(RANGE.iter_unpack(table[:num_ranges * RANGE.size]))
+        raw = bytes(table[:num_ranges * RANGE.size])
+        flat = struct.unpack(f"!{2 * num_ranges}Q", raw)
+        self = cls.__new__(cls)
+        self._init(raw, flat[1::2], flat[0::2])
+        return self
+
+    def _init(self, table: bytes, lengths: list[int] | tuple[int, ...], offsets: list[int] | tuple[int, ...]) -> None:
+        self._table = table
+        self._starts = array("Q", accumulate(lengths, initial=0))  # _starts[i] = bytes before range i
+        self.total = self._starts[-1]
+        self.max_end = max(map(int.__add__, offsets, lengths), default=0)
+        self.min_len = min(lengths, default=0)
+
+    @property
+    def ranges(self) -> list[tuple[int, int]]:
+        return list(RANGE.iter_unpack(self._table))
 
     def __len__(self) -> int:
-        return len(self.ranges)
+        return len(self._starts) - 1
 
     def window(self, start: int, length: int) -> list[tuple[int, int]]:
         """(offset, length) pieces covering bytes [start, start+length) of the concatenation, in
@@ -45,10 +61,10 @@ class RangeIndex:
         if length <= 0:
             return out
         end = start + length
-        starts, ranges = self._starts, self.ranges
+        starts, table, n_ranges = self._starts, self._table, len(self._starts) - 1
         i = max(0, bisect_right(starts, start) - 1)
-        while i < len(ranges) and starts[i] < end:
-            off, n = ranges[i]
+        while i < n_ranges and starts[i] < end:
+            off, n = RANGE.unpack_from(table, i * RANGE.size)
             pos = starts[i]
             lo, hi = max(start, pos), min(end, pos + n)
             if lo < hi:
