@@ -13,11 +13,11 @@ Same wire protocol and token checks as TransferClient (pdcluster.transfer.protoc
 adds the scatter on receive. A refused or broken window raises TransferError; every stream is
 waited for before read() returns, so nothing writes into the destination afterwards.
 
-Windows are handed out, not assigned: a big transfer is cut into CHUNKS_PER_STREAM windows per
-stream (plan_windows) and each stream takes the next one when it finished its last, so a stream that got less
-CPU does less of the transfer instead of leaving the others idle while it finishes its fixed
-share (measured on a loaded 2-core box: with one window per stream 4-20 % of the streams'
-time went idle at the tail). The producer's server keeps the parsed range table between the
+Windows are handed out, not assigned: a big transfer can be cut into CHUNKS_PER_STREAM windows
+per stream (plan_windows) and each stream takes the next one when it finished its last, so a
+stream that got less CPU would do less of the transfer instead of leaving the others idle while
+it finishes a fixed share (on a loaded 2-core box 4-20 % of the streams' time went idle at the
+tail with one window each; but more windows cost more than that there, so the default is 1). The producer's server keeps the parsed range table between the
 windows of one connection (pdcluster.transfer.ranges.TableCache) and both ends find a window's
 pieces by bisection (RangeIndex), so more windows cost no per-range Python.
 
@@ -52,9 +52,13 @@ from pdcluster.transfer.ranges import RangeIndex
 from pdcluster.transfer.read_mac import GmacRefused, check_refusal, request_suffix, window_mac
 
 Address = tuple[str, int]
-# Windows per stream for transfers big enough (each window >= CHUNK_MIN_BYTES): two even out the
-# tail; each more costs a request (~0.2 ms of CPU per side with GMAC: a fresh cipher context).
-CHUNKS_PER_STREAM = 2
+# Windows per stream for transfers big enough (each window >= CHUNK_MIN_BYTES). More than one
+# evens out the tail, but every window is a request, and on the 2-core box each extra one cost
+# the producer 1-1.5 ms of CPU (a fresh GMAC context, the connection restarting from idle): with
+# 2 per stream 128 MiB reads were no faster (256 KiB-4 MiB blocks, 9 interleaved rounds: 1.53-2.17
+# vs 1.91-2.19 GB/s with 1) and cost 0.015-0.08 s/GB more. So 1 (one window per stream, as
+# before) until a machine with idle cores says otherwise (notes/p2pspeed.md).
+CHUNKS_PER_STREAM = 1
 CHUNK_MIN_BYTES = 4 << 20
 
 

@@ -65,10 +65,13 @@ def test_bounds_and_table_round_trip() -> None:
     assert cache.get(b"k") is index and cache.get(b"k2") is None
 
 
-def test_plan_windows_splits_only_big_transfers() -> None:
+def test_plan_windows_splits_only_big_transfers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(scatter_reader, "CHUNKS_PER_STREAM", 2)
     assert plan_windows(8 << 20, 4, 1 << 20) == split_windows(8 << 20, 4, 1 << 20)  # small: as before
     big = plan_windows(128 << 20, 4, 1 << 20)
-    assert len(big) == 4 * scatter_reader.CHUNKS_PER_STREAM
+    assert len(big) == 8
+    monkeypatch.setattr(scatter_reader, "CHUNKS_PER_STREAM", 1)
+    assert plan_windows(128 << 20, 4, 1 << 20) == split_windows(128 << 20, 4, 1 << 20)  # the default
     assert sum(n for _, n in big) == 128 << 20 and [s for s, _ in big] == sorted(s for s, _ in big)
     assert all(s % 4096 == 0 for s, _ in big)
 
@@ -125,6 +128,7 @@ def test_cached_table_is_keyed_by_token_and_table(served: tuple) -> None:
 def test_handed_out_windows_read_right_bytes_once_each(served: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
     srv, rid, data = served
     monkeypatch.setattr(scatter_reader, "CHUNK_MIN_BYTES", 64 << 10)
+    monkeypatch.setattr(scatter_reader, "CHUNKS_PER_STREAM", 2)
     block = 16 << 10
     rng = random.Random(3)
     nblocks = SIZE // block
@@ -137,7 +141,7 @@ def test_handed_out_windows_read_right_bytes_once_each(served: tuple, monkeypatc
     try:
         before = srv.stats().get("requests_ok", 0)
         reader.read(srv.address, token, src, memoryview(dest), dst_ranges, transfer_mac_key(KEY, token))
-        want = before + 2 * scatter_reader.CHUNKS_PER_STREAM
+        want = before + 4  # 2 streams x 2 windows each, taken as the streams free up
         deadline = time.monotonic() + 10  # the server counts a request just after its last byte left
         while srv.stats().get("requests_ok", 0) < want and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -152,6 +156,7 @@ def test_handed_out_windows_read_right_bytes_once_each(served: tuple, monkeypatc
 def test_tampered_handed_out_window_fails_the_read(served: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
     srv, rid, _ = served
     monkeypatch.setattr(scatter_reader, "CHUNK_MIN_BYTES", 64 << 10)
+    monkeypatch.setattr(scatter_reader, "CHUNKS_PER_STREAM", 2)
     src = [(i * 8192, 8192) for i in range(64)]  # 512 KiB: 4 windows of 128 KiB on 2 streams
     token = issue_token(KEY, secrets.token_bytes(16), OP_READ, rid, src, ttl_s=30)
     proxy = TamperProxy(srv.address, flip_at=RESP_HEADER.size + 16 + 5000)
