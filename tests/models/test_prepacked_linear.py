@@ -192,7 +192,7 @@ def test_compiled_bf16_engine_same_tokens_packed_and_unpacked(tmp_path, monkeypa
     path = make_tiny_checkpoint("qwen2", tmp_path / "qwen2", dtype=BF16)
     prompts = make_prompts(384, lens=(5, 17, 40, 2))
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    outs = []
+    outs, graphs = [], []
     for pack in (False, True):
         monkeypatch.setenv(cpu_gemm.ENV, "1" if pack else "0")
         llm = LLM(path, compute_dtype="bfloat16", max_num_seqs=2, max_num_batched_tokens=32, num_kv_blocks=64,
@@ -200,6 +200,9 @@ def test_compiled_bf16_engine_same_tokens_packed_and_unpacked(tmp_path, monkeypa
         runner = llm.engine.core.runner
         assert isinstance(runner.forward_fn, CompiledForward)
         assert (cpu_gemm.packed_count(runner.model)[0] > 0) == pack
+        start = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])  # after the warm-up
         outs.append([list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)])
+        graphs.append(int(torch._dynamo.utils.counters["stats"]["unique_graphs"]) - start)
         llm.shutdown()
     assert outs[0] == outs[1]
+    assert graphs == [0, 0]  # the steps compiled nothing more (no guard on the packed copies)

@@ -13,7 +13,7 @@ paths round differently keeps `F.linear`). float32 is not packed: oneDNN's fp32 
 from `F.linear`'s (MKL) in the last bits; float16 needs AVX512-FP16 / AVX-NE-CONVERT.
 
 The packed tensor is an opaque mkldnn tensor: inductor cannot take it as a graph input, so a
-layer falls back to `F.linear` on its plain weight while dynamo traces (`use_packed`).
+layer falls back to `F.linear` on its plain weight while dynamo traces (`packed_now`).
 """
 
 from __future__ import annotations
@@ -79,10 +79,13 @@ def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch
     return packed
 
 
-def use_packed(packed: torch.Tensor | None) -> bool:
-    """Whether a layer holding `packed` calls it now: not while dynamo traces (the opaque mkldnn
-    tensor cannot enter an inductor graph; the compiled graph multiplies the plain weight)."""
-    return packed is not None and not torch.compiler.is_compiling()
+def packed_now(layer: torch.nn.Module) -> torch.Tensor | None:
+    """The layer's packed weight to multiply with now, or None: always None while dynamo traces
+    (the opaque mkldnn tensor cannot enter an inductor graph, so the compiled graph multiplies the
+    plain weight; checked first, so the trace never even reads the attribute: no guard on it)."""
+    if torch.compiler.is_compiling():
+        return None
+    return getattr(layer, "packed_weight", None)
 
 
 def prepack_model(model: torch.nn.Module) -> tuple[int, int]:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdcluster.models.layers.cpu_gemm import pack_weight, packed_linear, use_packed
+from pdcluster.models.layers.cpu_gemm import pack_weight, packed_linear, packed_now
 from pdcluster.models.layers.weight_slice import Loaded, narrow, shape_of
 
 if TYPE_CHECKING:
@@ -85,8 +85,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         return self.packed_weight is not None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if use_packed(self.packed_weight):
-            logits = packed_linear(hidden, self.packed_weight)  # type: ignore[arg-type]  # (N, num_local)
+        packed = packed_now(self)
+        if packed is not None:
+            logits = packed_linear(hidden, packed)  # (N, num_local)
         else:
             logits = F.linear(hidden, self.weight)  # (N, num_local)
         if self.tp_size > 1:

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdcluster.models.layers.cpu_gemm import pack_weight, packed_linear, use_packed
+from pdcluster.models.layers.cpu_gemm import pack_weight, packed_linear, packed_now
 from pdcluster.models.layers.weight_slice import Loaded, narrow, shape_of, whole
 
 if TYPE_CHECKING:
@@ -89,8 +89,9 @@ class LinearBase(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ weight.T (+ bias): through the packed copy when there is one, else F.linear."""
-        if use_packed(self.packed_weight):
-            return packed_linear(x, self.packed_weight, bias)  # type: ignore[arg-type]
+        packed = packed_now(self)
+        if packed is not None:
+            return packed_linear(x, packed, bias)
         return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
