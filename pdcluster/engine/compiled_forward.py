@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from pdcluster.models.layers.attention_backend import AttentionBackend, AttentionMetadata
+from pdcluster.models.layers.cpu_gemm import CURRENT_LAYER, name_packed_layers
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +149,7 @@ class CompiledForward:
         traced = _TracedAttention(backend)
         for layer in decoder.layers:
             layer.self_attn.backend = traced
+            name_packed_layers(layer)  # its packed linears trace as the packed_linear op
         self._layers = [torch.compile(layer, dynamic=None, fullgraph=True) for layer in decoder.layers]
         self.compiled_steps = 0  # steps (warm-up included) that ran the compiled layers
 
@@ -173,8 +175,12 @@ class CompiledForward:
         step = _Step(self.backend, meta, self.layer_kv_caches)
         token = _CURRENT_STEP.set(step)
         try:
-            for layer in self._layers:
-                hidden, residual = layer(positions, hidden, residual, _NO_KV, None)
+            for module, layer in zip(decoder.layers, self._layers):
+                current = CURRENT_LAYER.set(module)  # whose packed weights the packed_linear op reads
+                try:
+                    hidden, residual = layer(positions, hidden, residual, _NO_KV, None)
+                finally:
+                    CURRENT_LAYER.reset(current)
         finally:
             _CURRENT_STEP.reset(token)
         if step.layer != len(self._layers):

@@ -15,6 +15,7 @@ an intermediate prefill chunk gets an empty list.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import weakref
 from dataclasses import dataclass
@@ -28,8 +29,11 @@ from pdcluster.engine.connector_hooks import ConnectorHooks
 from pdcluster.engine.kv_connector import KVCacheLayout, KVConnectorBase
 from pdcluster.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from pdcluster.models.layers.attention_backend import AttentionBackend, AttentionMetadata
+from pdcluster.models.layers.cpu_gemm import release_plain_weights
 from pdcluster.models.loader import load_model
 from pdcluster.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -93,7 +97,13 @@ class ModelRunner:
         # Lazy: the custom attention op is registered only by engines that may compile.
         from pdcluster.engine.compiled_forward import build_forward
 
-        return build_forward(self.config, self.model, self.attn_backend, self.layer_kv_caches)
+        forward = build_forward(self.config, self.model, self.attn_backend, self.layer_kv_caches)
+        # Every product now runs on the oneDNN-packed weights (eagerly, or through the compiled
+        # graph's packed_linear op): the plain copies would double the model's memory.
+        freed = release_plain_weights(self.model)
+        if freed:
+            logger.info("released %.1f MiB of plain weights (oneDNN-packed copies in use)", freed / 2**20)
+        return forward
 
     def _bind_kv_scales(self) -> None:
         from pdcluster.models.layers.kv_quant import load_kv_scales

@@ -18,6 +18,7 @@ layer falls back to `F.linear` on its plain weight while dynamo traces (`packed_
 
 from __future__ import annotations
 
+import contextvars
 import os
 
 import torch
@@ -107,3 +108,49 @@ def packed_count(model: torch.nn.Module) -> tuple[int, int]:
     """(modules now running packed, modules that could), for reports and benchmarks."""
     mods = [m for m in model.modules() if callable(getattr(m, "prepack", None))]
     return sum(getattr(m, "packed_weight", None) is not None for m in mods), len(mods)
+
+
+# The decoder layer the compiled forward is running: set by compiled_forward around each layer call
+# and read by the `packed_linear` op. A ContextVar (not an attribute): a custom op takes only
+# tensors and scalars, and the value is scoped to the call (another thread's engine never sees it).
+CURRENT_LAYER: contextvars.ContextVar[torch.nn.Module] = contextvars.ContextVar("pdcluster_compiled_layer")
+
+
+@torch.library.custom_op("pdcluster::packed_linear", mutates_args=())
+def packed_linear_op(x: torch.Tensor, bias: torch.Tensor | None, name: str, out_features: int) -> torch.Tensor:
+    """The packed product inside a compiled graph: `name` is the linear's path in the current
+    decoder layer (the same string in every layer, so one graph serves them all), and its packed
+    weight is looked up at run time, so the opaque mkldnn tensor never enters the graph."""
+    layer = CURRENT_LAYER.get().get_submodule(name)
+    return packed_linear(x, layer.packed_weight, bias)
+
+
+@packed_linear_op.register_fake
+def _packed_linear_fake(x: torch.Tensor, bias: torch.Tensor | None, name: str, out_features: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def name_packed_layers(layer: torch.nn.Module) -> None:
+    """Give every packed linear of one decoder layer its path (`compiled_name`), so that traced
+    calls go through `packed_linear_op` instead of F.linear on the plain weight."""
+    for name, mod in layer.named_modules():
+        if name and getattr(mod, "packed_weight", None) is not None:
+            mod.compiled_name = name
+
+
+def release_plain_weights(model: torch.nn.Module) -> int:
+    """Free the plain copy of every packed weight that nothing else reads (a tied LM head's weight
+    is the embedding's table: kept). Call once the forward is built: from then on every product
+    runs packed, eagerly or through `packed_linear_op`. Returns the bytes freed."""
+    # Weights some unpacked module also reads (the embedding table a tied head shares, any module).
+    shared = {id(m.weight) for m in model.modules()
+              if getattr(m, "packed_weight", None) is None and isinstance(getattr(m, "weight", None), torch.Tensor)}
+    freed = 0
+    for mod in model.modules():
+        w = getattr(mod, "weight", None)
+        if getattr(mod, "packed_weight", None) is None or w is None or id(w) in shared or w.numel() == 0:
+            continue
+        freed += w.numel() * w.element_size()
+        w.data = torch.empty(0, dtype=w.dtype, device=w.device)  # a product on it now fails loudly
+        mod.plain_weight_released = True
+    return freed

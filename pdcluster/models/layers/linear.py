@@ -74,9 +74,12 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
         # oneDNN-packed copy of `weight` (a plain attribute: not a parameter, not in state_dict).
         self.packed_weight: torch.Tensor | None = None
+        # Path inside its decoder layer once compiled_forward traces it packed (cpu_gemm).
+        self.compiled_name: str | None = None
 
     def _load(self, param: nn.Parameter, loaded: Loaded, shard_id: str | int | None = None) -> None:
         self.packed_weight = None  # a packed copy of the old values would be stale
+        self.compiled_name = None
         self.weight_loader(param, loaded, shard_id)
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: str | int | None = None) -> None:
@@ -89,6 +92,9 @@ class LinearBase(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ weight.T (+ bias): through the packed copy when there is one, else F.linear."""
+        if torch.compiler.is_compiling() and self.compiled_name is not None:
+            # Traced: the opaque op multiplies with the packed weight at run time (cpu_gemm).
+            return torch.ops.pdcluster.packed_linear(x, bias, self.compiled_name, self.out_features)
         packed = packed_now(self)
         if packed is not None:
             return packed_linear(x, packed, bias)
