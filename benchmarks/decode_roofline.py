@@ -51,6 +51,8 @@ def bytes_per_step(model, kv_itemsize: int, cfg, seq_len: int) -> tuple[int, int
     for name, p in model.named_parameters():  # a tied LM head is listed once, read in full
         untied_embedding = name.endswith("embed_tokens.weight") and not cfg.tie_word_embeddings
         weights += (p[0].numel() if untied_embedding else p.numel()) * p.element_size()
+    # A packed layer's plain weight is released (numel 0): the step reads its packed copy instead.
+    weights += sum(getattr(m, "released_weight_bytes", 0) for m in model.modules())
     kv = 2 * cfg.num_hidden_layers * seq_len * cfg.num_key_value_heads * cfg.head_dim * kv_itemsize
     return weights, kv
 

@@ -66,10 +66,13 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pin-cpus", action="store_true",
                    help="give each worker cores of its own (disjoint slices of this process's CPUs, one core per "
                         "TP rank at least), so prefill and decode do not compete for the same cores")
-    p.add_argument("--worker-threads", default="0", type=_worker_threads_flag,
-                   help="torch threads of each worker TP rank: 0 (default) = torch's default (every CPU, in every "
-                        "worker); auto = this process's CPUs split evenly between all the workers' ranks, at least "
-                        "1 each, so the workers' thread pools do not oversubscribe the cores they share; N = N "
+    # auto by default: with every worker's engine on one thread (async_engine), each worker's OpenMP
+    # pool spin-waits at full speed, so pools that share cores must not oversubscribe them (1P+1D on
+    # 2 cores: TPOT 28 ms with auto vs 63 ms with every worker at 2 threads; RESULTS.md, session 3).
+    p.add_argument("--worker-threads", default="auto", type=_worker_threads_flag,
+                   help="torch threads of each worker TP rank: auto (default) = this process's CPUs split evenly "
+                        "between all the workers' ranks, at least 1 each, so the workers' thread pools do not "
+                        "oversubscribe the cores they share; 0 = torch's default (every CPU, in every worker); N = N "
                         "each. Ignored with --pin-cpus (a worker uses its slice) and when PDCLUSTER_NUM_THREADS or "
                         "OMP_NUM_THREADS is set (yours wins)")
     p.add_argument("--demo-request", action="store_true",

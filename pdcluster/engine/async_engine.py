@@ -17,6 +17,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +48,19 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine]) -> None:
+        """`engine`: a built engine, or a factory that the engine thread calls to build it
+        (`from_engine_args` does). Built there, every torch op of the engine (load, packing,
+        warm-up, steps) runs on one thread, so OpenMP keeps a single pool of worker threads. An
+        engine built on another thread leaves that thread's idle pool behind; libgomp then counts
+        more managed threads than CPUs and throttles its spin-wait, and every parallel region pays
+        a futex wake-up: batch-1 decode of the 125M Llama on 2 cores took 42 ms per token stepped
+        on a second thread vs 17-20 ms built and stepped on one (benchmarks/RESULTS.md)."""
+        self._built: Future[LLMEngine] = Future()
+        self._go = threading.Event()
+        self._thread = threading.Thread(target=self._main, args=(engine,), name="pdcluster-engine", daemon=True)
+        self._thread.start()
+        engine = self._built.result()  # the factory's error, if any, is raised here
         self.engine = engine
         # Streams get deltas; keeping each finished request's whole result (LLM's offline need)
         # would grow without bound in a long-running service.
@@ -65,12 +78,11 @@ class AsyncEngine:
         self.last_step_time = time.monotonic()
         # Tokens served and step times, read by the worker's metrics at scrape time.
         self.counters = EngineCounters()
-        self._thread = threading.Thread(target=self._run, name="pdcluster-engine", daemon=True)
-        self._thread.start()
+        self._go.set()  # every field is set: the engine thread may run its loop
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, connector: Any = None, ec_connector: Any = None) -> AsyncEngine:
-        return cls(LLMEngine.from_engine_args(args, connector=connector, ec_connector=ec_connector))
+        return cls(lambda: LLMEngine.from_engine_args(args, connector=connector, ec_connector=ec_connector))
 
     # -- the facade: what services read of the engine (nothing outside engine/ reaches further) --
     @property
@@ -231,6 +243,16 @@ class AsyncEngine:
             self.engine.shutdown()
 
     # -- engine thread ---------------------------------------------------------------------------
+    def _main(self, engine: LLMEngine | Callable[[], LLMEngine]) -> None:
+        try:
+            built = engine if isinstance(engine, LLMEngine) else engine()
+        except BaseException as e:  # noqa: BLE001 - handed to the constructor, which raises it
+            self._built.set_exception(e)
+            return
+        self._built.set_result(built)
+        self._go.wait()
+        self._run()
+
     def _run(self) -> None:
         try:
             while not self._stop.is_set():

@@ -109,7 +109,7 @@ def test_serve_worker_threads_flag_and_what_the_user_set_wins():
     assert worker_thread_count("auto", [1], 16, environ={}) == 16
     assert worker_thread_count("auto", [2, 1, 1], 16, environ={}) == 4  # per TP rank
     assert worker_thread_count("3", [1, 1], 2, environ={}) == 3
-    assert worker_thread_count("0", [1, 1], 2, environ={}) is None  # torch's default (serve's default)
+    assert worker_thread_count("0", [1, 1], 2, environ={}) is None  # torch's default
     assert worker_thread_count("auto", [1, 1], 2, environ={"PDCLUSTER_NUM_THREADS": "2"}) is None
     assert worker_thread_count("auto", [1, 1], 2, environ={"OMP_NUM_THREADS": "2"}) is None
 

@@ -181,6 +181,9 @@ def test_bf16_greedy_same_tokens_packed_and_unpacked(arch: str, linears: int, tm
     assert len(released) == linears - (arch == "qwen2")  # a tied head shares the embedding table: kept
     assert all(k.endswith(".weight") for k in released)
     assert all(torch.equal(a[k], b[k]) for k in a if k not in released)
+    # What a step still reads from the packed copies (benchmarks/decode_roofline.py counts it).
+    assert sum(getattr(m, "released_weight_bytes", 0) for m in packed.model.modules()) == sum(
+        a[k].numel() * a[k].element_size() for k in released)
     if arch == "qwen2":
         assert packed.model.lm_head.weight is packed.model.model.embed_tokens.weight
         assert packed.model.lm_head.weight.numel() > 0

@@ -3,7 +3,7 @@ then multiplied with oneDNN's linear primitive.
 
 Why: on CPU, `F.linear` in bfloat16 reorders (re-blocks) the weight on every call, which at
 M = 1 (batch-1 decode) costs as much as the GEMV itself. The pre-packed weight skips that:
-measured 2.1-2.3x faster at M = 1 and 1.0-1.9x at M = 16-256 on AVX512-BF16, and the result is
+measured 1.65-2.3x faster at M = 1 and 1.0-1.9x at M = 16-256 on AVX512-BF16, and the result is
 bit-identical to `F.linear` (same oneDNN kernel, same accumulation order), bias included.
 
 When: a weight is packed only if it is on the CPU, in a dtype of PACK_DTYPES, oneDNN is
@@ -13,7 +13,8 @@ paths round differently keeps `F.linear`). float32 is not packed: oneDNN's fp32 
 from `F.linear`'s (MKL) in the last bits; float16 needs AVX512-FP16 / AVX-NE-CONVERT.
 
 The packed tensor is an opaque mkldnn tensor: inductor cannot take it as a graph input, so a
-layer falls back to `F.linear` on its plain weight while dynamo traces (`packed_now`).
+traced layer calls the opaque `pdcluster::packed_linear` op instead, which looks the packed weight
+up at run time (below); once the forward is built the runner releases the plain weights.
 """
 
 from __future__ import annotations
@@ -82,8 +83,9 @@ def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch
 
 def packed_now(layer: torch.nn.Module) -> torch.Tensor | None:
     """The layer's packed weight to multiply with now, or None: always None while dynamo traces
-    (the opaque mkldnn tensor cannot enter an inductor graph, so the compiled graph multiplies the
-    plain weight; checked first, so the trace never even reads the attribute: no guard on it)."""
+    (the opaque mkldnn tensor cannot enter an inductor graph: a traced linear calls
+    `packed_linear_op` by name instead; checked first, so the trace never even reads the
+    attribute: no guard on it)."""
     if torch.compiler.is_compiling():
         return None
     return getattr(layer, "packed_weight", None)
@@ -150,7 +152,8 @@ def release_plain_weights(model: torch.nn.Module) -> int:
         w = getattr(mod, "weight", None)
         if getattr(mod, "packed_weight", None) is None or w is None or id(w) in shared or w.numel() == 0:
             continue
-        freed += w.numel() * w.element_size()
+        nbytes = w.numel() * w.element_size()
+        freed += nbytes
         w.data = torch.empty(0, dtype=w.dtype, device=w.device)  # a product on it now fails loudly
-        mod.plain_weight_released = True
+        mod.released_weight_bytes = nbytes  # what a step still reads (from the packed copy)
     return freed
