@@ -28,19 +28,29 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Sequence
+from typing import Protocol
 
 import grpc
 
 from pdcluster._proto import common_pb2, worker_pb2
 from pdcluster.handoff_trace import trace
 
+from .config import RouterConfig
 from .errors import RouterError
+from .legs import LegRunner
+from .metrics import RouterMetrics
 from .request_state import RequestState
 
-if TYPE_CHECKING:
-    from .orchestrator import Orchestrator
+
+class Orchestrator(Protocol):
+    """What this flow uses of router/orchestrator.Orchestrator (which imports this module)."""
+
+    config: RouterConfig
+    legs: LegRunner
+    metrics: RouterMetrics
+
+    def _abort_on_workers(self, request_id: str, handles: Sequence) -> None: ...
 
 log = logging.getLogger(__name__)
 _PROVIDE_TIMEOUT_S = 5.0
