@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
@@ -38,7 +37,7 @@ from pdcluster.handoff_trace import trace
 
 from .config import RouterConfig
 from .errors import RouterError
-from .legs import LegRunner
+from .legs import LegRunner, check_prefill
 from .metrics import RouterMetrics
 from .request_state import RequestState
 
@@ -87,16 +86,7 @@ async def run(orch: Orchestrator, state: RequestState) -> AsyncIterator[worker_p
     head = asyncio.ensure_future(anext(decode_leg))  # picks, sends and waits for the first delta
     handing: asyncio.Future | None = None
     try:
-        started = time.monotonic()
-        last = None
-        trace("r.prefill_sent", prep.request_id)
-        async for resp in orch.legs.run(state, ("prefill",), prefill, leg="prefill"):
-            last = resp
-        trace("r.prefill_done", prep.request_id)
-        orch.metrics.prefill_leg.observe(time.monotonic() - started)
-        if last is None or last.finish_reason == common_pb2.FINISH_REASON_ERROR:
-            raise RouterError(grpc.StatusCode.INTERNAL,
-                              f"prefill leg failed: {last.error_message if last else 'no response'}")
+        last = check_prefill(await orch.legs.run_prefill(state, prefill))
         if state.aborted:
             raise RouterError(grpc.StatusCode.CANCELLED, "request aborted")
         state.route.disaggregated = True

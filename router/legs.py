@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Collection, Sequence
 
 import grpc
 
 from pdcluster._proto import common_pb2, worker_pb2
+from pdcluster.handoff_trace import trace
 
 from .config import RouterConfig
 from .errors import RouterError, unavailable
@@ -36,6 +38,14 @@ _RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EX
 _WORKER_FAULTS = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
 
 
+def check_prefill(last: worker_pb2.WorkerGenerateResponse | None) -> worker_pb2.WorkerGenerateResponse:
+    """The prefill leg's last response, or the RouterError that it failed."""
+    if last is None or last.finish_reason == common_pb2.FINISH_REASON_ERROR:
+        raise RouterError(grpc.StatusCode.INTERNAL,
+                          f"prefill leg failed: {last.error_message if last else 'no response'}")
+    return last
+
+
 class LegRunner:
     def __init__(self, config: RouterConfig, registry: WorkerRegistry, policy: RoutingPolicy,
                  metrics: RouterMetrics) -> None:
@@ -44,6 +54,20 @@ class LegRunner:
         self.policy = policy
         self.metrics = metrics
         self._block_size: int | None = None  # the workers' KV block size, once one reported it
+
+    async def run_prefill(self, state: RequestState, wreq: worker_pb2.WorkerGenerateRequest
+                          ) -> worker_pb2.WorkerGenerateResponse | None:
+        """A disaggregated request's prefill leg run to its last response (None: it sent none),
+        traced and timed (`prefill_leg`); both disaggregation flows start with it."""
+        request_id = state.prep.request_id
+        started = time.monotonic()
+        last = None
+        trace("r.prefill_sent", request_id)
+        async for resp in self.run(state, ("prefill",), wreq, leg="prefill"):
+            last = resp
+        trace("r.prefill_done", request_id)
+        self.metrics.prefill_leg.observe(time.monotonic() - started)
+        return last
 
     async def run(self, state: RequestState, roles: Sequence[str], wreq: worker_pb2.WorkerGenerateRequest,
                   *, leg: str, exclude: Collection[str] = ()) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:

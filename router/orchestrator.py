@@ -38,7 +38,7 @@ from .config import RouterConfig
 from .convert import error_response
 from .ec_stage import EcStage
 from .errors import RouterError
-from .legs import LegRunner
+from .legs import LegRunner, check_prefill
 from .metrics import RouterMetrics
 from .migration import Migrator, StallWatch
 from .policies import RouteRequest, RoutingPolicy
@@ -217,18 +217,10 @@ class Orchestrator:
             # that may still become a stop string (the decode leg emits it). One token wanted:
             # the prefill leg is the whole request.
             prefill.kv_transfer_params.do_remote_decode = True
-        started = time.monotonic()
-        last = None
-        trace("r.prefill_sent", prep.request_id)
-        async for resp in self.legs.run(state, ("prefill",), prefill, leg="prefill"):
-            last = resp
-        trace("r.prefill_done", prep.request_id)
-        self.metrics.prefill_leg.observe(time.monotonic() - started)
+        last = await self.legs.run_prefill(state, prefill)
         if last is not None and prep.images:
             self.ec.record_leg(state, "prefill", last)  # what the prefill worker now holds for others
-        if last is None or last.finish_reason == common_pb2.FINISH_REASON_ERROR:
-            raise RouterError(grpc.StatusCode.INTERNAL,
-                              f"prefill leg failed: {last.error_message if last else 'no response'}")
+        last = check_prefill(last)
         state.route.disaggregated = True
         if last.finish_reason == common_pb2.FINISH_REASON_STOP or wanted <= len(last.token_ids):
             # EOS / stop token / stop string on the first token, or max_tokens=1: already complete.
