@@ -11,27 +11,25 @@ abort of such a request lands while its decode leg is certainly running, on any 
 
 from __future__ import annotations
 
-import json
 import pathlib
 import random
-import secrets
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 from chaos.mark_hold_pool import MarkHoldPool
+from pd_pair import p2p_pair_pool, pair_clusters, request, tokens
 from real_router_cluster import (
     Cluster,
     LoopThread,
     WorkerProc,
     is_idle,
-    router_cluster,
     wait_until,
     worker_stats,
 )
 
-from pdcluster._proto import common_pb2, router_pb2
+from pdcluster._proto import common_pb2
 
 MARK = 4
 ABORT = common_pb2.FINISH_REASON_ABORT
@@ -40,9 +38,7 @@ LENGTH = common_pb2.FINISH_REASON_LENGTH
 
 @pytest.fixture(scope="module")
 def pool(demo_model: str, key_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[MarkHoldPool]:
-    p = MarkHoldPool(demo_model, str(key_dir), tmp_path_factory.mktemp("handoff-logs"),
-                     [("p0", "prefill"), ("d0", "decode")], (MARK,), extra_args=["--kv-connector", "p2p"],
-                     env={"PDCLUSTER_KV_CONNECTOR_OPTIONS": json.dumps({"params_secret": secrets.token_hex(32)})})
+    p = p2p_pair_pool(demo_model, key_dir, tmp_path_factory.mktemp("handoff-logs"), (MARK,))
     try:
         yield p
     finally:
@@ -52,32 +48,8 @@ def pool(demo_model: str, key_dir: pathlib.Path, tmp_path_factory: pytest.TempPa
 @pytest.fixture
 def cluster(loop_thread: LoopThread, pool: MarkHoldPool, demo_model: str,
             key_dir: pathlib.Path) -> Iterator[Callable[..., Cluster]]:
-    made: list[Cluster] = []
-
-    def make(**overrides: Any) -> Cluster:
-        workers = pool.take_named(("p0", "d0"))
-        c = router_cluster(loop_thread, workers, demo_model, request_timeout_s=120.0, key_dir=str(key_dir),
-                           **overrides)
-        made.append(c)
-        assert c.wait_healthy(len(workers)), "the workers did not become healthy"
-        return c
-
-    try:
+    with pair_clusters(loop_thread, pool, demo_model, key_dir) as make:
         yield make
-    finally:
-        for c in made:
-            c.close()
-        pool.revive()
-
-
-def request(ids: list[int], max_tokens: int, request_id: str = "") -> router_pb2.GenerateRequest:
-    return router_pb2.GenerateRequest(
-        request_id=request_id, prompt_token_ids=router_pb2.TokenIds(ids=ids), stream=True,
-        sampling_params=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-
-
-def tokens(out: list) -> list[int]:
-    return [t for r in out for t in r.token_ids]
 
 
 def both_idle(c: Cluster) -> bool:
