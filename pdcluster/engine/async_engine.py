@@ -58,10 +58,21 @@ class AsyncEngine:
         on a second thread vs 17-20 ms built and stepped on one (benchmarks/RESULTS.md)."""
         self._built: Future[LLMEngine] = Future()
         self._go = threading.Event()
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._main, args=(engine,), name="pdcluster-engine", daemon=True)
         self._thread.start()
         engine = self._built.result()  # the factory's error, if any, is raised here
         self.engine = engine
+        try:
+            self._init_fields(engine)
+        except BaseException:
+            self._stop.set()  # the thread's loop ends at once; the built engine is shut down
+            self._go.set()
+            engine.shutdown()
+            raise
+        self._go.set()  # every field is set: the engine thread may run its loop
+
+    def _init_fields(self, engine: LLMEngine) -> None:
         # Streams get deltas; keeping each finished request's whole result (LLM's offline need)
         # would grow without bound in a long-running service.
         engine.output_processor.keep_finished = False
@@ -72,13 +83,11 @@ class AsyncEngine:
         # applied. Outputs go to a stream only when both maps agree, so a step that ran before an
         # aborted request's abort was applied never reaches a newer request reusing its id.
         self._live: dict[str, _Stream] = {}
-        self._stop = threading.Event()
         self._dead: BaseException | None = None
         self.stats: dict[str, Any] = engine.get_stats()  # snapshot swapped after every step
         self.last_step_time = time.monotonic()
         # Tokens served and step times, read by the worker's metrics at scrape time.
         self.counters = EngineCounters()
-        self._go.set()  # every field is set: the engine thread may run its loop
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, connector: Any = None, ec_connector: Any = None) -> AsyncEngine:
