@@ -62,11 +62,17 @@ class KeyDirWatcher:
     """Keeps the allow-list of CURVE server sockets equal to their public-key folders."""
 
     def __init__(self, auth: object, sockets: Mapping[object, str | os.PathLike[str]],
-                 poll_s: float = DEFAULT_POLL_S, only: Collection[str] | None = None) -> None:
+                 poll_s: float = DEFAULT_POLL_S, only: Collection[str] | None = None,
+                 on_revoked: Callable[[object, Mapping[str, bytes], list[str]], None] | None = None) -> None:
         """only: admit just the keys of these names (and their NAME.next), e.g. the routers
-        of a KV-event publisher; None: every key in the folder."""
+        of a KV-event publisher; None: every key in the folder.
+        on_revoked(sock, allowed, gone): called (on the watcher's thread, so it must only hand
+        the work over) after keys left a socket's allow-list, for sockets whose live sessions
+        cannot be refused message by message (a PUB socket receives nothing to drop: its owner
+        closes it and binds a new one, see replace_socket)."""
         self._auth = auth  # a CurveAuthenticator (typed loosely: curve.py imports nothing of us)
         self._sockets = {s: pathlib.Path(d) for s, d in sockets.items()}
+        self._on_revoked = on_revoked
         self._poll_s = poll_s
         self._only = None if only is None else frozenset(only)
         self._stamps: dict[object, object] = {}  # per socket: two sockets may share one folder
@@ -92,13 +98,25 @@ class KeyDirWatcher:
                 except (OSError, KeyMaterialError) as e:
                     log.error("key reload of %s failed, keeping the current allow-list: %s", directory, e)
                     continue
-                gone = self._auth.set_allowed(sock, allowed)  # type: ignore[attr-defined]
+                try:
+                    gone = self._auth.set_allowed(sock, allowed)  # type: ignore[attr-defined]
+                except KeyError:  # closed by its owner, who is swapping it (replace_socket)
+                    continue
                 self._stamps[sock] = stamp
                 self.applied += 1
                 if gone:
                     log.warning("CURVE keys revoked on %s: %s", sock.zap_domain.decode(), ", ".join(gone))
+                    if self._on_revoked is not None:
+                        self._on_revoked(sock, allowed, gone)
                 revoked[sock.zap_domain.decode()] = gone  # type: ignore[attr-defined]
         return revoked
+
+    def replace_socket(self, old: object, new: object) -> None:
+        """Watch `new` (bound by its owner with a current allow-list) instead of `old` (closed).
+        Its folder is re-read at the next poll, so a change that raced the swap is applied."""
+        with self._lock:
+            self._sockets[new] = self._sockets.pop(old)
+            self._stamps.pop(old, None)
 
     def start(self) -> KeyDirWatcher:
         self.reload(force=True)

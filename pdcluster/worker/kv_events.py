@@ -104,11 +104,13 @@ class KVEventService:
             self._ctx.term()
             raise
         self._watcher = None
+        # Set by the watcher's thread, applied by the event loop (zmq sockets are single-thread).
+        self._reopen_with: Mapping[str, bytes] | None = None
         if config.key_dir:  # rotation: a revoked router key is refused without a restart
             from pdcluster.security.rotation import KeyDirWatcher
 
             self._watcher = KeyDirWatcher(self._auth, {s: config.key_dir for s in self.publisher.server_sockets},
-                                          only=config.allow_names).start()
+                                          only=config.allow_names, on_revoked=self._on_revoked).start()
         self._mirror: set[bytes] = set()
         self._last_send = 0.0
         self._task: asyncio.Task | None = None
@@ -133,6 +135,22 @@ class KVEventService:
     def _snapshot(self) -> Iterable[bytes]:
         return tuple(self._mirror)
 
+    def _on_revoked(self, sock: object, allowed: Mapping[str, bytes], gone: list[str]) -> None:
+        # The snapshot ROUTER drops a revoked session's requests itself (session_allowed); the
+        # PUB socket has to be replaced to end its sessions (KVEventPublisher.reopen_events).
+        if sock is self.publisher.server_sockets[0]:
+            self._reopen_with = dict(allowed)
+
+    def apply_revocations(self) -> None:
+        """Close revoked subscribers' live sessions (the watcher found a key removed)."""
+        allowed, self._reopen_with = self._reopen_with, None
+        if allowed is None:
+            return
+        old = self.publisher.server_sockets[0]
+        new = self.publisher.reopen_events(allowed)
+        if self._watcher is not None:
+            self._watcher.replace_socket(old, new)
+
     # -- the task -------------------------------------------------------------------------------
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="pdcluster-kv-events")
@@ -148,6 +166,7 @@ class KVEventService:
     def _tick(self) -> None:
         # The engine call is kept across ticks (never timed out and dropped): events it takes
         # exist nowhere else, so losing them would make the mirror and the routers diverge.
+        self.apply_revocations()
         if self._pending is None and self.engine.is_healthy:
             self._pending = asyncio.ensure_future(self.engine.take_kv_events())
         if self._pending is not None and self._pending.done():

@@ -58,6 +58,7 @@ MAX_BATCH_BYTES = 8 << 20
 MAX_SNAPSHOT_BLOCKS = 1 << 21
 MAX_SNAPSHOT_BYTES = MAX_SNAPSHOT_BLOCKS * (MAX_HASH_LEN + 2) + (1 << 16)
 MAX_REQUEST_BYTES = 4096
+REBIND_TIMEOUT_S = 5.0
 _U63 = 2**63 - 1
 
 BlockHash = bytes
@@ -268,6 +269,8 @@ class KVEventPublisher:
         self._clock = clock
         self._auth = auth
         self.num_revoked_requests = 0
+        self.num_reopens = 0  # PUB sockets replaced to end revoked subscribers' sessions
+        self._ctx = ctx
         self._pub = make_server_socket(ctx, zmq.PUB, keypair, allowed, events_addr, auth=auth, name="kv_events")
         try:
             self._rep = make_server_socket(
@@ -303,6 +306,40 @@ class KVEventPublisher:
             self.seq = batch.seq
             self._send(data)
         return self.seq
+
+    def reopen_events(self, allowed: AllowList, timeout_s: float = REBIND_TIMEOUT_S) -> zmq.Socket:
+        """End every live subscription and take subscribers back only through a new handshake
+        against `allowed`: close the PUB socket and bind a new one on the same endpoint.
+
+        Why: a PUB socket receives nothing from its subscribers, so session_allowed() has no
+        message to drop, and libzmq cannot close one peer of a bound socket. Subscribers'
+        SUB sockets reconnect by themselves; a revoked key's handshake is refused (and
+        counted), the others see a seq hole for what was sent meanwhile and ask for a snapshot.
+        The old listener is released by libzmq's I/O thread, so the bind is retried until the
+        port is free. Returns the new socket (for the KeyDirWatcher)."""
+        endpoint = self.events_endpoint
+        self._pub.close(linger=0)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self._pub = make_server_socket(self._ctx, zmq.PUB, self.keypair, allowed, endpoint,
+                                               auth=self._auth, name="kv_events")
+                break
+            except zmq.ZMQError as e:
+                if e.errno != zmq.EADDRINUSE:
+                    raise
+                if time.monotonic() >= deadline:
+                    # Subscribers can no longer find us (routing loses this worker's prefix
+                    # hints, nothing else): better than keeping a revoked session open.
+                    log.error("KV events: %s stayed in use for %.0f s; publishing on a new port", endpoint, timeout_s)
+                    host = endpoint.rsplit(":", 1)[0]
+                    self._pub = make_server_socket(self._ctx, zmq.PUB, self.keypair, allowed, f"{host}:*",
+                                                   auth=self._auth, name="kv_events")
+                    break
+                time.sleep(0.01)
+        self.num_reopens += 1
+        self._auth.metrics.count("kv_events", "revoked_sessions_closed")
+        return self._pub
 
     def heartbeat(self) -> None:
         """Re-announce the current seq (no events) so subscribers detect a lost last batch."""

@@ -131,3 +131,62 @@ def test_kv_snapshot_socket_follows_revocation(tmp_path: pathlib.Path) -> None:
         import asyncio
 
         asyncio.run(service.close())
+
+
+def test_kv_events_pub_closes_revoked_subscription(tmp_path: pathlib.Path) -> None:
+    """A PUB socket receives nothing to drop, so revocation replaces it: the revoked router's
+    live subscription ends (it gets no batch published after the swap, and its reconnect is
+    refused and counted) while the other router reconnects and keeps receiving."""
+    import asyncio
+
+    from pdcluster.engine.block_pool import BlockStored
+    from pdcluster.worker.kv_events import KVEventsConfig, KVEventService
+    from pdcluster.worker.kv_events_pub import decode_batch
+
+    keys = tmp_path / "keys"
+    init_keys(keys, ["router", "router-b", "worker"])
+    config = KVEventsConfig.from_key_dir(keys, key_name="worker", allow_names=("router", "router-b"))
+    service = KVEventService(None, config, "w0", epoch=1)  # type: ignore[arg-type]  # driven by hand
+    pub = service.publisher
+    endpoint = pub.events_endpoint
+    ctx = zmq.Context()
+    subs: dict[str, zmq.Socket] = {}
+    seen: dict[str, list[int]] = {"router": [], "router-b": [], "rotated": []}
+
+    def subscribe(label: str, key_name: str) -> None:
+        s = make_client_socket(ctx, zmq.SUB, load_keypair(keys, key_name), pub.public_key, endpoint)
+        s.subscribe(b"")
+        subs[label] = s
+
+    def pump(n: int = 1) -> None:
+        # One tick of the service as its event-loop task would run it, then read every SUB.
+        service.apply_revocations()
+        pub.publish([BlockStored((bytes([n % 256]) * 8,), None)])
+        for label, s in subs.items():
+            while s.poll(20):
+                seen[label].append(decode_batch(s.recv()).seq)
+
+    try:
+        subscribe("router", "router")
+        subscribe("router-b", "router-b")
+        _wait(lambda: (pump(), seen["router"] and seen["router-b"])[1], "both subscribers to hear batches")
+        rotate_key(keys, "router")
+        revoke_old_key(keys, "router")
+        _wait(lambda: (pump(), pub.num_reopens == 1)[1], "the PUB socket to be replaced")
+        assert pub.events_endpoint == endpoint  # same endpoint: subscribers need no new address
+        swapped_at = pub.seq  # batches after this went out on the new socket only
+        count = len(seen["router-b"])
+        _wait(lambda: (pump(), len([q for q in seen["router-b"][count:] if q > swapped_at]) >= 3)[1],
+              "the allowed router to reconnect and hear new batches")
+        _wait(lambda: (pump(), service.refusals.value("kv_events", "key_not_allowed") >= 1)[1],
+              "the revoked router's reconnect to be refused")
+        assert not [q for q in seen["router"] if q > swapped_at], "revoked subscription still live"
+        assert service.refusals.value("kv_events", "revoked_sessions_closed") == 1
+        subscribe("rotated", "router")  # the rotated pair (now named router) is served
+        _wait(lambda: (pump(), seen["rotated"])[1], "the rotated router key to hear batches")
+        assert not [q for q in seen["router"] if q > swapped_at]
+    finally:
+        for s in subs.values():
+            s.close(linger=0)
+        ctx.term()
+        asyncio.run(service.close())
