@@ -1,7 +1,10 @@
-"""Prometheus export of the master's stats, read at scrape time (nothing to keep in sync).
+"""Prometheus export of the master's and a storage node's stats, read at scrape time (nothing to
+keep in sync).
 
-Each master owns its own CollectorRegistry (no process-global registry), served by
-prometheus_client's HTTP server on 127.0.0.1 unless told otherwise.
+Each master and node owns its own CollectorRegistry (no process-global registry), served by
+prometheus_client's HTTP server on 127.0.0.1 unless told otherwise. Like the workers' and the
+master's endpoints it is plain HTTP without authentication (as vLLM's /metrics): what keeps it
+private is the loopback bind, and serving it elsewhere is an explicit flag.
 """
 
 from __future__ import annotations
@@ -25,6 +28,24 @@ GAUGES = {
     "hit_rate": "hits / (hits + misses) since start",
 }
 
+NODE_PREFIX = PREFIX + "node_"
+# StorageNode.stats() name -> (metric name without prefix, help); the rest are labelled families.
+NODE_GAUGES = {
+    "segments": ("segments", "segments this node holds"),
+    "capacity_bytes": ("capacity_bytes", "bytes of this node's segments"),
+    "open_connections": ("open_connections", "open data-plane connections"),
+    "master_reachable": ("master_reachable", "1 if the last heartbeat reached the master, else 0"),
+}
+NODE_COUNTERS = {
+    "bytes_read": ("read_bytes", "bytes served to data-plane READs (gets over TCP)"),
+    "bytes_written": ("written_bytes", "bytes received by data-plane WRITEs (puts over TCP)"),
+    "requests_ok": ("requests_ok", "data-plane requests served to the end"),
+    "connections_total": ("connections", "data-plane connections accepted"),
+    "heartbeats": ("heartbeats", "heartbeats the master answered"),
+    "heartbeat_failures": ("heartbeat_failures", "heartbeats that did not reach the master or were refused"),
+    "remounts": ("remounts", "mounts again after the master answered UNKNOWN_NODE"),
+}
+
 
 class MasterCollector:
     def __init__(self, stats: Callable[[], dict[str, float]]) -> None:
@@ -39,12 +60,46 @@ class MasterCollector:
                 yield CounterMetricFamily(PREFIX + name, f"{name} since start", value=value)
 
 
-def serve_metrics(stats: Callable[[], dict[str, float]], host: str, port: int, *extra: Any) -> tuple[Any, int]:
-    """Start /metrics; returns (http server, bound port). Stop with server.shutdown().
-    extra: more collectors (the TLS handshake audit)."""
+class NodeCollector:
+    """A storage node's /metrics. The node sees only its data plane: same-host clients copy
+    through shared memory without it, so `requests{op}` and the byte counters are TCP traffic;
+    objects and allocation live in the master's /metrics. `refused{reason}` are the data-plane
+    callers turned away (a token whose MAC fails is reason="bad_mac", an expired one "expired",
+    garbage "bad_magic", ...), the node's authentication refusals."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        for key, (name, doc) in NODE_GAUGES.items():
+            yield GaugeMetricFamily(NODE_PREFIX + name, doc, value=s.get(key, 0))
+        for key, (name, doc) in NODE_COUNTERS.items():
+            yield CounterMetricFamily(NODE_PREFIX + name, doc, value=s.get(key, 0))
+        ops = CounterMetricFamily(NODE_PREFIX + "requests", "data-plane requests admitted (token verified), by op",
+                                  labels=["op"])
+        for op in ("read", "write"):
+            ops.add_metric([op], s.get(f"requests_{op}", 0))
+        yield ops
+        refused = CounterMetricFamily(NODE_PREFIX + "refused", "data-plane requests or connections refused, by reason",
+                                      labels=["reason"])
+        for key, value in sorted(s.items()):
+            if key.startswith("refused_") and key != "refused_total":
+                refused.add_metric([key[len("refused_"):]], value)
+        yield refused
+
+
+def serve_collectors(host: str, port: int, *collectors: Any) -> tuple[Any, int]:
+    """Serve the collectors' /metrics on host:port (0: any free port); returns (http server,
+    bound port). Stop with server.shutdown(); server.server_close()."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(MasterCollector(stats))
-    for collector in extra:
+    for collector in collectors:
         registry.register(collector)
     httpd, _thread = start_http_server(port, addr=host, registry=registry)
     return httpd, httpd.server_address[1]
+
+
+def serve_metrics(stats: Callable[[], dict[str, float]], host: str, port: int, *extra: Any) -> tuple[Any, int]:
+    """The master's /metrics; returns (http server, bound port). Stop with server.shutdown().
+    extra: more collectors (the TLS handshake audit)."""
+    return serve_collectors(host, port, MasterCollector(stats), *extra)

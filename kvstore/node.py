@@ -8,7 +8,9 @@ It heartbeats the master; when the master answers UNKNOWN_NODE (a restarted mast
 track, or a node it had declared dead) it mounts its segments again. Segments get a random
 incarnation per allocation, so a restarted node never inherits placements on memory it lost.
 
-Runs standalone (`run_node`) or inside another process (`StorageNode(...).start()`).
+Runs standalone (`run_node`) or inside another process (`StorageNode(...).start()`). With
+`--metrics-port` it serves Prometheus /metrics (kvstore/metrics.py NodeCollector) on
+`--metrics-host`, loopback by default.
 """
 
 from __future__ import annotations
@@ -23,12 +25,15 @@ import signal
 import socket
 import sys
 import threading
+from collections import Counter
+from typing import Any
 
 from pdcluster._proto import kvstore_pb2 as pb
-from pdcluster.transfer import Region, TransferServer, alloc_region, local_host_id
+from pdcluster.transfer import OP_READ, Capability, Region, TransferServer, alloc_region, local_host_id
 
 from .entities import Status
 from .master_rpc import KVStoreError, MasterRPC
+from .metrics import NodeCollector, serve_collectors
 from .rpc import add_tls_client_args
 from .secret import load_secret, node_key
 
@@ -39,7 +44,9 @@ class StorageNode:
     def __init__(self, master_addr: str, secret: bytes, segment_sizes: list[int], *, node_id: str | None = None,
                  host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None, shared: bool = True,
                  heartbeat_s: float = 1.0, rpc_timeout_s: float = 5.0, tls_ca: str | None = None,
-                 tls_cert: str | None = None, tls_key: str | None = None) -> None:
+                 tls_cert: str | None = None, tls_key: str | None = None, metrics_host: str = "127.0.0.1",
+                 metrics_port: int | None = None) -> None:
+        # metrics_port: serve /metrics there (0: any free port); None: no metrics endpoint
         if not segment_sizes or any(s <= 0 for s in segment_sizes):
             raise ValueError("need at least one positive segment size")
         self.node_id = node_id or f"{socket.gethostname()}-{os.getpid()}"
@@ -50,7 +57,11 @@ class StorageNode:
         # master_addr: one address or "a,b" of a primary/standby pair: calls follow the primary
         self._master = MasterRPC(master_addr, timeout_s=rpc_timeout_s, tls_ca=tls_ca, tls_cert=tls_cert,
                                  tls_key=tls_key, failover_s=rpc_timeout_s)
-        self.server = TransferServer(node_key(secret, self.node_id), host, port)
+        self._counters: Counter[str] = Counter()
+        self._counters_lock = threading.Lock()
+        self._reachable = False
+        # authorize: called once per request whose token verified; used only to count by op
+        self.server = TransferServer(node_key(secret, self.node_id), host, port, authorize=self._admitted)
         bound = self.server.address[0]
         wildcard = bound in ("0.0.0.0", "::", "")
         self._advertise = advertise_host or (socket.getfqdn() if wildcard else bound)
@@ -58,6 +69,27 @@ class StorageNode:
         self._incarnations: dict[int, int] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._metrics_addr = (metrics_host, metrics_port)
+        self._httpd: Any = None
+        self.metrics_port: int | None = None
+
+    def _count(self, name: str) -> None:
+        with self._counters_lock:
+            self._counters[name] += 1
+
+    def _admitted(self, cap: Capability) -> str | None:
+        self._count("requests_read" if cap.op == OP_READ else "requests_write")
+        return None  # never refuses: the token check already ran
+
+    def stats(self) -> dict[str, Any]:
+        """The node's counters and gauges (its /metrics): data plane (TransferServer) + heartbeats."""
+        out: dict[str, Any] = dict(self.server.stats())
+        with self._counters_lock:
+            out.update(self._counters)
+        out["segments"] = len(self.regions)
+        out["capacity_bytes"] = sum(r.nbytes for r in self.regions.values())
+        out["master_reachable"] = int(self._reachable)
+        return out
 
     def _segments(self) -> list[pb.KVSegmentInfo]:
         return [pb.KVSegmentInfo(segment_id=sid, size=r.nbytes, shm_name=r.shm_name or "",
@@ -70,6 +102,10 @@ class StorageNode:
             self._incarnations[i] = secrets.randbits(63)
         self.server.start()
         self._mount(wait_s=mount_timeout_s)
+        self._reachable = True
+        host, port = self._metrics_addr
+        if port is not None:
+            self._httpd, self.metrics_port = serve_collectors(host, port, NodeCollector(self.stats))
         self._thread = threading.Thread(target=self._heartbeat_loop, name="kvstore-node-heartbeat", daemon=True)
         self._thread.start()
         return self
@@ -89,12 +125,17 @@ class StorageNode:
             try:
                 resp = self._master.call("Heartbeat", pb.KVHeartbeatRequest(node_id=self.node_id,
                                                                              segments=self._segments()))
+                self._count("heartbeats")
                 if resp.status == Status.UNKNOWN_NODE:
+                    self._count("remounts")
                     self._mount()
+                self._reachable = True
                 if failing:
                     log.info("node %s: master reachable again", self.node_id)
                 failing = False
             except (KVStoreError, RuntimeError) as e:
+                self._count("heartbeat_failures")
+                self._reachable = False
                 if not failing:  # log the transition, not every beat
                     log.warning("node %s: heartbeat failed: %s", self.node_id, e)
                 failing = True
@@ -109,6 +150,9 @@ class StorageNode:
             except KVStoreError as e:
                 log.warning("node %s: unmount failed: %s", self.node_id, e)
         self.server.stop()
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
         for sid in list(self.regions):
             self.server.unregister(sid)
             self.regions.pop(sid).close()  # the owner unlinks its shared segments
@@ -138,6 +182,8 @@ def add_node_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-shm", action="store_true", help="private memory: no same-host shared-memory path")
     p.add_argument("--heartbeat-s", type=float, default=1.0)
     p.add_argument("--secret-file", default=None, help="data-plane secret file; else $PDCLUSTER_KVSTORE_SECRET")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port (0: any)")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="/metrics bind address; default loopback only")
     add_tls_client_args(p)
 
 
@@ -145,7 +191,8 @@ def build_node(args: argparse.Namespace) -> StorageNode:
     return StorageNode(args.master, load_secret(args.secret_file, create=False), [args.size] * args.num_segments,
                        node_id=args.node_id, host=args.host, port=args.port, advertise_host=args.advertise_host,
                        shared=not args.no_shm, heartbeat_s=args.heartbeat_s, tls_ca=args.tls_ca,
-                       tls_cert=args.tls_cert, tls_key=args.tls_key)
+                       tls_cert=args.tls_cert, tls_key=args.tls_key, metrics_host=args.metrics_host,
+                       metrics_port=args.metrics_port)
 
 
 def run_node(args: argparse.Namespace) -> int:
@@ -158,6 +205,7 @@ def run_node(args: argparse.Namespace) -> int:
         node.start()
         host, port = node.server.address
         print(json.dumps({"event": "kvstore_node_ready", "node_id": node.node_id, "data_address": f"{host}:{port}",
+                          "metrics_port": node.metrics_port,
                           "shm_names": [r.shm_name for r in node.regions.values() if r.shm_name]}), flush=True)
         stop.wait()
     finally:
