@@ -39,6 +39,7 @@ import threading
 import warnings
 from typing import Any
 
+from pdcluster.cluster.private_dirs import make_private_folder
 from pdcluster.cluster.ray_head import with_pdeathsig
 from pdcluster.cluster.ray_router_state import forget_ports, recall_ports, reconstructed, remember_ports
 from pdcluster.cluster.ray_secrets import bind_host_into, write_router_keys
@@ -218,6 +219,7 @@ class RouterActor:
         self.router: Any = None
         self.addresses: dict[str, str] = {}  # instance name -> worker address
         self._key_dir: str | None = None
+        self._keys_folder: Any = None  # private_dirs.PrivateFolder of _key_dir: goes with this process
         self.node_id, self.node_ip = _node()
         self.resumed: dict[str, Any] | None = None  # what resume() did, for status and tests
         self._tls: Any = None  # ray_tls.TLSPaths of the router certificate (in _key_dir)
@@ -236,7 +238,8 @@ class RouterActor:
         fields = {k: v for k, v in self.spec.items() if k not in _NOT_CONFIG}
         curve, pems = split_env(self._env)
         if curve and self._key_dir is None:
-            self._key_dir = write_router_keys(curve)
+            self._keys_folder = make_private_folder("pdcluster-router-keys-")
+            self._key_dir = write_router_keys(curve, self._keys_folder.path)
         if pems is not None:  # mutual TLS to the workers: its files inside the private key folder
             if self._tls is None:
                 self._tls = write_identity(pems, parent=self._key_dir)
@@ -344,12 +347,15 @@ class RouterActor:
         if self.router is not None:
             await self.router.stop()
             self.router = None
-        if self._key_dir is not None:
-            shutil.rmtree(self._key_dir, ignore_errors=True)
-            self._key_dir = None
         if self._tls is not None:
             self._tls.remove()
             self._tls = None
+        if self._keys_folder is not None:
+            self._keys_folder.close()
+            self._keys_folder = None
+        if self._key_dir is not None:
+            shutil.rmtree(self._key_dir, ignore_errors=True)
+            self._key_dir = None
 
 
 # Spec keys for the actor, not RouterConfig fields.

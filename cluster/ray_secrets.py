@@ -120,12 +120,14 @@ def bind_host_into(env: dict[str, str], host: str) -> dict[str, str]:
     return {k: v.replace(HOST_PLACEHOLDER, host) for k, v in env.items()}
 
 
-def write_router_keys(env: dict[str, str]) -> str:
+def write_router_keys(env: dict[str, str], root_dir: str | None = None) -> str:
     """A private key folder (0700, secret 0600) on the router's node in the layout RouterConfig's
-    key_dir expects: the router's pair and the allowed KV-event publishers' public keys."""
+    key_dir expects: the router's pair and the allowed KV-event publishers' public keys. Written
+    into root_dir (an empty private folder: private_dirs.make_private_folder, which ties it to
+    the router's process) or a new temporary one."""
     from pdcluster.security.keys import _cert_text, _write_new, keypair_from_string
 
-    root = pathlib.Path(tempfile.mkdtemp(prefix="pdcluster-router-keys-"))
+    root = pathlib.Path(root_dir or tempfile.mkdtemp(prefix="pdcluster-router-keys-"))
     (root / "secret").mkdir(mode=0o700)
     (root / "public").mkdir(mode=0o700)
     router = keypair_from_string(env["router"], "router")

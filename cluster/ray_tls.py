@@ -23,9 +23,10 @@ from __future__ import annotations
 import os
 import pathlib
 import shutil
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from pdcluster.cluster.private_dirs import PrivateFolder, make_private_folder
 
 ENV_CERT = "PDCLUSTER_TLS_CERT_PEM"
 ENV_KEY = "PDCLUSTER_TLS_KEY_PEM"
@@ -40,11 +41,15 @@ class TLSPaths:
     cert: str
     key: str
     ca: str
+    # The folder's lock and reaper (private_dirs.py): it goes with its actor, even a SIGKILLed one.
+    owner: PrivateFolder | None = None
 
     def server_argv(self) -> list[str]:
         return ["--tls-cert", self.cert, "--tls-key", self.key, "--tls-ca", self.ca]
 
     def remove(self) -> None:
+        if self.owner is not None:
+            self.owner.close()
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
@@ -83,9 +88,12 @@ def split_env(env: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str] | 
 
 
 def write_identity(pems: Mapping[str, str], parent: str | None = None) -> TLSPaths:
-    """The PEMs as files in a new private folder (0700; key 0600, created exclusively)."""
-    folder = tempfile.mkdtemp(prefix="pdcluster-tls-", dir=parent)  # mkdtemp: mode 0700
-    paths = TLSPaths(folder, f"{folder}/cert.pem", f"{folder}/key.pem", f"{folder}/ca.pem")
+    """The PEMs as files in a new private folder (0700; key 0600, created exclusively). Without
+    `parent` the folder is tied to this process (private_dirs.py: removed when it dies, however);
+    inside `parent` (another private folder) it goes with that one."""
+    owner = make_private_folder("pdcluster-tls-", parent)
+    folder = owner.path
+    paths = TLSPaths(folder, f"{folder}/cert.pem", f"{folder}/key.pem", f"{folder}/ca.pem", owner)
     try:
         for path, var, mode in ((paths.key, ENV_KEY, 0o600), (paths.cert, ENV_CERT, 0o644),
                                 (paths.ca, ENV_CA, 0o644)):
