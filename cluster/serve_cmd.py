@@ -265,7 +265,8 @@ def _connector_env(args: argparse.Namespace, pools: list[tuple[str, int]],
         stores = LocalStores(f"{workdir}/kvstore")  # master + one node on 127.0.0.1, logs here
         try:
             # ca: mutual TLS; /metrics on a loopback port, so its TLS refusals are seen (issue 16)
-            master = stores.kvstore(node_size=args.kvstore_node_size, ca=ca, master_args=("--metrics-port", "0"))
+            master = stores.kvstore(node_size=args.kvstore_node_size, ca=ca, master_args=("--metrics-port", "0"),
+                                    node_args=("--metrics-port", "0"))
         except BaseException:
             stores.stop()
             raise

@@ -79,9 +79,10 @@ class LocalStores:
         return self._secret
 
     def kvstore(self, node_size: str = "256M", num_nodes: int = 1, master_args: tuple[str, ...] = (),
-                ca: Any = None) -> str:
+                ca: Any = None, node_args: tuple[str, ...] = ()) -> str:
         """A kvstore master plus storage nodes (through the `pdcluster kvstore` CLI); its address.
-        ca: a pdcluster.security.pki.ClusterCA: mutual TLS, each process with its own certificate."""
+        ca: a pdcluster.security.pki.ClusterCA: mutual TLS, each process with its own certificate.
+        master_args / node_args: more flags for the master / every node (e.g. --metrics-port 0)."""
         cli = [sys.executable, "-m", "pdcluster.cluster.cli", "kvstore"]
         tls: list[str] = []
         if ca is not None:
@@ -96,7 +97,8 @@ class LocalStores:
                 n = ca.issue("kvstore-node", node_id)
                 node_tls = ["--tls-ca", n.ca, "--tls-cert", n.cert, "--tls-key", n.key]
             self._spawn("kvstore-node", [*cli, "node", "--master", ready["address"], "--size", node_size,
-                                         "--node-id", node_id, "--secret-file", self._secret, *node_tls],
+                                         "--node-id", node_id, "--secret-file", self._secret, *node_tls,
+                                         *node_args],
                         ready_json=True)
         return str(ready["address"])
 
