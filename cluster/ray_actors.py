@@ -44,6 +44,7 @@ from pdcluster.cluster.ray_head import with_pdeathsig
 from pdcluster.cluster.ray_router_state import forget_ports, recall_ports, reconstructed, remember_ports
 from pdcluster.cluster.ray_secrets import bind_host_into, write_router_keys
 from pdcluster.cluster.ray_tls import router_worker_tls, split_env, write_identity
+from pdcluster.cluster.ray_tls_update import apply_update
 
 READY_PREFIX = "PDCLUSTER_READY "
 SERVE_WORKER = (sys.executable, "-m", "pdcluster.cluster.cli", "serve-worker")
@@ -108,6 +109,13 @@ class WorkerActor:
                 proc.wait()
         self._remove_tls()
         return {"child_pid": proc.pid, "returncode": proc.returncode}
+
+    def update_tls(self, update: dict[str, str]) -> dict[str, Any]:
+        """A rotation from the launcher (ray_tls_push.py): rewrite this instance's TLS files,
+        which serve-worker's server credentials re-read at the next handshake."""
+        if self._tls is None:
+            raise RuntimeError(f"{self.spec['name']} runs without TLS files")
+        return apply_update(self._tls, update, "worker", self.spec["name"])
 
     # -- the child ------------------------------------------------------------------------------
     def _supervise(self, env: dict[str, str]) -> None:
@@ -310,6 +318,13 @@ class RouterActor:
             ep["http"] = f"http://{self.node_ip}:{self.router.http_port}" if self.router.http_port else None
         return {**ep, "node_id": self.node_id, "actor_pid": os.getpid(), "instances": dict(self.addresses),
                 "restarted": self.resumed is not None, "resume": self.resumed, "serving": self.router is not None}
+
+    async def update_tls(self, update: dict[str, str]) -> dict[str, Any]:
+        """A rotation from the launcher: rewrite the router certificate's files; its worker
+        channels are rebuilt from them at the next health probe (router/tls_reload.py)."""
+        if self._tls is None:
+            raise RuntimeError("the router runs without TLS files")
+        return apply_update(self._tls, update, "router", "router")
 
     async def wait_for_healthy(self, count: int, timeout_s: float) -> bool:
         return await self.router.registry.wait_for_healthy(count, timeout_s)

@@ -55,6 +55,7 @@ class RayLauncher:
         # Router <-> worker gRPC in plaintext instead of mutual TLS (cluster/ray_tls.py).
         self.insecure_internal = insecure_internal
         self.tls: Any = None  # ray_tls.LauncherTLS: the CA that issues each actor its identity
+        self.tls_rotations = 0  # pushes done (reload_tls): restarted actors then need refresh_tls
         self._secrets: Any = None  # ray_secrets.ClusterSecrets
         self.ns = config.namespace
         self.head: ray_head.LocalHead | None = None
@@ -272,8 +273,29 @@ class RayLauncher:
         head = self.head
         return {"namespace": self.ns, "ray_address": self._reconnect_address(), "detached": self.detach,
                 "head_pid": head.pid if head else None, "head_start": head.start_time if head else 0,
-                "key_dir": self._key_tmp, "ray_auth_mode": (head.env if head else os.environ).get("RAY_AUTH_MODE"),
+                "key_dir": self._key_tmp, "internal_tls": self.tls is not None,
+                "tls_key_dir": self.tls.key_dir if self.tls is not None else None, "ray_auth_mode": (head.env if head else os.environ).get("RAY_AUTH_MODE"),
                 "endpoints": self.endpoints}
+
+    # -- TLS rotation (ray_tls_push.py) ---------------------------------------------------------
+    def reload_tls(self) -> dict[str, Any]:
+        """Re-read --key-dir's CA and send every actor its new identity, in three phases."""
+        from pdcluster.cluster.ray_tls_push import cluster_actors, push_rotation, ray_send
+
+        if self.tls is None:
+            raise LaunchError("internal gRPC runs without TLS (--insecure-internal): nothing to rotate")
+        changed = self.tls.reload()
+        report = push_rotation(self.tls, cluster_actors(self.ns), ray_send(self.ns))
+        self.tls_rotations += 1
+        return {**report, "ca_changed": changed}
+
+    def refresh_tls(self) -> dict[str, str]:
+        """After a rotation: actors restarted with their start-up identity get a current one."""
+        from pdcluster.cluster.ray_tls_push import cluster_actors, ray_send, refresh
+
+        if self.tls is None or not self.tls_rotations:
+            return {}
+        return refresh(self.tls, cluster_actors(self.ns), ray_send(self.ns))
 
     # -- down -----------------------------------------------------------------------------------
     def down(self) -> dict[str, Any]:

@@ -59,13 +59,47 @@ class LauncherTLS:
     def __init__(self, key_dir: str | None) -> None:
         from pdcluster.security.pki import CA_KEY, TLS_DIR, ClusterCA
 
+        self.key_dir: str | None = None  # the folder the CA is re-read from on reload()
         if key_dir and (pathlib.Path(key_dir) / TLS_DIR / CA_KEY).is_file():
             self.ca = ClusterCA(key_dir)
+            self.key_dir = key_dir
             self.source = f"{key_dir}/{TLS_DIR}"
         else:
             self.ca = ClusterCA.ephemeral("pdcluster up CA")
             self.source = "a CA made for this cluster (in memory)"
         self._bundle = self.ca.ca_pem().decode()
+
+    @property
+    def bundle(self) -> str:
+        return self._bundle
+
+    @property
+    def issuer(self) -> str:
+        """The issuing CA's subject, as an issued certificate's issuer reads (RFC 4514)."""
+        return self.ca._cert.subject.rfc4514_string()
+
+    def reload(self) -> bool:
+        """Re-read the CA from --key-dir (after `keys rotate-ca` / `keys revoke-ca`); True if the
+        issuing CA or the bundle changed. ValueError while a rotation is half written (the new
+        CA key beside the old certificate): nothing is changed, try again."""
+        from cryptography.hazmat.primitives import serialization
+
+        from pdcluster.security.pki import ClusterCA
+
+        if self.key_dir is None:
+            return False
+        ca = ClusterCA(self.key_dir)
+        fmt = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+        if ca._cert.public_key().public_bytes(*fmt) != ca._key.public_key().public_bytes(*fmt):
+            raise ValueError(f"{self.source}: ca.key does not match the first CA of ca.pem (rotation in progress?)")
+        bundle = ca.ca_pem().decode()
+        changed = bundle != self._bundle or ca._cert != self.ca._cert
+        self.ca, self._bundle = ca, bundle
+        return changed
+
+    def identity_env(self, role: str, name: str) -> dict[str, str]:
+        """A fresh identity for the actor ROLE/NAME (worker or router), as worker_env/router_env give."""
+        return self.worker_env(name) if role == "worker" else self.env(role, name)
 
     def env(self, role: str, name: str, hosts: tuple[str, ...] = ()) -> dict[str, str]:
         key, cert = self.ca.issue_pem(role, name, hosts)

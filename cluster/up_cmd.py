@@ -70,6 +70,10 @@ def add_up_commands(sub: argparse._SubParsersAction) -> None:
                         "certificates from --key-dir's CA or one made for the cluster (the default)")
     p.add_argument("--demo-request", action="store_true",
                    help="once ready, stream one demo request through the router (the README's main job)")
+    p.add_argument("--reload-keys", action="store_true",
+                   help="start nothing: push the CA of --key-dir (default: the one the cluster of --namespace was "
+                        "started with) to its running actors, each its new certificate, after `pdcluster keys "
+                        "rotate-ca/reissue/revoke-ca` (a foreground `up` does this itself on SIGHUP or a CA change)")
     add_engine_overrides(p)
     p.set_defaults(func=run_up)
     s = sub.add_parser("status", help="instances, nodes, health and load of a cluster started by `up`")
@@ -187,6 +191,10 @@ def _merge(section: Any, **updates: Any) -> Any:
 
 # -- up -----------------------------------------------------------------------------------------
 def run_up(args: argparse.Namespace) -> int:
+    if getattr(args, "reload_keys", False):
+        from pdcluster.cluster.up_reload import run_reload_keys
+
+        return run_reload_keys(args)
     config = build_config(args)  # a config mistake fails here, before anything starts
     _progress_to_stderr()
     from pdcluster.cluster.ray_launcher import LaunchError, RayLauncher
@@ -263,17 +271,23 @@ class _StopFlag:
 
 
 def _watch(launcher: Any, stop: _StopFlag, interval_s: float = 5.0) -> None:
-    """Until a signal: report workers leaving or rejoining the router (crash, restart)."""
+    """Until a signal: report workers leaving or rejoining the router (crash, restart); push a
+    TLS rotation on SIGHUP or a change of --key-dir's CA (up_reload.py)."""
     import ray
 
+    from pdcluster.cluster.up_reload import KeyWatch, maybe_reload
+
     stop.arm()
+    keys = KeyWatch(launcher.tls.key_dir if launcher.tls is not None else None)
+    keys.arm()
     last: dict[str, bool] = {}
     next_check = time.monotonic() + interval_s
     while not stop.set:
         time.sleep(0.2)
-        if time.monotonic() < next_check:
+        if time.monotonic() < next_check and not keys.requested:
             continue
         next_check = time.monotonic() + interval_s
+        maybe_reload(launcher, keys)
         try:
             workers = ray.get(launcher.router.workers.remote(), timeout=10)
         except Exception as e:
