@@ -37,7 +37,7 @@ from .prefix_index import PrefixIndex
 from .preprocess import Preprocessor
 from .registry import WorkerRegistry
 from .server import RouterHealth, RouterServicer, build_grpc_server
-from .tls_reload import HttpsCertReloader
+from .tls_reload import HttpsCertReloader, https_server_context
 
 log = logging.getLogger(__name__)
 
@@ -135,11 +135,15 @@ class Router:
         limits.install(runner.server)
         self._http_runner = runner
         ssl_ctx = _ssl_context(self.config.tls) if self.config.tls else None
+        # a reissued certificate or a changed client-CA bundle, no restart (tls_reload.py)
+        reloader = HttpsCertReloader(ssl_ctx, self.config.tls) if ssl_ctx is not None and self.config.tls else None
+        if reloader is not None:
+            reloader.install(runner.server)  # before serving: resumed sessions are checked from the start
         site = web.TCPSite(runner, self.config.host, self.config.http_port, reuse_port=False, ssl_context=ssl_ctx)
         await site.start()
-        if ssl_ctx is not None and self.config.tls is not None:  # a reissued certificate, no restart
-            self._https_reload = asyncio.get_running_loop().create_task(
-                self._reload_https(HttpsCertReloader(ssl_ctx, self.config.tls)), name="https-cert-reload")
+        if reloader is not None:
+            self._https_reload = asyncio.get_running_loop().create_task(self._reload_https(reloader),
+                                                                        name="https-cert-reload")
         self.http_port = runner.addresses[0][1]
 
     async def _reload_https(self, reloader: HttpsCertReloader) -> None:
@@ -198,12 +202,7 @@ def _ssl_context(tls: TLSConfig) -> ssl.SSLContext:
     """HTTPS for the OpenAI frontend from the same PEM files as gRPC; ca= requires client certs."""
     if tls.cert is None or tls.key is None:
         raise ValueError("tls: the router's frontends need cert and key")
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ctx.load_cert_chain(tls.cert, tls.key)
-    if tls.ca:
-        ctx.load_verify_locations(tls.ca)
-        ctx.verify_mode = ssl.CERT_REQUIRED
-    return ctx
+    return https_server_context(tls.cert, tls.key, tls.ca)  # one definition: the reloader builds the same
 
 
 def _make_policy(config: RouterConfig, index: PrefixIndex) -> RoutingPolicy:
