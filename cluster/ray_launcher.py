@@ -29,6 +29,7 @@ from typing import Any
 
 from pdcluster.cluster import ray_head
 from pdcluster.cluster.config import ClusterConfig, ConfigError
+from pdcluster.cluster.cpu_pinning import ENV_THREADS
 from pdcluster.cluster.placement import InstancePlan, NodeInfo, plan_placement
 from pdcluster.cluster.ray_secrets import ENV_CONNECTOR_OPTIONS, cluster_secrets
 from pdcluster.cluster.worker_flags import engine_argv, worker_flag, worker_flag_actions
@@ -47,8 +48,13 @@ def actor_name(namespace: str, name: str) -> str:
 
 class RayLauncher:
     def __init__(self, config: ClusterConfig, *, address: str = "local", detach: bool = False,
-                 insecure: bool = False, insecure_internal: bool = False) -> None:
+                 insecure: bool = False, insecure_internal: bool = False, worker_threads: str = "0",
+                 disagg_mode: str = "sequential") -> None:
         self.config = config
+        self.worker_threads = worker_threads  # `serve --worker-threads`: auto, 0 (torch's default) or N
+        self.disagg_mode = disagg_mode  # the router's --disagg-mode (RouterConfig.disagg_mode)
+        self._nodes: dict[str, NodeInfo] = {}
+        self.threads: dict[str, int] = {}  # instance name -> torch threads per TP rank (worker_threads)
         self.address = address
         self.detach = detach
         self.insecure = insecure  # the router may bind a non-loopback host without TLS or a key
@@ -150,6 +156,7 @@ class RayLauncher:
                               "run `pdcluster down` first or pick another --namespace")
         self._claimed = True
         nodes = [NodeInfo.from_ray(n) for n in ray.nodes()]
+        self._nodes = {n.node_id: n for n in nodes}
         return plan_placement(self.config, nodes)
 
     def _local_node(self) -> NodeInfo:
@@ -191,6 +198,9 @@ class RayLauncher:
         from pdcluster.cluster.ray_actors import WorkerActor
 
         cls = ray.remote(WorkerActor)
+        self.threads = worker_threads(self.config, plans, self._nodes, self.worker_threads)
+        if self.threads:
+            log.info("workers: torch threads per TP rank %s (--worker-threads %s)", self.threads, self.worker_threads)
         host = "127.0.0.1" if self.head is not None and self.config.worker_host == "auto" else self.config.worker_host
         for plan, group in zip(plans, self.groups):
             pool = self.config.pools[plan.pool]
@@ -208,9 +218,10 @@ class RayLauncher:
 
     def _instance_env(self, name: str, env: dict[str, str]) -> dict[str, str]:
         """The environment of one worker actor: the shared secrets plus its own identities
-        (CURVE pair, TLS certificate)."""
+        (CURVE pair, TLS certificate) and its torch thread count (--worker-threads)."""
         own = self._secrets.instance_env.get(name, {}) if self._secrets is not None else {}
-        return {**env, **own, **(self.tls.worker_env(name) if self.tls is not None else {})}
+        threads = {ENV_THREADS: str(self.threads[name])} if name in self.threads else {}
+        return {**env, **own, **threads, **(self.tls.worker_env(name) if self.tls is not None else {})}
 
     def _wait_workers(self) -> None:
         import ray
@@ -233,14 +244,18 @@ class RayLauncher:
 
         from pdcluster.cluster.ray_actors import RouterActor
 
-        r = self.config.router
-        spec = {**asdict(r), "model": self.config.model, "insecure": self.insecure, "namespace": self.ns}
+        spec = self.router_spec()
         # The router's ports are on this node: what `up` prints is reachable from here.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.router = ray.remote(RouterActor).options(
             name=actor_name(self.ns, ROUTER), namespace=self.ns, lifetime="detached" if self.detach else None,
             num_cpus=0, max_restarts=_router_restarts(self.config), max_task_retries=0,
             scheduling_strategy=here).remote(spec, env)
+
+    def router_spec(self) -> dict[str, Any]:
+        """The router actor's spec: RouterConfig fields (plus name/namespace, RouterActor's)."""
+        return {**asdict(self.config.router), "model": self.config.model, "insecure": self.insecure,
+                "disagg_mode": self.disagg_mode, "namespace": self.ns}
 
     def _start_router(self) -> None:
         import ray
@@ -328,6 +343,26 @@ def _worker_argv(config: ClusterConfig, role: str) -> list[str]:
     if config.ec_connector is not None:  # likewise (ray_secrets: the instance's pair, the allow-list)
         argv += ["--ec-connector", config.ec_connector.name]
     return argv
+
+
+def worker_threads(config: ClusterConfig, plans: list[InstancePlan], nodes: dict[str, NodeInfo],
+                   flag: str, environ: Any = None) -> dict[str, int]:
+    """Torch threads per TP rank of each instance for --worker-threads (serve's meaning, per node):
+    auto = its node's CPUs split evenly between all the worker ranks placed on that node; N = N;
+    0, or PDCLUSTER_NUM_THREADS / OMP_NUM_THREADS set for `up`: none given (that one wins)."""
+    from pdcluster.cluster.serve_cmd import worker_thread_count
+
+    ranks: dict[str, int] = {}
+    for p in plans:
+        ranks[p.node_id] = ranks.get(p.node_id, 0) + config.pools[p.pool].tp
+    out: dict[str, int] = {}
+    for p in plans:
+        node = nodes.get(p.node_id)
+        cpus = int(node.resources.get("CPU", 0)) if node is not None else 0
+        n = worker_thread_count(flag, [ranks[p.node_id]], cpus or os.cpu_count() or 1, environ)
+        if n is not None:
+            out[p.name] = n
+    return out
 
 
 def _router_restarts(config: ClusterConfig) -> int:

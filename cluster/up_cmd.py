@@ -51,6 +51,15 @@ def add_up_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--disagg-threshold", dest="disagg_min_uncached_tokens", type=int, default=None,
                    help="conditional disaggregation: prompts whose uncached part is at most this many tokens are "
                         "served by a decode worker alone (router.disagg_min_uncached_tokens; 0: always disaggregate)")
+    p.add_argument("--disagg-mode", choices=("sequential", "concurrent"), default="sequential",
+                   help="as `serve`: sequential sends the decode leg once the prefill leg returned (default); "
+                        "concurrent sends both at once, the decode worker admits its leg while the prefill runs")
+    from pdcluster.cluster.serve_cmd import _worker_threads_flag  # stdlib-only at import: cheap
+
+    p.add_argument("--worker-threads", default="auto", type=_worker_threads_flag,
+                   help="as `serve`: torch threads of each worker TP rank: auto (default) = its node's CPUs (Ray's "
+                        "count) split evenly between the worker ranks placed on that node; 0 = torch's default; "
+                        "N = N each; not set when PDCLUSTER_NUM_THREADS or OMP_NUM_THREADS is set for `up`")
     p.add_argument("--max-migrations", type=int, default=None,
                    help="times a request whose worker failed after its first token is resumed on another (0: off)")
     p.add_argument("--key-dir", default=None, help="cluster keys (`pdcluster keys init`); default: fresh private keys")
@@ -201,8 +210,7 @@ def run_up(args: argparse.Namespace) -> int:
 
     address = args.address or os.environ.get("RAY_ADDRESS") or "local"
     _check_access(config, address, args.insecure)
-    launcher = RayLauncher(config, address=address, detach=args.detach, insecure=args.insecure,
-                           insecure_internal=args.insecure_internal)
+    launcher = RayLauncher(config, address=address, **launcher_options(args))
     stop = _StopFlag()
     try:
         try:
@@ -225,6 +233,12 @@ def run_up(args: argparse.Namespace) -> int:
     finally:
         if not args.detach:
             launcher.down()
+
+
+def launcher_options(args: argparse.Namespace) -> dict[str, Any]:
+    """RayLauncher's keyword arguments from `up`'s flags."""
+    return {"detach": args.detach, "insecure": args.insecure, "insecure_internal": args.insecure_internal,
+            "worker_threads": args.worker_threads, "disagg_mode": args.disagg_mode}
 
 
 def _check_access(config: Any, address: str, insecure: bool) -> None:
