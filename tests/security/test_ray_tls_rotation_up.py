@@ -1,7 +1,9 @@
-"""A CA rotation on --key-dir reaches a running `pdcluster up` (real Ray, detached) through
+"""A CA rotation on --key-dir reaches a running `pdcluster up` (real Ray). Detached, through
 `up --reload-keys`: after `keys rotate-ca` the worker serves a new-CA certificate and the router
 presents one, after `keys revoke-ca` the worker refuses an old-CA router certificate; requests
-through the router keep working all along (a client thread sends them during both pushes)."""
+through the router keep working all along (a client thread sends them during both pushes).
+Foreground: `up` pushes by itself when the CA files change and on SIGHUP, and a SIGKILLed worker
+actor's TLS folder is gone at once, its restarted incarnation given a current identity."""
 
 from __future__ import annotations
 
@@ -96,3 +98,93 @@ def test_reload_keys_reaches_running_actors(cluster_env, tmp_path) -> None:
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     down = ray_up.cli(env, "down", "--namespace", ns, timeout=180)
     assert down.returncode == 0, down.stdout + down.stderr
+
+
+class _Foreground:
+    """A foreground `pdcluster up` whose stderr lines are collected by a thread."""
+
+    def __init__(self, env: dict, *argv: str) -> None:
+        import subprocess
+        import sys
+
+        self.proc = subprocess.Popen([sys.executable, "-m", "pdcluster.cluster.cli", "up", *argv], env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        self.ready: dict | None = None
+        threading.Thread(target=self._pump, args=(self.proc.stderr,), daemon=True).start()
+        for line in self.proc.stdout:
+            if line.startswith("PDCLUSTER_READY "):
+                self.ready = json.loads(line.split(" ", 1)[1])
+                break
+        threading.Thread(target=self._pump, args=(self.proc.stdout,), daemon=True).start()
+
+    def _pump(self, stream) -> None:
+        for line in stream:
+            self.lines.append(line)
+
+    def wait_line(self, text: str, count: int = 1, timeout_s: float = 120.0) -> None:
+        for _ in range(int(timeout_s / 0.05)):  # bounds a hang only
+            if sum(text in x for x in self.lines) >= count:
+                return
+            assert self.proc.poll() is None, "".join(self.lines)
+            threading.Event().wait(0.05)
+        raise AssertionError(f"no {text!r} in:\n" + "".join(self.lines))
+
+    def stop(self) -> int:
+        import signal
+        import subprocess
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # by pid: the process this test started
+            try:
+                return self.proc.wait(180)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.wait()
+
+
+def test_foreground_up_follows_the_ca_and_refreshes_a_restarted_worker(cluster_env, tmp_path) -> None:
+    import os
+    import signal
+
+    from pdcluster import SamplingParams
+    from pdcluster.client import Client
+
+    env, ns = cluster_env
+    keys = tmp_path / "keys"
+    assert ray_up.cli(env, "keys", "init", str(keys)).returncode == 0
+    up = _Foreground(env, "--workers", "1", "--grpc-port", "0", "--http-port", "-1", "--namespace", ns,
+                     "--num-cpus", "2", "--no-dashboard", "--key-dir", str(keys))
+    try:
+        assert up.ready is not None, "".join(up.lines)
+        (inst,) = up.ready["instances"].values()
+        argv = [a.decode() for a in pathlib.Path(f"/proc/{inst['child_pid']}/cmdline").read_bytes().split(b"\0") if a]
+        folder = os.path.dirname(argv[argv.index("--tls-cert") + 1])
+        assert ray_up.cli(env, "keys", "rotate-ca", str(keys)).returncode == 0
+        up.wait_line("TLS rotation pushed to 2 actor(s)")  # the CA files changed: pushed by itself
+        assert ray_up.cli(env, "keys", "revoke-ca", str(keys)).returncode == 0
+        os.kill(up.proc.pid, signal.SIGHUP)  # a reload on request too (the files changed as well)
+        up.wait_line("TLS rotation pushed to 2 actor(s)", count=2)
+        assert up.proc.poll() is None  # SIGHUP reloads, it does not stop `up`
+        # A SIGKILLed worker actor: its TLS folder goes at once; Ray restarts it with its start-up
+        # (old-CA) identity, which the foreground `up` replaces.
+        os.kill(inst["actor_pid"], signal.SIGKILL)
+        for _ in range(600):  # bounds a hang only
+            if not os.path.exists(folder):
+                break
+            threading.Event().wait(0.05)
+        assert not os.path.exists(folder)
+        up.wait_line("given current identities", timeout_s=300)
+        out = None
+        with Client(up.ready["grpc"], timeout=120) as client:
+            for _ in range(600):  # until the router re-admitted the restarted worker
+                try:
+                    out = client.generate(list(range(5, 20)), SamplingParams(temperature=0, max_tokens=2,
+                                                                             ignore_eos=True))
+                    break
+                except Exception:
+                    threading.Event().wait(0.2)
+            assert out is not None and len(out.token_ids) == 2
+    finally:
+        code = up.stop()
+    assert code == 0, "".join(up.lines)
