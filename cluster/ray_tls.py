@@ -13,7 +13,9 @@ hands serve-worker (or the in-process router) the paths, as `serve` does (intern
                name WORKER_SERVER_NAME (in every worker certificate: a restarted actor may land
                on another node, so its address is not known when the certificate is made)
 
-`--insecure-internal` keeps the old plaintext planes. The store connector reaches a kvstore
+The folders go with their actor, even a SIGKILLed one (private_dirs.py). A CA rotation on
+--key-dir reaches the running actors without a restart: ray_tls_push.py (launcher side) and
+ray_tls_update.py (actor side). `--insecure-internal` keeps the old plaintext planes. The store connector reaches a kvstore
 master with the worker's own identity when its options say `"tls_identity": "worker"` (the
 master must then trust this CA: give `up` the --key-dir whose CA issued the master's certs).
 """

@@ -3,6 +3,8 @@
     pdcluster up [--config FILE] [--address local|auto|ray://HOST:PORT|HOST:PORT] [--model PATH]
                  [--prefill N --decode M | --workers N] [--encode E] [--tp T] [--connector NAME]
                  [--grpc-port P] [--http-port Q] [--policy NAME] [--namespace NS] [--detach]
+                 [--worker-threads auto|0|N] [--disagg-mode sequential|concurrent]
+    pdcluster up --reload-keys [--namespace NS] [--key-dir DIR]   (TLS rotation: up_reload.py)
     pdcluster status [--namespace NS] [--json]
     pdcluster down [--namespace NS] [--drain-timeout S]
 
