@@ -65,6 +65,8 @@ class Segment:
     shm_name: str
     incarnation: int
     alloc: ExtentAllocator
+    objects: int = 0  # published objects with a replica here (MetadataStore._do_publish/_do_delete)
+    object_bytes: int = 0
 
 
 @dataclass(eq=False)

@@ -280,6 +280,9 @@ class MetadataStore:
         obj.mac = mac
         self.lru[key] = None
         self.published_bytes += obj.size
+        for p in obj.placements:  # per segment too, for the node's /metrics (heartbeat reply)
+            p.seg.objects += 1
+            p.seg.object_bytes += obj.size
 
     def _do_arena_reserve(self, arena_id: str, wexp: int, placements: list[Placement]) -> None:
         self.arenas[arena_id] = Arena(arena_id, placements[0].alloc_size, placements, wexp)
@@ -309,6 +312,9 @@ class MetadataStore:
         if obj.state == PUBLISHED:
             del self.lru[key]
             self.published_bytes -= obj.size
+            for p in obj.placements:  # (a segment already gone took its counts with it)
+                p.seg.objects -= 1
+                p.seg.object_bytes -= obj.size
         self._retire(obj.placements, free_at, now)
 
     def _retire(self, extents: list[Placement], free_at: int, now: int) -> None:

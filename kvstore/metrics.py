@@ -36,6 +36,14 @@ NODE_GAUGES = {
     "open_connections": ("open_connections", "open data-plane connections"),
     "master_reachable": ("master_reachable", "1 if the last heartbeat reached the master, else 0"),
 }
+# What the master placed on the node, from its last heartbeat reply (absent until then, or from
+# a master that predates the fields): the master allocates, so only it knows.
+NODE_MASTER_GAUGES = {
+    "used_bytes": ("used_bytes", "bytes the master allocated in this node's segments (objects, pending puts, "
+                                 "arenas, quarantine), as of the last heartbeat"),
+    "objects": ("objects", "published objects with a replica on this node, as of the last heartbeat"),
+    "object_bytes": ("object_bytes", "bytes of those objects, as of the last heartbeat"),
+}
 NODE_COUNTERS = {
     "bytes_read": ("read_bytes", "bytes served to data-plane READs (gets over TCP)"),
     "bytes_written": ("written_bytes", "bytes received by data-plane WRITEs (puts over TCP)"),
@@ -62,10 +70,11 @@ class MasterCollector:
 
 class NodeCollector:
     """A storage node's /metrics. The node sees only its data plane: same-host clients copy
-    through shared memory without it, so `requests{op}` and the byte counters are TCP traffic;
-    objects and allocation live in the master's /metrics. `refused{reason}` are the data-plane
-    callers turned away (a token whose MAC fails is reason="bad_mac", an expired one "expired",
-    garbage "bad_magic", ...), the node's authentication refusals."""
+    through shared memory without it, so `requests{op}` and the byte counters are TCP traffic.
+    `refused{reason}` are the data-plane callers turned away (a token whose MAC fails is
+    reason="bad_mac", an expired one "expired", garbage "bad_magic", ...), the node's
+    authentication refusals. used_bytes, objects and object_bytes are what the master placed
+    here (whichever path wrote it), from its last heartbeat reply."""
 
     def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
         self._stats = stats
@@ -74,6 +83,9 @@ class NodeCollector:
         s = self._stats()
         for key, (name, doc) in NODE_GAUGES.items():
             yield GaugeMetricFamily(NODE_PREFIX + name, doc, value=s.get(key, 0))
+        for key, (name, doc) in NODE_MASTER_GAUGES.items():
+            if key in s:
+                yield GaugeMetricFamily(NODE_PREFIX + name, doc, value=s[key])
         for key, (name, doc) in NODE_COUNTERS.items():
             yield CounterMetricFamily(NODE_PREFIX + name, doc, value=s.get(key, 0))
         ops = CounterMetricFamily(NODE_PREFIX + "requests", "data-plane requests admitted (token verified), by op",

@@ -60,6 +60,7 @@ class StorageNode:
         self._counters: Counter[str] = Counter()
         self._counters_lock = threading.Lock()
         self._reachable = False
+        self._usage: tuple[int, int, int] | None = None  # (used bytes, objects, object bytes) the master reports
         # authorize: called once per request whose token verified; used only to count by op
         self.server = TransferServer(node_key(secret, self.node_id), host, port, authorize=self._admitted)
         bound = self.server.address[0]
@@ -89,6 +90,8 @@ class StorageNode:
         out["segments"] = len(self.regions)
         out["capacity_bytes"] = sum(r.nbytes for r in self.regions.values())
         out["master_reachable"] = int(self._reachable)
+        if self._usage is not None:
+            out["used_bytes"], out["objects"], out["object_bytes"] = self._usage
         return out
 
     def _segments(self) -> list[pb.KVSegmentInfo]:
@@ -126,6 +129,8 @@ class StorageNode:
                 resp = self._master.call("Heartbeat", pb.KVHeartbeatRequest(node_id=self.node_id,
                                                                              segments=self._segments()))
                 self._count("heartbeats")
+                if resp.HasField("used_bytes"):  # unset from a master that predates it
+                    self._usage = (resp.used_bytes, resp.objects, resp.object_bytes)
                 if resp.status == Status.UNKNOWN_NODE:
                     self._count("remounts")
                     self._mount()

@@ -49,6 +49,11 @@ class SegmentTable:
         node = self.nodes.get(p.seg.node_id)
         return node is not None and node.segments.get(p.seg.segment_id) is p.seg
 
+    def usage(self, node_id: str) -> tuple[int, int, int]:
+        """(bytes allocated, published objects, their bytes) in the node's segments."""
+        segs = self.nodes[node_id].segments.values()
+        return (sum(s.alloc.used for s in segs), sum(s.objects for s in segs), sum(s.object_bytes for s in segs))
+
     def heartbeat(self, node_id: str, segs: Sequence[tuple[int, int]], now: int) -> Status:
         """segs: (segment_id, incarnation). UNKNOWN_NODE tells the node to mount (again)."""
         node = self.nodes.get(node_id)

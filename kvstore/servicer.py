@@ -213,7 +213,11 @@ class MasterServicer(pb_grpc.KVStoreMasterServicer):
         segs = [(s.segment_id, s.incarnation) for s in req.segments]
         with self.core.lock:
             status = self.store.heartbeat(req.node_id, segs, self.core.clock())
-        return pb.KVHeartbeatResponse(status=int(status))
+            usage = self.store.table.usage(req.node_id) if status == Status.OK else None
+        resp = pb.KVHeartbeatResponse(status=int(status))
+        if usage is not None:  # the node's /metrics: only the master knows what it placed there
+            resp.used_bytes, resp.objects, resp.object_bytes = usage
+        return resp
 
     def Stats(self, req: pb.KVStatsRequest, ctx: grpc.ServicerContext) -> pb.KVStatsResponse:
         s = self.stats()

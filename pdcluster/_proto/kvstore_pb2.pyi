@@ -325,10 +325,16 @@ class KVHeartbeatRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., segments: _Optional[_Iterable[_Union[KVSegmentInfo, _Mapping]]] = ...) -> None: ...
 
 class KVHeartbeatResponse(_message.Message):
-    __slots__ = ("status",)
+    __slots__ = ("status", "used_bytes", "objects", "object_bytes")
     STATUS_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    OBJECT_BYTES_FIELD_NUMBER: _ClassVar[int]
     status: KVStatus
-    def __init__(self, status: _Optional[_Union[KVStatus, str]] = ...) -> None: ...
+    used_bytes: int
+    objects: int
+    object_bytes: int
+    def __init__(self, status: _Optional[_Union[KVStatus, str]] = ..., used_bytes: _Optional[int] = ..., objects: _Optional[int] = ..., object_bytes: _Optional[int] = ...) -> None: ...
 
 class KVStatsRequest(_message.Message):
     __slots__ = ()

@@ -60,6 +60,7 @@ def test_node_metrics_count_puts_gets_bytes_and_refusals(procs) -> None:
     s0 = scrape(port)
     assert value(s0, "segments") == 1 and value(s0, "capacity_bytes") == 8 << 20
     assert value(s0, "master_reachable") == 1
+    assert wait_until(lambda: value(scrape(port), "objects") == 0 and value(scrape(port), "used_bytes") == 0)
 
     puts, gets = 5, 3
     data = [np.random.default_rng(i).integers(0, 256, SIZE, dtype=np.uint8) for i in range(puts)]
@@ -75,6 +76,20 @@ def test_node_metrics_count_puts_gets_bytes_and_refusals(procs) -> None:
     assert value(s1, "written_bytes_total") - value(s0, "written_bytes_total") == puts * SIZE
     assert value(s1, "read_bytes_total") - value(s0, "read_bytes_total") == gets * SIZE
     assert value(s1, "requests_ok_total") - value(s0, "requests_ok_total") == puts + gets
+    # What the node holds, as the master reports it in each heartbeat reply.
+    assert wait_until(lambda: value(scrape(port), "objects") == puts)
+    s = scrape(port)
+    assert value(s, "object_bytes") == puts * SIZE and value(s, "used_bytes") >= puts * SIZE
+    with KVStoreClient(master, use_shm=False) as client:
+        assert client.remove("m/0")
+    assert wait_until(lambda: value(scrape(port), "objects") == puts - 1)
+    assert value(scrape(port), "object_bytes") == (puts - 1) * SIZE
+    # A same-host client writes through shared memory: no data-plane request, still an object here.
+    with KVStoreClient(master) as shm_client:
+        assert shm_client.put("m/shm", data[0]) == Status.OK
+    assert wait_until(lambda: value(scrape(port), "objects") == puts)
+    s1 = scrape(port)
+    assert value(s1, "requests_total", op="write") - value(s0, "requests_total", op="write") == puts
 
     # A caller whose token was not minted under this node's key: refused, counted as bad_mac,
     # and nothing of it is counted as served.
