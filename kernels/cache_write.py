@@ -40,6 +40,17 @@ def _quantize_torch(x: torch.Tensor, scale: torch.Tensor | float, dtype: torch.d
     return xf.to(dtype)
 
 
+def write_index(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(slots, rows): the int64 slots of the tokens that are written (slot >= 0) and their rows
+    in k/v (None: every token). The same for every layer of a step, so a backend computes it once
+    per step; with every slot valid (the usual step) no boolean indexing runs at all."""
+    valid = slot_mapping >= 0
+    if bool(valid.all()):
+        return slot_mapping.long(), None
+    rows = valid.nonzero().squeeze(1)
+    return slot_mapping.index_select(0, rows).long(), rows
+
+
 def reshape_and_cache_torch(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -48,18 +59,20 @@ def reshape_and_cache_torch(
     slot_mapping: torch.Tensor,
     k_scale: torch.Tensor | float | None = None,
     v_scale: torch.Tensor | float | None = None,
+    index: tuple[torch.Tensor, torch.Tensor | None] | None = None,
 ) -> None:
-    """k, v: (T, Hk, D); slot_mapping: (T,) int64. With a float8 cache, values are divided by the
-    scale before the cast (dequantise by multiplying by the same scale)."""
+    """k, v: (T, Hk, D); slot_mapping: (T,) int64, negative = not written. With a float8 cache,
+    values are divided by the scale before the cast (dequantise by multiplying by the same scale).
+    index: write_index(slot_mapping), when the caller has it already (once per step)."""
     nb, bs, hk, d = k_cache.shape
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid].long()
-    kf, vf = k[valid], v[valid]
+    slots, rows = write_index(slot_mapping) if index is None else index
+    kf, vf = (k, v) if rows is None else (k.index_select(0, rows), v.index_select(0, rows))
     if k_scale is not None or k_cache.dtype == FP8_DTYPE:
         kf = _quantize_torch(kf, 1.0 if k_scale is None else k_scale, k_cache.dtype)
         vf = _quantize_torch(vf, 1.0 if v_scale is None else v_scale, v_cache.dtype)
-    k_cache.view(nb * bs, hk, d)[slots] = kf.to(k_cache.dtype)
-    v_cache.view(nb * bs, hk, d)[slots] = vf.to(v_cache.dtype)
+    # index_put_ (not index_copy_: no float8 kernel on CPU); as fast, with integer indices.
+    k_cache.view(nb * bs, hk, d).index_put_((slots,), kf.to(k_cache.dtype))
+    v_cache.view(nb * bs, hk, d).index_put_((slots,), vf.to(v_cache.dtype))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -39,7 +39,9 @@ def rotary_embedding_torch(
     rot = cos_sin_cache.shape[-1]
     cos, sin = cos_sin_cache[positions.long()].unsqueeze(1).chunk(2, dim=-1)  # (T, 1, rot/2)
     for t in (q, k):
-        t[..., :rot] = _rotate(t[..., :rot].float(), cos, sin, is_neox).to(t.dtype)
+        if t.numel():  # k may be empty: q and k rotated as one tensor (RotaryEmbedding.rotate)
+            part = t if rot == t.shape[-1] else t[..., :rot]
+            part.copy_(_rotate(part.float(), cos, sin, is_neox))  # copy_ rounds to t.dtype
     return q, k
 
 

@@ -59,8 +59,33 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """hidden: (T, H); kv_cache: (2, num_blocks, block_size, Hk, D) of this layer -> (T, H)."""
         num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        if self.q_norm is None and self.rotary_emb is not None:
+            q, k, v = self._rotated(positions, qkv, num_tokens)
+        else:
+            q, k, v = self._normed_rotated(positions, qkv, num_tokens)
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
+                                   sliding_window=self.sliding_window)  # (T, Hq, D)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+    def _rotated(self, positions: torch.Tensor, qkv: torch.Tensor, num_tokens: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q and k sit side by side in the fused projection's output: rotated there, in place, as
+        one (T, Hq + Hk, D) tensor (one rotary call instead of two: at batch-1 decode that halves
+        the rope's share of a step), then split."""
+        hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qk = qkv[:, : (hq + hk) * d].view(num_tokens, hq + hk, d)
+        self.rotary_emb.rotate(positions, qk)  # type: ignore[union-attr]
+        q, k = qk[:, :hq], qk[:, hq:]
+        if num_tokens > 1:  # the backends take contiguous q/k (a single token's view already is)
+            q, k = q.contiguous(), k.contiguous()
+        return q, k, qkv[:, (hq + hk) * d:].view(num_tokens, hk, d)
+
+    def _normed_rotated(self, positions: torch.Tensor, qkv: torch.Tensor, num_tokens: int
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-head q/k RMSNorm (Qwen3) and/or no rotary: q and k get their own copies."""
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         if self.q_norm is not None:
             # Norm over head_dim: flatten heads into rows, (T, Hq*D) -> (T*Hq, D).
             q = self.q_norm(q.reshape(-1, self.head_dim))
@@ -71,6 +96,4 @@ class Attention(nn.Module):
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hk, D)
         if self.rotary_emb is not None:
             q, k = self.rotary_emb(positions, q, k)
-        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
-                                   sliding_window=self.sliding_window)  # (T, Hq, D)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        return q, k, v

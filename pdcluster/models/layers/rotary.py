@@ -65,3 +65,7 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: (T, Hq, D), k: (T, Hk, D); rotates the first rotary_dim channels of each head."""
         return self._rotary_op(positions, q, k, self.cos_sin_cache, self.is_neox_style)
+
+    def rotate(self, positions: torch.Tensor, qk: torch.Tensor) -> None:
+        """Rotate, in place, every head of qk (T, H, D): q and k side by side, one op call."""
+        self._rotary_op(positions, qk, qk[:, :0], self.cos_sin_cache, self.is_neox_style)
