@@ -37,7 +37,7 @@ from .prefix_index import PrefixIndex
 from .preprocess import Preprocessor
 from .registry import WorkerRegistry
 from .server import RouterHealth, RouterServicer, build_grpc_server
-from .tls_reload import HttpsCertReloader, https_server_context
+from .tls_reload import HttpsCertReloader, HttpsReloadCollector, https_server_context
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +139,7 @@ class Router:
         reloader = HttpsCertReloader(ssl_ctx, self.config.tls) if ssl_ctx is not None and self.config.tls else None
         if reloader is not None:
             reloader.install(runner.server)  # before serving: resumed sessions are checked from the start
+            self.metrics.registry.register(HttpsReloadCollector(reloader))
         site = web.TCPSite(runner, self.config.host, self.config.http_port, reuse_port=False, ssl_context=ssl_ctx)
         await site.start()
         if reloader is not None:

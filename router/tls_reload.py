@@ -243,3 +243,23 @@ class HttpsCertReloader:
             made(handler, transport)
 
         server.connection_made = connection_made
+
+
+class HttpsReloadCollector:
+    """The HTTPS reloader's counts on the router's /metrics (a prometheus_client collector)."""
+
+    def __init__(self, reloader: HttpsCertReloader) -> None:
+        self._reloader = reloader
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily
+
+        r = self._reloader
+        reloads = CounterMetricFamily("pdcluster_router_https_reloads",
+                                      "HTTPS certificate / client-CA bundle reloads", labels=["what"])
+        reloads.add_metric(["certificate"], r.reloads)
+        reloads.add_metric(["client_ca"], r.ca_reloads)
+        yield reloads
+        yield CounterMetricFamily("pdcluster_router_https_resumed_refused",
+                                  "Resumed TLS sessions closed: no CA of the current bundle issued the client "
+                                  "certificate", value=r.resumed_refused)

@@ -188,6 +188,9 @@ def test_router_https_frontend_follows_its_client_ca_bundle(pki, tmp_path) -> No
             assert await until(c1, "refused", port) == "refused"
             assert await asyncio.to_thread(c2.get, port) == "ok"
             assert router.http_port == port
+            scrape = router.metrics.render().decode()  # the reloads are on the router's /metrics
+            assert 'pdcluster_router_https_reloads_total{what="client_ca"} 2.0' in scrape
+            assert "pdcluster_router_https_resumed_refused_total 0.0" in scrape
         finally:
             await router.stop()
 
