@@ -28,6 +28,17 @@ backend from a ContextVar set around the layer loop, so neither the metadata (Py
 change every step) nor the KV cache (written in place) enter the graph: no guard on them, no
 recompile per step, no functionalised copy of the cache. Compiled artefacts go to inductor's FX
 graph cache under TORCHINDUCTOR_CACHE_DIR (default $PDCLUSTER_HOME/inductor, ~/.cache/pdcluster).
+
+Start-up (PDCLUSTER_COMPILE_START): `background` (default) returns at once and compiles on a daemon
+thread ("pdcluster-compile"); every step runs the eager model until the warm-up succeeded, then the
+next step (a flag read at the start of a call, never mid-step) switches to the compiled layers. A
+failure logs a warning and the forward stays eager. `wait` compiles before the engine is built (the
+benchmarks that measure steady-state speed use it). While any compile session is open in the
+process, torch.compiler.is_compiling() is True on EVERY thread (a module global in torch 2.13): so
+the eager path here sets CURRENT_LAYER around each layer (a packed linear then takes the
+packed_linear op, the same product), the attention wrapper asks is_dynamo_compiling() (per trace),
+the warm-up runs on its own attention backend (the backend caches per-step plans), and the LM
+head's plain weight is kept until the switch (its packed_now() falls back to F.linear meanwhile).
 """
 
 from __future__ import annotations
@@ -35,19 +46,26 @@ from __future__ import annotations
 import contextvars
 import logging
 import os
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from pdcluster.models.layers.attention_backend import AttentionBackend, AttentionMetadata
-from pdcluster.models.layers.cpu_gemm import CURRENT_LAYER, name_packed_layers
+from pdcluster.models.layers.cpu_gemm import CURRENT_LAYER, name_packed_layers, release_plain_weights
 
 log = logging.getLogger(__name__)
 
 AUTO_MIN_PARAMS = 50_000_000  # PDCLUSTER_COMPILE=auto: smaller models do not repay the compile
+START_ENV = "PDCLUSTER_COMPILE_START"  # background (default): serve eagerly meanwhile; wait: compile first
 # What the traced layers get for their cache: the op reads the real one from the step.
 _NO_KV = (None, None)
+# One compile at a time in a process (several engines: tests, benchmarks): side by side they would
+# only fight for the same cores. A lock, not state: nothing is stored in it.
+_COMPILE_LOCK = threading.Lock()
 
 
 @dataclass
@@ -94,7 +112,9 @@ class _TracedAttention(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: Any, v_cache: Any,
                 meta: Any, scale: float, sliding_window: int | None = None) -> torch.Tensor:
-        if torch.compiler.is_compiling():
+        # Not is_compiling(): that is True on every thread while any compile session is open, and
+        # an eager call from the engine thread must not take the op (it reads the traced step).
+        if torch.compiler.is_dynamo_compiling():
             return torch.ops.pdcluster.paged_attention(q, k, v, scale, sliding_window or 0)
         return self.inner.forward(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
 
@@ -106,6 +126,14 @@ def cache_dir() -> str:
         home = os.environ.get("PDCLUSTER_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "pdcluster")
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(home, "inductor")
     return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
+def compile_start_policy() -> str:
+    """PDCLUSTER_COMPILE_START: "background" (default) or "wait"."""
+    value = os.environ.get(START_ENV, "").strip().lower() or "background"
+    if value not in ("background", "wait"):
+        raise ValueError(f"{START_ENV} must be background or wait, got {value!r}")
+    return value
 
 
 def compile_unsupported(config: Any, model: torch.nn.Module, policy: str = "auto") -> str | None:
@@ -136,30 +164,56 @@ def compile_unsupported(config: Any, model: torch.nn.Module, policy: str = "auto
 
 
 class CompiledForward:
-    """Callable like the model: (input_ids, positions, kv_caches, meta) -> hidden (T, H)."""
+    """Callable like the model: (input_ids, positions, kv_caches, meta) -> hidden (T, H).
+
+    state: "compiling" (eager steps; the compile thread runs), "ready" (compiled, switched at the
+    next call), "compiled", or "failed" (eager for good); "eager" before a compile started."""
 
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, layer_kv_caches: list[torch.Tensor]
                  ) -> None:
         cache_dir()
-        # One process may build engines of several shapes (tests, benchmarks): each adds variants
-        # of the same layer code; past the limit dynamo would silently run it eagerly.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self.model, self.backend, self.layer_kv_caches = model, backend, layer_kv_caches
         decoder = model.model  # type: ignore[union-attr]
+        self._inner_backend = decoder.layers[0].self_attn.backend
         traced = _TracedAttention(backend)
         for layer in decoder.layers:
             layer.self_attn.backend = traced
             name_packed_layers(layer)  # its packed linears trace as the packed_linear op
-        self._layers = [torch.compile(layer, dynamic=None, fullgraph=True) for layer in decoder.layers]
+        self._layers: list[Any] = []  # the compiled layers, built by compile()
         self.compiled_steps = 0  # steps (warm-up included) that ran the compiled layers
+        self.state = "eager"
+        self.compile_seconds: float | None = None  # wall seconds of compile() (warm-up included)
+        self.error: str | None = None
+        self.compile_done = threading.Event()  # set when the compile finished, either way
+        self._use_compiled = False  # read at the start of each call, so a switch is between steps
+        self._on_settle: list[Callable[[], None]] = []  # run on the engine thread at the switch / failure
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Any,
                  meta: AttentionMetadata) -> torch.Tensor:
-        if meta.is_decode_only:  # eager: compiling decode did not pay (module docstring)
-            return self.model(input_ids, positions, kv_caches, meta)
-        return self.compiled(input_ids, positions, meta)
+        if not self._use_compiled and self.state in ("ready", "failed"):
+            self._settle()
+        if self._use_compiled and not meta.is_decode_only:  # decode eager: it did not pay (docstring)
+            return self.compiled(input_ids, positions, meta)
+        return self.eager(input_ids, positions, kv_caches, meta)
 
-    def compiled(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def eager(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Any,
+              meta: AttentionMetadata) -> torch.Tensor:
+        """DecoderModel.forward, with the running layer in CURRENT_LAYER: while a compile session
+        is open anywhere in the process a packed linear calls the packed_linear op, which reads it."""
+        decoder = self.model.model  # type: ignore[union-attr]
+        hidden = decoder.embed_tokens(input_ids)
+        residual = None
+        for i, layer in enumerate(decoder.layers):
+            current = CURRENT_LAYER.set(layer)
+            try:
+                hidden, residual = layer(positions, hidden, residual, kv_caches[i], meta)
+            finally:
+                CURRENT_LAYER.reset(current)
+        hidden, _ = decoder.norm(hidden, residual)
+        return hidden
+
+    def compiled(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 backend: AttentionBackend | None = None) -> torch.Tensor:
         """The compiled layers over any step of 2 or more tokens."""
         self.compiled_steps += 1
         decoder = self.model.model  # type: ignore[union-attr]
@@ -172,7 +226,7 @@ class CompiledForward:
         residual = torch.zeros_like(hidden)
         for t in (positions, hidden, residual):
             torch._dynamo.mark_dynamic(t, 0)
-        step = _Step(self.backend, meta, self.layer_kv_caches)
+        step = _Step(backend or self.backend, meta, self.layer_kv_caches)
         token = _CURRENT_STEP.set(step)
         try:
             for module, layer in zip(decoder.layers, self._layers):
@@ -188,8 +242,20 @@ class CompiledForward:
         hidden, _ = decoder.norm(hidden, residual)
         return hidden
 
+    def compile(self) -> None:
+        """Compile the layers and warm them up, on the calling thread (raises what the compiler raises)."""
+        t0 = time.perf_counter()
+        # One process may build engines of several shapes (tests, benchmarks): each adds variants
+        # of the same layer code; past the limit dynamo would silently run it eagerly.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        decoder = self.model.model  # type: ignore[union-attr]
+        self._layers = [torch.compile(layer, dynamic=None, fullgraph=True) for layer in decoder.layers]
+        self.warm_up()
+        self.compile_seconds = time.perf_counter() - t0
+
     def warm_up(self) -> None:
-        """Compile now (start-up), on a 2-token step that writes nothing (slots -1)."""
+        """Compile now, on a 2-token step that writes nothing (slots -1). Its own attention backend:
+        the engine's caches a per-step plan, and eager steps may run meanwhile on another thread."""
         dev = self.layer_kv_caches[0].device
         meta = AttentionMetadata(
             num_reqs=2, num_tokens=2, query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32, device=dev),
@@ -199,25 +265,91 @@ class CompiledForward:
             slot_mapping=torch.full((2,), -1, dtype=torch.int64, device=dev), max_query_len=1, max_seq_len=1,
             query_lens_cpu=[1, 1], seq_lens_cpu=[1, 1], context_lens_cpu=[0, 0])
         ids = torch.zeros(2, dtype=torch.int64, device=dev)
+        backend = type(self.backend)()
+        if hasattr(self.backend, "kv_scales"):  # an fp8 cache's scales (read only)
+            backend.kv_scales = self.backend.kv_scales  # type: ignore[attr-defined]
         with torch.inference_mode():
-            self.compiled(ids, ids.clone(), meta)
+            self.compiled(ids, ids.clone(), meta, backend)
 
+    def start_background(self) -> None:
+        """Compile on a daemon thread; steps run eagerly until it is done. Nothing ever joins it:
+        an engine shut down meanwhile just lets it run out (it holds the model until then)."""
+        self.state = "compiling"
+        threading.Thread(target=self._compile_thread, name="pdcluster-compile", daemon=True).start()
+
+    def _compile_thread(self) -> None:
+        try:
+            with _COMPILE_LOCK, torch.inference_mode():
+                self.compile()
+        except Exception as e:  # noqa: BLE001 - any compiler failure: stay eager, the engine still works
+            self.error = f"{type(e).__name__}: {e}"
+            log.warning("torch.compile of the forward failed, running eagerly: %s", self.error)
+            self.state = "failed"
+        else:
+            self.state = "ready"
+        finally:
+            self.compile_done.set()
+
+    def _settle(self) -> None:
+        """On the engine thread, between steps, once the compile thread finished."""
+        callbacks, self._on_settle = self._on_settle, []
+        if self.state == "ready":
+            self._use_compiled, self.state = True, "compiled"
+            log.info("forward switched to the compiled layers (compile took %.1f s)", self.compile_seconds)
+        elif self.state == "failed":
+            for layer in self.model.model.layers:  # type: ignore[union-attr]
+                layer.self_attn.backend = self._inner_backend
+        for fn in callbacks:
+            fn()
+
+    def status(self) -> dict[str, Any]:
+        """For stats and reports: state, compiled steps, compile seconds, error."""
+        return {"state": self.state, "compiled_steps": self.compiled_steps, "compile_seconds": self.compile_seconds,
+                "error": self.error}
 
 def build_forward(config: Any, model: torch.nn.Module, backend: AttentionBackend,
                   layer_kv_caches: list[torch.Tensor]) -> Any:
-    """The runner's text forward: a warmed-up CompiledForward where compiling applies, else the
-    model itself. A model the compiler cannot take runs eagerly (logged), never fails to start."""
+    """The runner's text forward: a CompiledForward where compiling applies (already compiled under
+    PDCLUSTER_COMPILE_START=wait; under background, compiled once `release_and_start` started it),
+    else the model itself. A model the compiler cannot take runs eagerly (logged), never fails to start."""
     why = compile_unsupported(config, model, os.environ.get("PDCLUSTER_COMPILE", "auto"))
     if why is not None:
         log.info("forward runs eagerly: %s", why)
         return model
+    background = compile_start_policy() == "background"
     inner = model.model.layers[0].self_attn.backend  # type: ignore[union-attr, index]
+    compiled = CompiledForward(model, backend, layer_kv_caches)
+    if background:
+        return compiled
     try:
-        compiled = CompiledForward(model, backend, layer_kv_caches)
-        compiled.warm_up()
+        compiled.compile()
     except Exception as e:  # noqa: BLE001 - any compiler failure: fall back, the engine still works
         log.warning("torch.compile of the forward failed, running eagerly: %s: %s", type(e).__name__, e)
         for layer in model.model.layers:  # type: ignore[union-attr]
             layer.self_attn.backend = inner
         return model
+    compiled.state, compiled._use_compiled = "compiled", True
+    compiled.compile_done.set()
+    log.info("forward compiled in %.1f s (%s=wait)", compiled.compile_seconds, START_ENV)
     return compiled
+
+
+def release_and_start(forward: Any, model: torch.nn.Module) -> int:
+    """After build_forward: cpu_gemm.release_plain_weights as far as nothing reads them now, then a
+    background compile starts (after: the trace never sees a weight being released). While it runs
+    the LM head's packed_now() (is_compiling() is process-wide) multiplies its plain weight, so that
+    one goes at the switch or the failure, on the engine thread; the layers' go now. Returns the
+    bytes freed now."""
+    if not isinstance(forward, CompiledForward) or forward.state != "eager":
+        return release_plain_weights(model)
+
+    def release_rest() -> None:
+        freed = release_plain_weights(model)
+        if freed:
+            log.info("released %.1f MiB more plain weights (the LM head's)", freed / 2**20)
+
+    forward._on_settle.append(release_rest)
+    freed = release_plain_weights(model.model.layers)  # type: ignore[union-attr, arg-type]
+    forward.start_background()
+    log.info("forward runs eagerly until the compile thread is done (%s=background)", START_ENV)
+    return freed

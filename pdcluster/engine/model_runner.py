@@ -29,7 +29,6 @@ from pdcluster.engine.connector_hooks import ConnectorHooks
 from pdcluster.engine.kv_connector import KVCacheLayout, KVConnectorBase
 from pdcluster.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from pdcluster.models.layers.attention_backend import AttentionBackend, AttentionMetadata
-from pdcluster.models.layers.cpu_gemm import release_plain_weights
 from pdcluster.models.loader import load_model
 from pdcluster.sampling_params import SamplingParams
 
@@ -95,15 +94,22 @@ class ModelRunner:
 
     def _build_forward(self) -> Any:
         # Lazy: the custom attention op is registered only by engines that may compile.
-        from pdcluster.engine.compiled_forward import build_forward
+        from pdcluster.engine.compiled_forward import build_forward, release_and_start
 
         forward = build_forward(self.config, self.model, self.attn_backend, self.layer_kv_caches)
         # Every product now runs on the oneDNN-packed weights (eagerly, or through the compiled
-        # graph's packed_linear op): the plain copies would double the model's memory.
-        freed = release_plain_weights(self.model)
+        # graph's packed_linear op): the plain copies would double the model's memory. A background
+        # compile starts here (after the release) and keeps the LM head's until it is done.
+        freed = release_and_start(forward, self.model)
         if freed:
             logger.info("released %.1f MiB of plain weights (oneDNN-packed copies in use)", freed / 2**20)
         return forward
+
+    def compile_status(self) -> dict[str, Any]:
+        """The forward's torch.compile state: eager / compiling / ready / compiled / failed, with
+        compiled steps and compile seconds (compiled_forward.CompiledForward.status)."""
+        status = getattr(self.forward_fn, "status", None)
+        return status() if status is not None else {"state": "eager"}
 
     def _bind_kv_scales(self) -> None:
         from pdcluster.models.layers.kv_quant import load_kv_scales

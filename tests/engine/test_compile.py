@@ -41,6 +41,7 @@ def _graphs() -> int:
 @pytest.fixture
 def compile_on(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PDCLUSTER_COMPILE", "1")  # the tiny models are below the auto threshold
+    monkeypatch.setenv("PDCLUSTER_COMPILE_START", "wait")  # compiled from the first step (background: its own tests)
 
 
 def _check_equal(model: str, **kw) -> None:

@@ -199,6 +199,7 @@ def test_compiled_bf16_engine_same_tokens_packed_and_unpacked(tmp_path, monkeypa
     from pdcluster.engine.compiled_forward import CompiledForward
 
     monkeypatch.setenv("PDCLUSTER_COMPILE", "1")
+    monkeypatch.setenv("PDCLUSTER_COMPILE_START", "wait")  # compiled before the graph count starts
     path = make_tiny_checkpoint("qwen2", tmp_path / "qwen2", dtype=BF16)
     prompts = make_prompts(384, lens=(5, 17, 40, 2))
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
