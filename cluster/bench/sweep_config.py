@@ -17,6 +17,7 @@ the field: `configs.disaggregated.decode: must be a positive integer, got 0`.
       aggregated: {workers: 2}
       disaggregated: {prefill: 1, decode: 1, connector: p2p, engine: {max_model_len: 1024}}
       pinned: {prefill: 1, decode: 1, pin_cpus: true}   # local only: each worker on cores of its own
+      conditional: {prefill: 1, decode: 1, disagg_threshold: 256}  # short uncached prompts stay on decode
     ray: {address: local, num_cpus: 4}   # --launcher ray only: `pdcluster up` fields
 
 A configuration is translated into a `pdcluster up` cluster config and validated by its schema
@@ -39,7 +40,7 @@ LAUNCHERS = ("local", "ray")
 RESERVED_WORKLOAD = frozenset({"request_rate", "host", "port", "base_url", "router", "save_result", "result_dir",
                                "result_filename", "label", "metadata", "disable_tqdm"})
 CONFIG_FIELDS = ("workers", "prefill", "decode", "tp", "connector", "connector_options", "engine", "placement",
-                 "policy", "pin_cpus")
+                 "policy", "pin_cpus", "disagg_threshold")
 TOP_FIELDS = ("name", "model", "launcher", "output_dir", "rates", "baseline", "workload", "configs", "ray",
               "ready_timeout_s", "warmup_prompts", "repeats")
 DEFAULT_WARMUP_PROMPTS = 4
@@ -190,8 +191,15 @@ def cluster_dict(name: str, raw: Any, model: str | None) -> dict[str, Any]:
         out["model"] = model
     if d.get("connector") is not None or not aggregated:
         out["connector"] = {"name": d.get("connector") or "p2p", "options": d.get("connector_options") or {}}
+    router: dict[str, Any] = {}
     if d.get("policy") is not None:
-        out["router"] = {"policy": d["policy"]}
+        router["policy"] = d["policy"]
+    if d.get("disagg_threshold") is not None:
+        if aggregated:
+            raise SweepError(f"{path}.disagg_threshold: needs prefill and decode pools")
+        router["disagg_min_uncached_tokens"] = d["disagg_threshold"]  # checked by the cluster schema
+    if router:
+        out["router"] = router
     if not isinstance(d.get("pin_cpus", False), bool):
         raise SweepError(f"{path}.pin_cpus: must be true or false, got {d['pin_cpus']!r}")
     return out

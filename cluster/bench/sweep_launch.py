@@ -45,8 +45,11 @@ def serve_argv(entry: ClusterEntry) -> list[str]:
         argv += ["--workers", str(pools["both"]["instances"])]
     else:
         argv += ["--prefill", str(pools["prefill"]["instances"]), "--decode", str(pools["decode"]["instances"])]
-    if cluster.get("router", {}).get("policy"):
-        argv += ["--policy", cluster["router"]["policy"]]
+    router = cluster.get("router", {})
+    if router.get("policy"):
+        argv += ["--policy", router["policy"]]
+    if router.get("disagg_min_uncached_tokens") is not None:
+        argv += ["--disagg-threshold", str(router["disagg_min_uncached_tokens"])]
     if entry.pinned:
         argv.append("--pin-cpus")
     # One pool's options stand for all: `serve` passes the same worker flags to every worker.

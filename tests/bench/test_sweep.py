@@ -136,6 +136,22 @@ def test_pinned_configuration_asks_serve_to_pin_and_is_local_only() -> None:
         parse_sweep(_sweep(launcher="ray", configs={"pinned": {"workers": 1, "pin_cpus": True}}))
 
 
+def test_conditional_disaggregation_threshold_reaches_the_router() -> None:
+    from pdcluster.cluster.bench.sweep_launch import serve_argv
+
+    s = parse_sweep(_sweep(configs={"conditional": {"prefill": 1, "decode": 1, "disagg_threshold": 256},
+                                    "always": {"prefill": 1, "decode": 1}}))
+    conditional, always = s.configs
+    argv = serve_argv(conditional)
+    assert argv[argv.index("--disagg-threshold") + 1] == "256"
+    assert conditional.cluster["router"]["disagg_min_uncached_tokens"] == 256
+    assert "--disagg-threshold" not in serve_argv(always)
+    with pytest.raises(SweepError, match=r"configs\.agg\.disagg_threshold: needs prefill and decode pools"):
+        parse_sweep(_sweep(configs={"agg": {"workers": 2, "disagg_threshold": 256}}))
+    with pytest.raises(SweepError, match=r"disagg_min_uncached_tokens"):
+        parse_sweep(_sweep(configs={"neg": {"prefill": 1, "decode": 1, "disagg_threshold": -1}}))
+
+
 def test_ray_config_is_a_valid_cluster_config() -> None:
     from pdcluster.cluster.bench.sweep_launch import ray_config
     from pdcluster.cluster.config import ClusterConfig
