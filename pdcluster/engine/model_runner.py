@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,7 @@ from pdcluster.dtypes import torch_dtype
 from pdcluster.engine.connector_hooks import ConnectorHooks
 from pdcluster.engine.kv_connector import KVCacheLayout, KVConnectorBase
 from pdcluster.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from pdcluster.engine.thread_tuner import ThreadTuner, shape_key
 from pdcluster.models.layers.attention_backend import AttentionBackend, AttentionMetadata
 from pdcluster.models.loader import load_model
 from pdcluster.sampling_params import SamplingParams
@@ -91,6 +93,16 @@ class ModelRunner:
             self.connector_hooks.register(self.kv_caches, self.kv_cache_layout(), self.model)
         # The text forward: the model itself, or compiled_forward's torch.compile wrapper of it.
         self.forward_fn = self._build_forward()
+        self.thread_tuner = self._make_thread_tuner()
+
+    def _make_thread_tuner(self) -> Any:
+        """Decode steps' thread count chosen from measured step times (thread_tuner.py): on CPU,
+        one rank, more than one thread, unless PDCLUSTER_ADAPTIVE_THREADS=0."""
+        if (self.device.type != "cpu" or self.config.parallel.tensor_parallel_size > 1
+                or torch.get_num_threads() < 2
+                or os.environ.get("PDCLUSTER_ADAPTIVE_THREADS", "1").strip().lower() in ("0", "false", "off", "no")):
+            return None
+        return ThreadTuner(torch.get_num_threads())
 
     def _build_forward(self) -> Any:
         # Lazy: the custom attention op is registered only by engines that may compile.
@@ -214,10 +226,27 @@ class ModelRunner:
         else:
             if hooks is not None:
                 hooks.before_forward()
-            out = self._forward(reqs, scheduler_output)
+            out = self._tuned_forward(reqs, scheduler_output)
             if hooks is not None:
                 hooks.after_forward()
         return hooks.finish(out) if hooks is not None else out
+
+    def _tuned_forward(self, reqs: list[CachedRequestState], scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """_forward with the thread count the tuner picks for a decode-only step (the full count
+        for every other step: compiled prefill kernels fixed theirs at compile time)."""
+        tuner = self.thread_tuner
+        if tuner is None:
+            return self._forward(reqs, scheduler_output)
+        decode_only = all(scheduler_output.num_scheduled_tokens[r.request_id] == 1 for r in reqs)
+        key = shape_key(len(reqs))
+        threads = tuner.choose(key) if decode_only else tuner.max_threads
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        t0 = time.perf_counter()
+        out = self._forward(reqs, scheduler_output)
+        if decode_only:
+            tuner.record(key, threads, time.perf_counter() - t0)
+        return out
 
     def _forward(self, reqs: list[CachedRequestState], scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         query_lens = [scheduler_output.num_scheduled_tokens[r.request_id] for r in reqs]

@@ -1,0 +1,100 @@
+"""How many intra-op (OpenMP) threads a decode step gets, chosen from measured step times.
+
+Why: on a CPU the decode step of a small batch is hundreds of tiny parallel regions (GEMVs,
+attention products), each ending in a barrier where every thread must arrive. When another busy
+process shares the cores, one of the engine's threads is descheduled for a scheduler slice at a
+time and the others wait at each barrier for it: measured on a 2-vCPU EPYC with one competing
+busy process, a batch-1 decode step took 98 ms with 2 threads and 18 ms with 1 (12 ms with 2 on
+a quiet machine). Larger batches degrade gracefully (batch 8: 37 ms with 2 threads, 48 with 1).
+No fixed count is right for both a quiet and a shared machine, so the engine measures.
+
+Policy (pure, deterministic, no clock of its own): steps are keyed by their shape (batch size
+rounded up to a power of two). Thread counts form a ladder max, max/2, ..., 1. Each key keeps
+an exponentially weighted mean step time per count it tried, starts at max, and every
+`explore_every` steps of that key tries one neighbour of its current best on the ladder (the
+next smaller and larger count, in turn), so a change of the machine's load is noticed within a
+few dozen steps while a quiet machine pays one probe step in `explore_every` (a neighbour
+clearly slower than the best is probed four times less often).
+
+Thread counts do not change results: the products split their output, not their reduction
+(checked bit for bit at 1 and 2 threads, tests/engine/test_thread_tuner.py), so greedy outputs
+are the same whatever the tuner picks. Only decode-only steps are tuned: prefill steps run the
+compiled layers, whose kernels fix their thread count at compile time, and are large enough to
+use every thread well.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ALPHA = 0.25  # weight of a new sample in a count's mean step time
+EXPLORE_EVERY = 32  # steps of one key between two probes of a neighbouring count
+CLEARLY_SLOWER = 1.5  # a neighbour this much slower than the best is probed 4x less often
+
+
+def ladder(max_threads: int) -> tuple[int, ...]:
+    """max, max/2, ..., 1 (descending, distinct)."""
+    out = []
+    n = max(1, max_threads)
+    while n > 1:
+        out.append(n)
+        n //= 2
+    out.append(1)
+    return tuple(out)
+
+
+def shape_key(num_reqs: int) -> int:
+    """Batch size rounded up to a power of two: steps of similar cost share their statistics."""
+    return 1 << max(0, num_reqs - 1).bit_length()
+
+
+@dataclass
+class _KeyState:
+    means: dict[int, float] = field(default_factory=dict)  # threads -> EWMA step seconds
+    steps: int = 0
+    probes: int = 0  # probes so far: alternates the neighbour probed
+
+
+@dataclass
+class ThreadTuner:
+    max_threads: int
+    explore_every: int = EXPLORE_EVERY
+    alpha: float = ALPHA
+    _keys: dict[int, _KeyState] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.counts = ladder(self.max_threads)
+
+    def best(self, key: int) -> int:
+        """The count with the lowest mean step time for this key (max until measured)."""
+        means = self._keys[key].means if key in self._keys else {}
+        return min(means, key=means.__getitem__) if means else self.counts[0]
+
+    def choose(self, key: int) -> int:
+        """Thread count for the next step of this shape."""
+        state = self._keys.setdefault(key, _KeyState())
+        state.steps += 1
+        best = self.best(key)
+        if len(self.counts) == 1 or state.steps % self.explore_every:
+            return best
+        i = self.counts.index(best)
+        neighbours = [self.counts[j] for j in (i + 1, i - 1) if 0 <= j < len(self.counts)]
+        state.probes += 1
+        probe = neighbours[state.probes % len(neighbours)]
+        slow = state.means.get(probe, 0.0) > CLEARLY_SLOWER * state.means[best] if best in state.means else False
+        if slow and (state.steps // self.explore_every) % 4:
+            return best
+        return probe
+
+    def record(self, key: int, threads: int, seconds: float) -> None:
+        """A step of this shape took `seconds` with `threads` threads. The count in use averages
+        its samples; a probe replaces its count's mean (that mean is as old as the last probe,
+        and the load it measured may be gone: after contention ends, one probe brings max back)."""
+        best = self.best(key)
+        means = self._keys.setdefault(key, _KeyState()).means
+        old = means.get(threads)
+        means[threads] = seconds if old is None or threads != best else old + self.alpha * (seconds - old)
+
+    def snapshot(self) -> dict[int, dict[int, float]]:
+        """{key: {threads: mean step seconds}}, for logs and stats."""
+        return {k: dict(s.means) for k, s in self._keys.items()}

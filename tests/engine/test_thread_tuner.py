@@ -1,0 +1,101 @@
+"""The decode steps' thread count (engine/thread_tuner.py): the pure policy against scripted step
+times (milliseconds, no clock), and a real engine whose outputs do not depend on the count it
+picks (the tuner forced to switch counts every other step gives the tokens of a fixed count)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdcluster import LLM, SamplingParams
+from pdcluster.engine.thread_tuner import ThreadTuner, ladder, shape_key
+
+
+def test_ladder_and_shape_key() -> None:
+    assert ladder(1) == (1,)
+    assert ladder(2) == (2, 1)
+    assert ladder(16) == (16, 8, 4, 2, 1)
+    assert ladder(6) == (6, 3, 1)
+    assert [shape_key(n) for n in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, 16]
+
+
+def _drive(tuner: ThreadTuner, cost: dict[int, float], steps: int, key: int = 1) -> list[int]:
+    picked = []
+    for _ in range(steps):
+        n = tuner.choose(key)
+        tuner.record(key, n, cost[n])
+        picked.append(n)
+    return picked
+
+
+def test_quiet_machine_keeps_all_threads_and_probes_rarely() -> None:
+    tuner = ThreadTuner(2, explore_every=32)
+    picked = _drive(tuner, {2: 0.012, 1: 0.019}, 32 * 40)
+    assert picked[0] == 2 and tuner.best(1) == 2
+    # The slower count is probed once per 32 steps; being clearly slower (1.6x), 4x less often:
+    # 40 probe slots, ~10 probes.
+    assert 2 <= picked.count(1) <= 11
+
+
+def test_contention_moves_to_fewer_threads_and_back_when_it_ends() -> None:
+    tuner = ThreadTuner(2, explore_every=8)
+    _drive(tuner, {2: 0.012, 1: 0.019}, 64)
+    assert tuner.best(1) == 2
+    busy = _drive(tuner, {2: 0.300, 1: 0.018}, 64)  # a competing process arrives
+    assert tuner.best(1) == 1
+    assert busy[-32:].count(1) >= 28  # settled: only probes run the slow count
+    _drive(tuner, {2: 0.012, 1: 0.019}, 64)  # and leaves: one probe of 2 brings it back
+    assert tuner.best(1) == 2
+
+
+def test_keys_learn_apart_and_a_ladder_is_climbed_one_rung_at_a_time() -> None:
+    tuner = ThreadTuner(8, explore_every=4)
+    # batch 1 is fastest at 2 threads, batch 16 at 8: each key finds its own rung.
+    costs = {1: {8: 0.05, 4: 0.03, 2: 0.01, 1: 0.02}, 16: {8: 0.02, 4: 0.03, 2: 0.05, 1: 0.09}}
+    seen: dict[int, set[int]] = {1: set(), 16: set()}
+    for _ in range(400):
+        for key, cost in costs.items():
+            n = tuner.choose(key)
+            tuner.record(key, n, cost[n])
+            seen[key].add(n)
+    assert tuner.best(1) == 2 and tuner.best(16) == 8
+    assert seen[16] == {8, 4}  # 8 was best from the start: only its neighbour was ever probed
+    assert tuner.snapshot()[1][2] == pytest.approx(0.01)
+
+
+class _Recording(ThreadTuner):
+    """A tuner that remembers what it picked."""
+
+    def choose(self, key: int) -> int:
+        n = super().choose(key)
+        self.__dict__.setdefault("picked", []).append(n)
+        return n
+
+
+def test_outputs_do_not_depend_on_the_thread_count(tiny_ckpts, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 (packed linears where this CPU packs them) and fp32: a tuner that switches between 2
+    and 1 threads every other decode step gives the same greedy tokens as 2 threads throughout."""
+    monkeypatch.setenv("PDCLUSTER_COMPILE", "0")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        model = tiny_ckpts("llama")
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(3, 100, (m,), generator=g).tolist() for m in (1, 7, 19, 33)]
+        params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (20, 9, 14, 6)]
+        for dtype in ("bfloat16", "float32"):
+            runs = []
+            for switching in (False, True):
+                llm = LLM(model, compute_dtype=dtype, max_num_seqs=4, num_kv_blocks=64, block_size=8)
+                runner = llm.engine.core.runner
+                if switching:
+                    assert runner.thread_tuner is not None
+                    runner.thread_tuner = tuner = _Recording(2, explore_every=2)
+                else:
+                    runner.thread_tuner = None
+                runs.append([list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)])
+                llm.shutdown()
+            assert runs[0] == runs[1], dtype
+            assert {1, 2} <= set(tuner.picked)  # both counts really ran
+    finally:
+        torch.set_num_threads(previous)
