@@ -45,8 +45,7 @@ def background(monkeypatch: pytest.MonkeyPatch) -> None:
 def gated_warm_up(monkeypatch: pytest.MonkeyPatch):
     """The compile thread blocks before its warm-up until the test sets the returned event. At
     teardown a still-waiting thread is cancelled (its compile fails): a compile left running would
-    trace while later tests run, and an eager engine with packed weights cannot run while any
-    compile session is open in the process (cpu_gemm.packed_now asks the process-wide is_compiling)."""
+    trace, and take the cores, while later tests run."""
     gate, done = threading.Event(), threading.Event()
     real = CompiledForward.warm_up
 

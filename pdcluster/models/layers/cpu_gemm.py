@@ -86,7 +86,9 @@ def packed_now(layer: torch.nn.Module) -> torch.Tensor | None:
     (the opaque mkldnn tensor cannot enter an inductor graph: a traced linear calls
     `packed_linear_op` by name instead; checked first, so the trace never even reads the
     attribute: no guard on it)."""
-    if torch.compiler.is_compiling():
+    # is_dynamo_compiling, not is_compiling: torch 2.13's is_compiling() is one process-wide flag,
+    # True on every thread while any compile session is open (a background compile).
+    if torch.compiler.is_dynamo_compiling():
         return None
     return getattr(layer, "packed_weight", None)
 

@@ -92,7 +92,7 @@ class LinearBase(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ weight.T (+ bias): through the packed copy when there is one, else F.linear."""
-        if torch.compiler.is_compiling() and self.compiled_name is not None:
+        if torch.compiler.is_dynamo_compiling() and self.compiled_name is not None:  # this thread traces
             # Traced: the opaque op multiplies with the packed weight at run time (cpu_gemm).
             return torch.ops.pdcluster.packed_linear(x, bias, self.compiled_name, self.out_features)
         packed = packed_now(self)
