@@ -72,6 +72,15 @@ def serve_argv(entry: ClusterEntry) -> list[str]:
     return argv
 
 
+def steady_env() -> dict[str, str]:
+    """The clusters' environment: a sweep measures the steady state, so an engine that compiles
+    does it before it reports ready (not on its background thread while the first rate runs);
+    a PDCLUSTER_COMPILE_START of the user's wins."""
+    env = dict(os.environ)
+    env.setdefault("PDCLUSTER_COMPILE_START", "wait")
+    return env
+
+
 def _wait_ready(proc: subprocess.Popen[str], log: IO[str], timeout: float, what: str) -> dict[str, Any]:
     """Reads the child's stdout into the log until the READY line; keeps draining it afterwards in a
     thread, so a chatty child never blocks on a full pipe."""
@@ -117,7 +126,8 @@ def local_cluster(entry: ClusterEntry, sweep: SweepConfig, log_path: pathlib.Pat
         log.flush()
         # Own session: a Ctrl-C at the terminal reaches only the sweep, which then stops the cluster
         # in order (SIGTERM, wait) instead of racing the cluster's own shutdown.
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True,
+                                env=steady_env())
         try:
             yield _wait_ready(proc, log, sweep.ready_timeout_s, entry.name)
         finally:
@@ -155,7 +165,8 @@ def ray_cluster(entry: ClusterEntry, sweep: SweepConfig, log_path: pathlib.Path)
         argv = CLI + ["up", "--config", str(config_path), "--detach", *(["--address", address] if address else [])]
         log.write(f"$ {shlex.join(argv)}\n{config_path.read_text()}\n")
         log.flush()
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True,
+                                env=steady_env())
         try:
             ready = _wait_ready(proc, log, sweep.ready_timeout_s + 120, entry.name)
             proc.wait(120)  # --detach: `up` returns once it has recorded the cluster for `down`

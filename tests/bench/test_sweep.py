@@ -283,3 +283,12 @@ def test_cli_reports_bad_files_without_starting_anything(tmp_path: pathlib.Path,
     assert main(["bench", "sweep", "--config", str(bad), "--output-dir", str(tmp_path / "out")]) == 2
     assert "configs.agg.workers: must be a positive integer" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_clusters_compile_before_they_report_ready(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pdcluster.cluster.bench.sweep_launch import steady_env
+
+    monkeypatch.delenv("PDCLUSTER_COMPILE_START", raising=False)
+    assert steady_env()["PDCLUSTER_COMPILE_START"] == "wait"
+    monkeypatch.setenv("PDCLUSTER_COMPILE_START", "background")  # the user's choice wins
+    assert steady_env()["PDCLUSTER_COMPILE_START"] == "background"
