@@ -118,7 +118,14 @@ def main() -> None:
 
     packed, linears = packed_count(runner.model)
     isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "default")
-    print(f"threads={torch.get_num_threads()} compute_dtype={cfg.dtype} kv={runner.kv_caches.dtype} compiled={compiled} "
+    tuner = runner.thread_tuner  # decode steps' thread count from their timings (engine/thread_tuner.py)
+    threads = tuner.max_threads if tuner is not None else torch.get_num_threads()
+    if tuner is not None:
+        means = tuner.snapshot().get(1, {})
+        print("thread tuner (batch 1): mean step ms by thread count "
+              + ", ".join(f"{n}: {1e3 * t:.2f}" for n, t in sorted(means.items(), reverse=True))
+              + f"; chose {tuner.best(1)}")
+    print(f"threads={threads} compute_dtype={cfg.dtype} kv={runner.kv_caches.dtype} compiled={compiled} "
           f"prepacked={packed}/{linears} onednn_isa={isa} load={os.getloadavg()[0]:.1f}")
     print(f"bandwidth: read {read_gbs:.1f} GB/s (sum of {args.buffer_mib} MiB), copy {copy_gbs:.1f} GB/s (r+w)")
     print(f"bytes per step: weights {weights / 1e6:.1f} MB + KV {kv / 1e6:.2f} MB at ~{args.prompt_len} tokens")
