@@ -61,6 +61,9 @@ def point_filename(config: str, rate: float, repeat: int = 0, repeats: int = 1) 
     return f"{config}-{rate_word(rate)}qps{f'-r{repeat + 1}' if repeats > 1 else ''}.json"
 
 
+POINT_SEED_STRIDE = 1000  # seed offset between rates (repeats add 1 each)
+
+
 def serve_args(sweep: SweepConfig, entry: ClusterEntry, rate: float, ready: Mapping[str, Any],
                out_dir: pathlib.Path, repeat: int = 0) -> argparse.Namespace:
     """bench serve's namespace for one point: the workload, then what the sweep owns."""
@@ -80,7 +83,9 @@ def serve_args(sweep: SweepConfig, entry: ClusterEntry, rate: float, ready: Mapp
     args.save_result = True
     args.result_dir = str(out_dir)
     args.result_filename = point_filename(entry.name, rate, repeat, sweep.repeats)
-    args.seed = args.seed + repeat
+    # Distinct prompts at every (rate, repeat) point, the same ones for every configuration: with
+    # one seed for all rates the later rates would find their prompts in the prefix cache.
+    args.seed = args.seed + repeat + POINT_SEED_STRIDE * sweep.rates.index(rate)
     args.label = entry.name
     args.disable_tqdm = True
     return args

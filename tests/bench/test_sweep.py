@@ -179,6 +179,11 @@ def test_serve_args_of_a_point(tmp_path: pathlib.Path) -> None:
     args = serve_args(s, s.configs[0], 1.0, ready, tmp_path, repeat=2)
     assert args.result_filename == "aggregated-1qps-r3.json" and args.seed == 9
     assert serve_args(s, s.configs[0], 1.0, ready, tmp_path).seed == 7
+    # Rates: other prompts too (the prefix cache would serve a later rate's repeated prompts), the
+    # same for every configuration at one point.
+    seeds = {(c.name, r): serve_args(s, c, r, ready, tmp_path).seed for c in s.configs for r in (1.0, 2.5, math.inf)}
+    assert len({seeds["aggregated", r] for r in (1.0, 2.5, math.inf)}) == 3
+    assert all(seeds["aggregated", r] == seeds["disaggregated", r] for r in (1.0, 2.5, math.inf))
 
 
 def test_aggregate_by_hand() -> None:
