@@ -29,7 +29,7 @@ from pdcluster.dtypes import torch_dtype
 from pdcluster.engine.connector_hooks import ConnectorHooks
 from pdcluster.engine.kv_connector import KVCacheLayout, KVConnectorBase
 from pdcluster.engine.outputs import ModelRunnerOutput, SchedulerOutput
-from pdcluster.engine.thread_tuner import ThreadTuner, shape_key
+from pdcluster.engine.thread_tuner import ThreadTuner, step_key
 from pdcluster.models.layers.attention_backend import AttentionBackend, AttentionMetadata
 from pdcluster.models.loader import load_model
 from pdcluster.sampling_params import SamplingParams
@@ -232,19 +232,21 @@ class ModelRunner:
         return hooks.finish(out) if hooks is not None else out
 
     def _tuned_forward(self, reqs: list[CachedRequestState], scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """_forward with the thread count the tuner picks for a decode-only step (the full count
-        for every other step: compiled prefill kernels fixed theirs at compile time)."""
+        """_forward with the thread count the tuner picks for a step of this shape."""
         tuner = self.thread_tuner
         if tuner is None:
             return self._forward(reqs, scheduler_output)
-        decode_only = all(scheduler_output.num_scheduled_tokens[r.request_id] == 1 for r in reqs)
-        key = shape_key(len(reqs))
-        threads = tuner.choose(key) if decode_only else tuner.max_threads
+        tokens = sum(scheduler_output.num_scheduled_tokens[r.request_id] for r in reqs)
+        # A step with prefill tokens on the compiled layers keeps the full count: dynamo guards on
+        # the thread count, so another count would compile the layers again mid-serving.
+        tuned = tokens == len(reqs) or getattr(self.forward_fn, "state", "eager") not in ("ready", "compiled")
+        key = step_key(len(reqs), tokens)
+        threads = tuner.choose(key) if tuned else tuner.max_threads
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
         t0 = time.perf_counter()
         out = self._forward(reqs, scheduler_output)
-        if decode_only:
+        if tuned:
             tuner.record(key, threads, time.perf_counter() - t0)
         return out
 

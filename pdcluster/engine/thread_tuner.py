@@ -8,8 +8,8 @@ busy process, a batch-1 decode step took 98 ms with 2 threads and 18 ms with 1 (
 a quiet machine). Larger batches degrade gracefully (batch 8: 37 ms with 2 threads, 48 with 1).
 No fixed count is right for both a quiet and a shared machine, so the engine measures.
 
-Policy (pure, deterministic, no clock of its own): steps are keyed by their shape (batch size
-rounded up to a power of two). Thread counts form a ladder max, max/2, ..., 1. Each key keeps
+Policy (pure, deterministic, no clock of its own): steps are keyed by their shape (decode-only:
+batch size rounded up to a power of two; with prefill tokens: token count, likewise). Thread counts form a ladder max, max/2, ..., 1. Each key keeps
 an exponentially weighted mean step time per count it tried, starts at max, and every
 `explore_every` steps of that key tries one neighbour of its current best on the ladder (the
 next smaller and larger count, in turn), so a change of the machine's load is noticed within a
@@ -18,9 +18,10 @@ clearly slower than the best is probed four times less often).
 
 Thread counts do not change results: the products split their output, not their reduction
 (checked bit for bit at 1 and 2 threads, tests/engine/test_thread_tuner.py), so greedy outputs
-are the same whatever the tuner picks. Only decode-only steps are tuned: prefill steps run the
-compiled layers, whose kernels fix their thread count at compile time, and are large enough to
-use every thread well.
+are the same whatever the tuner picks. Steps with prefill tokens are tuned when they run eagerly
+(serving beside a busy process, steps mixing a prefill chunk with decodes ran at ~950 ms with 2
+threads); on the compiled layers they keep the full count, because dynamo guards on the thread
+count (GLOBAL_STATE num_threads) and another count would compile the layers again mid-serving.
 """
 
 from __future__ import annotations
@@ -43,9 +44,15 @@ def ladder(max_threads: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def shape_key(num_reqs: int) -> int:
-    """Batch size rounded up to a power of two: steps of similar cost share their statistics."""
-    return 1 << max(0, num_reqs - 1).bit_length()
+def shape_key(n: int) -> int:
+    """n rounded up to a power of two: steps of similar cost share their statistics."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+def step_key(num_reqs: int, num_tokens: int) -> int:
+    """A decode-only step is keyed by its batch size (1, 2, 4, ...), a step with prefill tokens
+    by its token count (negative: -16, -32, ..., so the two never share a key)."""
+    return shape_key(num_reqs) if num_tokens == num_reqs else -shape_key(max(num_tokens, 16))
 
 
 @dataclass

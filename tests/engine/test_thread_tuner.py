@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pdcluster import LLM, SamplingParams
-from pdcluster.engine.thread_tuner import ThreadTuner, ladder, shape_key
+from pdcluster.engine.thread_tuner import ThreadTuner, ladder, shape_key, step_key
 
 
 def test_ladder_and_shape_key() -> None:
@@ -17,6 +17,8 @@ def test_ladder_and_shape_key() -> None:
     assert ladder(16) == (16, 8, 4, 2, 1)
     assert ladder(6) == (6, 3, 1)
     assert [shape_key(n) for n in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, 16]
+    assert step_key(3, 3) == 4  # decode-only: by batch size
+    assert step_key(3, 40) == -64 and step_key(1, 5) == -16  # with prefill tokens: by token count
 
 
 def _drive(tuner: ThreadTuner, cost: dict[int, float], steps: int, key: int = 1) -> list[int]:
@@ -97,5 +99,39 @@ def test_outputs_do_not_depend_on_the_thread_count(tiny_ckpts, monkeypatch: pyte
                 llm.shutdown()
             assert runs[0] == runs[1], dtype
             assert {1, 2} <= set(tuner.picked)  # both counts really ran
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.slow
+def test_compiled_engine_switching_threads_neither_recompiles_nor_changes_tokens(
+        tiny_ckpts, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefill steps run the compiled layers at the full count (dynamo guards on it); decode
+    steps switch counts; no new graph, the same tokens."""
+    monkeypatch.setenv("PDCLUSTER_COMPILE", "1")
+    monkeypatch.setenv("PDCLUSTER_COMPILE_START", "wait")
+    from torch._dynamo.utils import counters
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        model = tiny_ckpts("llama")
+        g = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(3, 100, (m,), generator=g).tolist() for m in (5, 23, 40, 12)]
+        params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (8, 5, 11, 6)]
+        runs = []
+        for switching in (False, True):
+            llm = LLM(model, compute_dtype="float32", max_num_seqs=2, max_num_batched_tokens=16,
+                      num_kv_blocks=64, block_size=8)
+            runner = llm.engine.core.runner
+            runner.thread_tuner = _Recording(2, explore_every=2) if switching else None
+            graphs = counters["stats"]["unique_graphs"]
+            runs.append([list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)])
+            assert runner.forward_fn.compiled_steps > 0
+            assert counters["stats"]["unique_graphs"] == graphs, (switching, graphs)  # no recompile
+            if switching:
+                assert {1, 2} <= set(runner.thread_tuner.picked)
+            llm.shutdown()
+        assert runs[0] == runs[1]
     finally:
         torch.set_num_threads(previous)
