@@ -9,10 +9,11 @@ a quiet machine). Larger batches degrade gracefully (batch 8: 37 ms with 2 threa
 No fixed count is right for both a quiet and a shared machine, so the engine measures.
 
 Policy (pure, deterministic, no clock of its own): steps are keyed by their shape (decode-only:
-batch size rounded up to a power of two; with prefill tokens: token count, likewise). Thread counts form a ladder max, max/2, ..., 1. Each key keeps
-an exponentially weighted mean step time per count it tried, starts at max, and every
-`explore_every` steps of that key tries one neighbour of its current best on the ladder (the
-next smaller and larger count, in turn), so a change of the machine's load is noticed within a
+batch size rounded up to a power of two; with prefill tokens: token count, likewise). Thread
+counts form a ladder max, max/2, ..., 1. Each key keeps an exponentially weighted mean step time
+per count it tried, starts at max, and at its second step and every `explore_every` steps after
+tries one neighbour of its current best on the ladder (the next smaller and larger count, in
+turn), so a change of the machine's load is noticed within a
 few dozen steps while a quiet machine pays one probe step in `explore_every` (a neighbour
 clearly slower than the best is probed four times less often).
 
@@ -82,7 +83,9 @@ class ThreadTuner:
         state = self._keys.setdefault(key, _KeyState())
         state.steps += 1
         best = self.best(key)
-        if len(self.counts) == 1 or state.steps % self.explore_every:
+        # The first probe comes at a key's second step: a key may see few steps (under a busy
+        # neighbour a step can take a second, and each shape has its own key).
+        if len(self.counts) == 1 or (state.steps != 2 and state.steps % self.explore_every):
             return best
         i = self.counts.index(best)
         neighbours = [self.counts[j] for j in (i + 1, i - 1) if 0 <= j < len(self.counts)]

@@ -33,7 +33,7 @@ def _drive(tuner: ThreadTuner, cost: dict[int, float], steps: int, key: int = 1)
 def test_quiet_machine_keeps_all_threads_and_probes_rarely() -> None:
     tuner = ThreadTuner(2, explore_every=32)
     picked = _drive(tuner, {2: 0.012, 1: 0.019}, 32 * 40)
-    assert picked[0] == 2 and tuner.best(1) == 2
+    assert picked[:3] == [2, 1, 2] and tuner.best(1) == 2  # the first probe at the second step
     # The slower count is probed once per 32 steps; being clearly slower (1.6x), 4x less often:
     # 40 probe slots, ~10 probes.
     assert 2 <= picked.count(1) <= 11
