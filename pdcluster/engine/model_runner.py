@@ -30,6 +30,7 @@ from pdcluster.engine.connector_hooks import ConnectorHooks
 from pdcluster.engine.kv_connector import KVCacheLayout, KVConnectorBase
 from pdcluster.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from pdcluster.engine.thread_tuner import ThreadTuner, step_key
+from pdcluster.env_flags import env_enabled
 from pdcluster.models.layers.attention_backend import AttentionBackend, AttentionMetadata
 from pdcluster.models.loader import load_model
 from pdcluster.sampling_params import SamplingParams
@@ -96,11 +97,10 @@ class ModelRunner:
         self.thread_tuner = self._make_thread_tuner()
 
     def _make_thread_tuner(self) -> Any:
-        """Decode steps' thread count chosen from measured step times (thread_tuner.py): on CPU,
+        """Eager steps' thread count chosen from measured step times (thread_tuner.py): on CPU,
         one rank, more than one thread, unless PDCLUSTER_ADAPTIVE_THREADS=0."""
         if (self.device.type != "cpu" or self.config.parallel.tensor_parallel_size > 1
-                or torch.get_num_threads() < 2
-                or os.environ.get("PDCLUSTER_ADAPTIVE_THREADS", "1").strip().lower() in ("0", "false", "off", "no")):
+                or torch.get_num_threads() < 2 or not env_enabled("PDCLUSTER_ADAPTIVE_THREADS")):
             return None
         return ThreadTuner(torch.get_num_threads())
 

@@ -1,11 +1,11 @@
-"""How many intra-op (OpenMP) threads a decode step gets, chosen from measured step times.
+"""How many intra-op (OpenMP) threads an engine step gets, chosen from measured step times.
 
 Why: on a CPU the decode step of a small batch is hundreds of tiny parallel regions (GEMVs,
 attention products), each ending in a barrier where every thread must arrive. When another busy
 process shares the cores, one of the engine's threads is descheduled for a scheduler slice at a
 time and the others wait at each barrier for it: measured on a 2-vCPU EPYC with one competing
-busy process, a batch-1 decode step took 98 ms with 2 threads and 18 ms with 1 (12 ms with 2 on
-a quiet machine). Larger batches degrade gracefully (batch 8: 37 ms with 2 threads, 48 with 1).
+busy process, a batch-1 decode step took 323 ms with 2 threads and 20 ms with 1 (13 ms with 2
+on a quiet machine); batch 8: 58 ms with 2 threads, 32 with 1 (RESULTS.md, session 4).
 No fixed count is right for both a quiet and a shared machine, so the engine measures.
 
 Policy (pure, deterministic, no clock of its own): steps are keyed by their shape (decode-only:
@@ -13,9 +13,9 @@ batch size rounded up to a power of two; with prefill tokens: token count, likew
 counts form a ladder max, max/2, ..., 1. Each key keeps an exponentially weighted mean step time
 per count it tried, starts at max, and at its second step and every `explore_every` steps after
 tries one neighbour of its current best on the ladder (the next smaller and larger count, in
-turn), so a change of the machine's load is noticed within a
-few dozen steps while a quiet machine pays one probe step in `explore_every` (a neighbour
-clearly slower than the best is probed four times less often).
+turn), so a change of the machine's load is noticed within a few dozen steps while a quiet
+machine pays one probe step in `explore_every` (a neighbour clearly slower than the best is
+probed four times less often).
 
 Thread counts do not change results: the products split their output, not their reduction
 (checked bit for bit at 1 and 2 threads, tests/engine/test_thread_tuner.py), so greedy outputs
@@ -91,7 +91,8 @@ class ThreadTuner:
         neighbours = [self.counts[j] for j in (i + 1, i - 1) if 0 <= j < len(self.counts)]
         state.probes += 1
         probe = neighbours[state.probes % len(neighbours)]
-        slow = state.means.get(probe, 0.0) > CLEARLY_SLOWER * state.means[best] if best in state.means else False
+        means = state.means
+        slow = probe in means and best in means and means[probe] > CLEARLY_SLOWER * means[best]
         if slow and (state.steps // self.explore_every) % 4:
             return best
         return probe

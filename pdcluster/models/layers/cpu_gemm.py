@@ -20,10 +20,11 @@ up at run time (below); once the forward is built the runner releases the plain 
 from __future__ import annotations
 
 import contextvars
-import os
 
 import torch
 import torch.nn.functional as F
+
+from pdcluster.env_flags import env_enabled
 
 ENV = "PDCLUSTER_CPU_PREPACK"  # "0" / "false" / "off" / "no": never pack
 PACK_DTYPES = (torch.bfloat16,)
@@ -31,7 +32,7 @@ _PROBE_ROWS = (1, 3)  # the probe's M values: the GEMV path and a small GEMM
 
 
 def prepack_enabled() -> bool:
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+    return env_enabled(ENV)
 
 
 def _ops_available() -> bool:
