@@ -8,10 +8,11 @@ socket that never restarts."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import ssl
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from aiohttp import web
@@ -72,6 +73,24 @@ def pki(tmp_path) -> Iterator[dict]:
     yield {"server": server, "bundle": str(bundle), "c1": ca1.issue("client", "c1b"), "c2": ca2.issue("client", "c2")}
 
 
+@contextlib.asynccontextmanager
+async def _https_server(tls: TLSConfig) -> AsyncIterator[tuple[web.AppRunner, HttpsCertReloader, int]]:
+    """A real aiohttp HTTPS server on 127.0.0.1 with the reloader installed: (runner, reloader, port)."""
+    ctx = _ssl_context(tls)
+    app = web.Application()
+    app.router.add_get("/health", lambda r: web.Response(text="ok"))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    reloader = HttpsCertReloader(ctx, tls)
+    reloader.install(runner.server)
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ctx)
+    try:
+        await site.start()
+        yield runner, reloader, runner.addresses[0][1]
+    finally:
+        await runner.cleanup()
+
+
 @pytest.mark.parametrize("max_version", [ssl.TLSVersion.TLSv1_3, ssl.TLSVersion.TLSv1_2], ids=["tls1.3", "tls1.2"])
 def test_client_ca_added_and_removed_without_restart(pki, max_version) -> None:
     server, bundle = pki["server"], pki["bundle"]
@@ -81,18 +100,8 @@ def test_client_ca_added_and_removed_without_restart(pki, max_version) -> None:
     c2 = Caller(pki["c2"], server.ca, max_version)
 
     async def run() -> None:
-        ctx = _ssl_context(tls)
-        app = web.Application()
-        app.router.add_get("/health", lambda r: web.Response(text="ok"))
-        runner = web.AppRunner(app)
-        await runner.setup()
-        reloader = HttpsCertReloader(ctx, tls)
-        reloader.install(runner.server)
-        site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ctx)
-        await site.start()
-        port = runner.addresses[0][1]
-        get = lambda caller, resume=False: asyncio.to_thread(caller.get, port, resume)  # noqa: E731
-        try:
+        async with _https_server(tls) as (runner, reloader, port):
+            get = lambda caller, resume=False: asyncio.to_thread(caller.get, port, resume)  # noqa: E731
             assert await get(c1) == "ok"
             assert await get(c2) == "refused"  # CA-2 is not in the bundle
             assert not reloader.check()  # nothing changed
@@ -112,8 +121,6 @@ def test_client_ca_added_and_removed_without_restart(pki, max_version) -> None:
             assert await get(c2) == "ok"
             assert await get(c2, resume=True) == "ok-resumed"  # a trusted CA's session still resumes
             assert runner.addresses[0][1] == port  # one listening socket throughout
-        finally:
-            await runner.cleanup()
 
     asyncio.run(run())
 
@@ -127,17 +134,7 @@ def test_unloadable_bundle_keeps_the_current_one(pki) -> None:
     c2 = Caller(pki["c2"], server.ca, ssl.TLSVersion.TLSv1_3)
 
     async def run() -> None:
-        ctx = _ssl_context(tls)
-        app = web.Application()
-        app.router.add_get("/health", lambda r: web.Response(text="ok"))
-        runner = web.AppRunner(app)
-        await runner.setup()
-        reloader = HttpsCertReloader(ctx, tls)
-        reloader.install(runner.server)
-        site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ctx)
-        await site.start()
-        port = runner.addresses[0][1]
-        try:
+        async with _https_server(tls) as (runner, reloader, port):
             with open(f"{bundle}.tmp", "wb") as f:
                 f.write(b"-----BEGIN CERTIFICATE-----\ntorn")
             os.replace(f"{bundle}.tmp", bundle)
@@ -147,8 +144,6 @@ def test_unloadable_bundle_keeps_the_current_one(pki) -> None:
             assert reloader.check()
             assert await asyncio.to_thread(c1.get, port) == "refused"
             assert await asyncio.to_thread(c2.get, port) == "ok"
-        finally:
-            await runner.cleanup()
 
     asyncio.run(run())
 
