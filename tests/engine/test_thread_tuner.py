@@ -65,6 +65,15 @@ def test_keys_learn_apart_and_a_ladder_is_climbed_one_rung_at_a_time() -> None:
     assert tuner.snapshot()[1][2] == pytest.approx(0.01)
 
 
+@pytest.fixture
+def two_threads():
+    """Two intra-op threads for the test (the tuner needs a count to choose from), restored after."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(previous)
+
+
 class _Recording(ThreadTuner):
     """A tuner that remembers what it picked."""
 
@@ -74,64 +83,54 @@ class _Recording(ThreadTuner):
         return n
 
 
-def test_outputs_do_not_depend_on_the_thread_count(tiny_ckpts, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_outputs_do_not_depend_on_the_thread_count(tiny_ckpts, two_threads, monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16 (packed linears where this CPU packs them) and fp32: a tuner that switches between 2
     and 1 threads every other decode step gives the same greedy tokens as 2 threads throughout."""
     monkeypatch.setenv("PDCLUSTER_COMPILE", "0")
-    previous = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        model = tiny_ckpts("llama")
-        g = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(3, 100, (m,), generator=g).tolist() for m in (1, 7, 19, 33)]
-        params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (20, 9, 14, 6)]
-        for dtype in ("bfloat16", "float32"):
-            runs = []
-            for switching in (False, True):
-                llm = LLM(model, compute_dtype=dtype, max_num_seqs=4, num_kv_blocks=64, block_size=8)
-                runner = llm.engine.core.runner
-                if switching:
-                    assert runner.thread_tuner is not None
-                    runner.thread_tuner = tuner = _Recording(2, explore_every=2)
-                else:
-                    runner.thread_tuner = None
-                runs.append([list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)])
-                llm.shutdown()
-            assert runs[0] == runs[1], dtype
-            assert {1, 2} <= set(tuner.picked)  # both counts really ran
-    finally:
-        torch.set_num_threads(previous)
+    model = tiny_ckpts("llama")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 100, (m,), generator=g).tolist() for m in (1, 7, 19, 33)]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (20, 9, 14, 6)]
+    for dtype in ("bfloat16", "float32"):
+        runs = []
+        for switching in (False, True):
+            llm = LLM(model, compute_dtype=dtype, max_num_seqs=4, num_kv_blocks=64, block_size=8)
+            runner = llm.engine.core.runner
+            if switching:
+                assert runner.thread_tuner is not None
+                runner.thread_tuner = tuner = _Recording(2, explore_every=2)
+            else:
+                runner.thread_tuner = None
+            runs.append([list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)])
+            llm.shutdown()
+        assert runs[0] == runs[1], dtype
+        assert {1, 2} <= set(tuner.picked)  # both counts really ran
 
 
 @pytest.mark.slow
 def test_compiled_engine_switching_threads_neither_recompiles_nor_changes_tokens(
-        tiny_ckpts, monkeypatch: pytest.MonkeyPatch) -> None:
+        tiny_ckpts, two_threads, monkeypatch: pytest.MonkeyPatch) -> None:
     """Prefill steps run the compiled layers at the full count (dynamo guards on it); decode
     steps switch counts; no new graph, the same tokens."""
     monkeypatch.setenv("PDCLUSTER_COMPILE", "1")
     monkeypatch.setenv("PDCLUSTER_COMPILE_START", "wait")
     from torch._dynamo.utils import counters
 
-    previous = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        model = tiny_ckpts("llama")
-        g = torch.Generator().manual_seed(1)
-        prompts = [torch.randint(3, 100, (m,), generator=g).tolist() for m in (5, 23, 40, 12)]
-        params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (8, 5, 11, 6)]
-        runs = []
-        for switching in (False, True):
-            llm = LLM(model, compute_dtype="float32", max_num_seqs=2, max_num_batched_tokens=16,
-                      num_kv_blocks=64, block_size=8)
-            runner = llm.engine.core.runner
-            runner.thread_tuner = _Recording(2, explore_every=2) if switching else None
-            graphs = counters["stats"]["unique_graphs"]
-            runs.append([list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)])
-            assert runner.forward_fn.compiled_steps > 0
-            assert counters["stats"]["unique_graphs"] == graphs, (switching, graphs)  # no recompile
-            if switching:
-                assert {1, 2} <= set(runner.thread_tuner.picked)
-            llm.shutdown()
-        assert runs[0] == runs[1]
-    finally:
-        torch.set_num_threads(previous)
+    model = tiny_ckpts("llama")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 100, (m,), generator=g).tolist() for m in (5, 23, 40, 12)]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (8, 5, 11, 6)]
+    runs = []
+    for switching in (False, True):
+        llm = LLM(model, compute_dtype="float32", max_num_seqs=2, max_num_batched_tokens=16,
+                  num_kv_blocks=64, block_size=8)
+        runner = llm.engine.core.runner
+        runner.thread_tuner = _Recording(2, explore_every=2) if switching else None
+        graphs = counters["stats"]["unique_graphs"]
+        runs.append([list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)])
+        assert runner.forward_fn.compiled_steps > 0
+        assert counters["stats"]["unique_graphs"] == graphs, (switching, graphs)  # no recompile
+        if switching:
+            assert {1, 2} <= set(runner.thread_tuner.picked)
+        llm.shutdown()
+    assert runs[0] == runs[1]
