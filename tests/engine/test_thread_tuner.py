@@ -66,8 +66,11 @@ def test_keys_learn_apart_and_a_ladder_is_climbed_one_rung_at_a_time() -> None:
 
 
 @pytest.fixture
-def two_threads():
-    """Two intra-op threads for the test (the tuner needs a count to choose from), restored after."""
+def two_threads(monkeypatch: pytest.MonkeyPatch):
+    """Two intra-op threads for the test (the tuner needs a count to choose from), restored after;
+    a PDCLUSTER_NUM_THREADS or PDCLUSTER_ADAPTIVE_THREADS in the environment would override them."""
+    monkeypatch.delenv("PDCLUSTER_NUM_THREADS", raising=False)
+    monkeypatch.delenv("PDCLUSTER_ADAPTIVE_THREADS", raising=False)
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
     yield
