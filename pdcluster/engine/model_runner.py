@@ -94,6 +94,10 @@ class ModelRunner:
             self.connector_hooks.register(self.kv_caches, self.kv_cache_layout(), self.model)
         # The text forward: the model itself, or compiled_forward's torch.compile wrapper of it.
         self.forward_fn = self._build_forward()
+        # The tuner changes a process-wide setting step by step: shutdown() puts this one back, so
+        # whatever runs next in the process (another engine, a test) does not start from the
+        # count of our last step.
+        self._threads_at_start = torch.get_num_threads()
         self.thread_tuner = self._make_thread_tuner()
 
     def _make_thread_tuner(self) -> Any:
@@ -146,13 +150,16 @@ class ModelRunner:
         return self.connector_hooks.connector.handshake_metadata() if self.connector_hooks else None
 
     def shutdown(self) -> None:
-        """Stop the connector's worker side, then release the shared-memory cache (if any)."""
+        """Stop the connector's worker side, release the shared-memory cache (if any), and put
+        back the thread count the tuner may have changed."""
         if self.connector_hooks is not None:
             self.connector_hooks.shutdown()
             self.connector_hooks = None
         if self._kv_region is not None:
             self._kv_region.close()  # unlinks the segment; our mapping lives while tensors do
             self._kv_region = None
+        if self.device.type == "cpu" and torch.get_num_threads() != self._threads_at_start:
+            torch.set_num_threads(self._threads_at_start)
 
     def _allocate_kv_cache(self, connector: KVConnectorBase | None) -> torch.Tensor:
         m, c = self.config.model, self.config.cache

@@ -137,3 +137,29 @@ def test_compiled_engine_switching_threads_neither_recompiles_nor_changes_tokens
             assert {1, 2} <= set(runner.thread_tuner.picked)
         llm.shutdown()
     assert runs[0] == runs[1]
+
+
+class _OneThread(ThreadTuner):
+    """A tuner that picks one thread for every step."""
+
+    def choose(self, key: int) -> int:
+        return 1
+
+
+def test_shutdown_puts_back_the_thread_count_the_tuner_changed(tiny_ckpts, two_threads, monkeypatch) -> None:
+    """The count is process-wide: an engine whose last step ran on one thread must not leave the
+    next engine of the process (which takes its ceiling from the current count) without a tuner."""
+    monkeypatch.setenv("PDCLUSTER_COMPILE", "0")
+    model = tiny_ckpts("llama")
+    llm = LLM(model, compute_dtype="float32", max_num_seqs=2, num_kv_blocks=32, block_size=8)
+    llm.engine.core.runner.thread_tuner = _OneThread(2)
+    llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert torch.get_num_threads() == 1  # the tuner's last pick is in force
+    llm.shutdown()
+    assert torch.get_num_threads() == 2
+    llm = LLM(model, compute_dtype="float32", max_num_seqs=2, num_kv_blocks=32, block_size=8)
+    try:
+        assert llm.engine.core.runner.thread_tuner is not None
+        assert llm.engine.core.runner.thread_tuner.max_threads == 2
+    finally:
+        llm.shutdown()
