@@ -21,10 +21,13 @@ of the router <-> worker hot path. What can be observed without one:
     pdcluster_tls_handshakes_total{server, result="started"|"authenticated"|"refused"}
     pdcluster_tls_refused_peers_total{server, peer=IP}     (64 peers at most, then "other")
 
-Each refusal is logged with IP:PORT. `started - authenticated` is the exact number of refused
-handshakes once none is in progress; "refused" names those the thread saw (a remote client
-that closes first, before the thread reads the table, leaves no row: counted in started only).
-Linux only (/proc); elsewhere started/authenticated still count.
+Each refusal is logged with IP:PORT. A refused connection can also vanish between two reads
+of the table: a client that resets it (RST: no TIME_WAIT row on either side) within the few ms
+the handshake takes leaves no row. Every connection calls the fetcher once, so such a one still
+shows as a start no row explains: a start older than GRACE_S that is neither pending,
+authenticated nor refused is counted refused with peer="unseen". So "refused" equals
+`started - authenticated` once none is in progress. Linux only (/proc); elsewhere
+started/authenticated still count and nothing is reconciled.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import ipaddress
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -44,6 +47,10 @@ log = logging.getLogger(__name__)
 MAX_PEER_LABELS = 64
 SWEEP_S = 1.0
 SETTLED_KEEP_S = 180.0  # longer than TIME_WAIT (60 s): a closed row is settled once
+# A start this old has had its row in the table for every read since (the accept precedes the
+# fetcher call): if no read explained it, the connection came and went between two reads.
+GRACE_S = 1.0
+UNSEEN_PEER = "unseen"
 _TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
 _LISTEN = "0A"
 
@@ -88,6 +95,17 @@ def server_connections(port: int, tables: tuple[str, ...] = _TABLES) -> dict[Pee
     return out
 
 
+def tables_readable(tables: tuple[str, ...] = _TABLES) -> bool:
+    """Whether this host shows its TCP table (Linux /proc): without it nothing is reconciled."""
+    for table in tables:
+        try:
+            with open(table):
+                return True
+        except OSError:
+            continue
+    return False
+
+
 def parse_grpc_peer(peer: str) -> Peer | None:
     """("IP", port) from gRPC's "ipv4:1.2.3.4:5" / "ipv6:[::1]:5"; None for anything else."""
     kind, _, rest = peer.partition(":")
@@ -105,10 +123,15 @@ class HandshakeAudit:
     """One TLS gRPC server's handshakes: on_handshake from its fetcher, start(port) once bound,
     interceptor() on the server, registered as a Prometheus collector; stop() with the server."""
 
-    def __init__(self, server: str, connections: Callable[[int], dict[Peer, bool]] = server_connections) -> None:
+    def __init__(self, server: str, connections: Callable[[int], dict[Peer, bool]] = server_connections,
+                 reconcile: bool | None = None) -> None:
         self.server = server
         self.port: int | None = None
         self._connections = connections
+        # Reconciling starts with rows needs a real table: off where /proc/net/tcp is absent.
+        self._reconcile = tables_readable() if reconcile is None else reconcile
+        self._recent: deque[float] = deque()    # start times of the last GRACE_S
+        self._old_starts = 0                    # starts older than that
         self._lock = threading.Lock()
         self._pending: set[Peer] = set()        # open, no RPC seen yet (in or after a handshake)
         self._authed: set[Peer] = set()         # open connections that made an RPC
@@ -135,6 +158,7 @@ class HandshakeAudit:
         """gRPC core is about to run a handshake on a new connection (fetcher call): cheap."""
         with self._lock:
             self.counts["started"] += 1
+            self._recent.append(time.monotonic())
         self._wake.set()
 
     def on_rpc(self, peer: str) -> None:
@@ -153,7 +177,7 @@ class HandshakeAudit:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._wake.wait(SWEEP_S if self._pending else None)
+            self._wake.wait(SWEEP_S if self._pending or self._recent else None)
             self._wake.clear()
             if self._stop.is_set():
                 return
@@ -167,6 +191,7 @@ class HandshakeAudit:
         closed is settled, as refused when it never made an RPC."""
         if self.port is None:
             return
+        read_at = time.monotonic()  # before the read: a start older than this - GRACE_S has a row in it
         rows = self._connections(self.port)
         now = time.monotonic()
         with self._lock:
@@ -183,6 +208,22 @@ class HandshakeAudit:
                 self._settle(peer, now)
             for peer in [p for p, t in self._settled.items() if now - t > SETTLED_KEEP_S]:
                 del self._settled[peer]
+            if self._reconcile:
+                self._settle_unseen(read_at - GRACE_S)
+
+    def _settle_unseen(self, cutoff: float) -> None:
+        """Starts before `cutoff` that no row explained: refused, the peer unseen (under _lock).
+        Each explained connection (pending, authenticated, refused) is one distinct start."""
+        while self._recent and self._recent[0] <= cutoff:
+            self._recent.popleft()
+            self._old_starts += 1
+        unseen = self._old_starts - self.counts["authenticated"] - self.counts["refused"] - len(self._pending)
+        if unseen <= 0:
+            return
+        self.counts["refused"] += unseen
+        self.refused_peers[UNSEEN_PEER] += unseen
+        log.warning("%s: %d TLS handshake(s) refused from a peer that reset the connection before it could be "
+                    "named (plaintext peer, or no certificate of this cluster's CA)", self.server, unseen)
 
     def _settle(self, peer: Peer, now: float) -> None:
         self._settled[peer] = now

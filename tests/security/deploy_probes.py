@@ -115,9 +115,9 @@ def serve_pki(worker_pid: int) -> str:
     return os.path.dirname(os.path.dirname(ca))
 
 
-def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+def scrape(url: str, context: ssl.SSLContext | None = None) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """(sample name, sorted labels) -> value for one /metrics page."""
-    with urllib.request.urlopen(url, timeout=10) as resp:
+    with urllib.request.urlopen(url, timeout=10, context=context) as resp:
         text = resp.read().decode()
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
@@ -136,3 +136,17 @@ def wait_for(read: Callable[[], float], at_least: float, timeout_s: float = 20.0
         time.sleep(0.25)
         value = read()
     return value
+
+
+def wait_refusals(url: str, server: str, n: int, context: ssl.SSLContext | None = None) -> tuple[float, float, float]:
+    """(refused, named 127.0.0.1, unseen) TLS handshakes of `server` on a /metrics page, polled
+    until `n` refusals are settled (the audit thread settles them; 60 s bounds a hang only). A
+    peer that reset its connection before the audit read the TCP table is counted as "unseen"."""
+    def read() -> tuple[float, float, float]:
+        s = scrape(url, context)
+        mine = lambda extra: lambda labels: labels.get("server") == server and extra(labels)  # noqa: E731
+        return (total(s, "pdcluster_tls_handshakes_total", mine(lambda lb: lb.get("result") == "refused")),
+                total(s, "pdcluster_tls_refused_peers_total", mine(lambda lb: lb.get("peer") == "127.0.0.1")),
+                total(s, "pdcluster_tls_refused_peers_total", mine(lambda lb: lb.get("peer") == "unseen")))
+    wait_for(lambda: read()[0], n, timeout_s=60.0)
+    return read()

@@ -9,6 +9,7 @@ import os
 
 import grpc
 import pytest
+from security.deploy_probes import wait_refusals
 from serve_procs import descendants, start_serve, stop_serve
 
 from pdcluster import SamplingParams
@@ -29,18 +30,6 @@ def _health(addr: str, creds: grpc.ChannelCredentials | None) -> int:
 
     with (grpc.secure_channel(addr, creds) if creds else grpc.insecure_channel(addr)) as ch:
         return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10).status
-
-
-def _wait_metric(url: str, line: str) -> None:
-    import time
-    import urllib.request
-
-    for _ in range(1200):  # bounds a hang only: ends as soon as the line is there
-        text = urllib.request.urlopen(url, timeout=10).read().decode()
-        if line in text:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"{line!r} not in {url}:\n{text}")
 
 
 def _cmdline(pid: int) -> list[str]:
@@ -64,8 +53,9 @@ def test_workers_take_only_the_runs_router(demo_model: str, tmp_path) -> None:
             out = client.generate(list(range(5, 20)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
             assert len(out.token_ids) == 4
         # The refusals are counted and named on each worker's /metrics (security/tls_audit.py).
-        for inst in ready["instances"].values():
-            _wait_metric(inst["metrics"], 'pdcluster_tls_refused_peers_total{peer="127.0.0.1",server="worker"} 2.0')
+        for inst in ready["instances"].values():  # named 127.0.0.1, or "unseen" (reset before the read)
+            refused, named, unseen = wait_refusals(inst["metrics"], "worker", 2)
+            assert refused == 2 and named + unseen == 2
         # Each worker got its own identity (by path), and no other instance's key.
         keys = {}
         for pid in descendants(proc.pid):
