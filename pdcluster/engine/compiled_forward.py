@@ -19,7 +19,8 @@ Which steps: those with prefill tokens (prefill chunks, mixed prefill + decode) 
 rows). Decode-only steps run eagerly: measured there, compiled was no faster (B=32: 0.99-1.0x)
 or slower (B=8 bf16: 0.93x; batch-1 fp32: 0.66x, a 1-token step padded to 2 doubled the float32
 GEMMs, and unpadded it would specialise another graph). Numbers: benchmarks/RESULTS.md (issue 14,
-torch.compile).
+torch.compile). A step with prefill tokens also runs eagerly when the runner's thread tuner picked
+a count other than the full one the layers were compiled for (`eager=True`; thread_tuner.step_plan).
 
 Attention stays eager: every layer's `Attention.backend` is wrapped (`_TracedAttention`); eagerly
 the wrapper calls the real backend unchanged, but while dynamo traces it emits one opaque custom op,
@@ -181,6 +182,7 @@ class CompiledForward:
             name_packed_layers(layer)  # its packed linears trace as the packed_linear op
         self._layers: list[Any] = []  # the compiled layers, built by compile()
         self.compiled_steps = 0  # steps (warm-up included) that ran the compiled layers
+        self.eager_prefill_steps = 0  # steps with prefill tokens run eagerly on the tuner's word
         self.state = "eager"
         self.compile_seconds: float | None = None  # wall seconds of compile() (warm-up included)
         self.error: str | None = None
@@ -189,11 +191,15 @@ class CompiledForward:
         self._on_settle: list[Callable[[], None]] = []  # run on the engine thread at the switch / failure
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Any,
-                 meta: AttentionMetadata) -> torch.Tensor:
+                 meta: AttentionMetadata, eager: bool = False) -> torch.Tensor:
+        """One step. `eager`: run a step with prefill tokens eagerly anyway (the runner's thread
+        tuner picked fewer threads than the layers were compiled for: thread_tuner.step_plan)."""
         if not self._use_compiled and self.state in ("ready", "failed"):
             self._settle()
         if self._use_compiled and not meta.is_decode_only:  # decode eager: it did not pay (docstring)
-            return self.compiled(input_ids, positions, meta)
+            if not eager:
+                return self.compiled(input_ids, positions, meta)
+            self.eager_prefill_steps += 1
         return self.eager(input_ids, positions, kv_caches, meta)
 
     def eager(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Any,
@@ -305,7 +311,7 @@ class CompiledForward:
     def status(self) -> dict[str, Any]:
         """For stats and reports: state, compiled steps, compile seconds, error."""
         return {"state": self.state, "compiled_steps": self.compiled_steps, "compile_seconds": self.compile_seconds,
-                "error": self.error}
+                "eager_prefill_steps": self.eager_prefill_steps, "error": self.error}
 
 def build_forward(config: Any, model: torch.nn.Module, backend: AttentionBackend,
                   layer_kv_caches: list[torch.Tensor]) -> Any:

@@ -29,7 +29,7 @@ from pdcluster.dtypes import torch_dtype
 from pdcluster.engine.connector_hooks import ConnectorHooks
 from pdcluster.engine.kv_connector import KVCacheLayout, KVConnectorBase
 from pdcluster.engine.outputs import ModelRunnerOutput, SchedulerOutput
-from pdcluster.engine.thread_tuner import ThreadTuner, step_key
+from pdcluster.engine.thread_tuner import ThreadTuner, step_key, step_plan
 from pdcluster.env_flags import env_enabled
 from pdcluster.models.layers.attention_backend import AttentionBackend, AttentionMetadata
 from pdcluster.models.loader import load_model
@@ -239,25 +239,24 @@ class ModelRunner:
         return hooks.finish(out) if hooks is not None else out
 
     def _tuned_forward(self, reqs: list[CachedRequestState], scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """_forward with the thread count the tuner picks for a step of this shape."""
+        """_forward with the thread count the tuner picks for a step of this shape (and, for a
+        step with prefill tokens on the compiled layers, eagerly when that count is not theirs)."""
         tuner = self.thread_tuner
         if tuner is None:
             return self._forward(reqs, scheduler_output)
         tokens = sum(scheduler_output.num_scheduled_tokens[r.request_id] for r in reqs)
-        # A step with prefill tokens on the compiled layers keeps the full count: dynamo guards on
-        # the thread count, so another count would compile the layers again mid-serving.
-        tuned = tokens == len(reqs) or getattr(self.forward_fn, "state", "eager") not in ("ready", "compiled")
+        compiled = getattr(self.forward_fn, "state", "eager") in ("ready", "compiled")
         key = step_key(len(reqs), tokens)
-        threads = tuner.choose(key) if tuned else tuner.max_threads
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
+        plan = step_plan(tuner, key, compiled_prefill=compiled and tokens != len(reqs))
+        if torch.get_num_threads() != plan.threads:
+            torch.set_num_threads(plan.threads)
         t0 = time.perf_counter()
-        out = self._forward(reqs, scheduler_output)
-        if tuned:
-            tuner.record(key, threads, time.perf_counter() - t0)
+        out = self._forward(reqs, scheduler_output, eager=plan.eager)
+        tuner.record(key, plan.threads, time.perf_counter() - t0)
         return out
 
-    def _forward(self, reqs: list[CachedRequestState], scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def _forward(self, reqs: list[CachedRequestState], scheduler_output: SchedulerOutput,
+                 eager: bool = False) -> ModelRunnerOutput:
         query_lens = [scheduler_output.num_scheduled_tokens[r.request_id] for r in reqs]
         input_ids, positions, meta = self.prepare_inputs(reqs, query_lens)
         # Sample where the chunk ends at the last known token; index of that token in the batch.
@@ -267,7 +266,9 @@ class ModelRunner:
             embeds = None if self.mm is None else self.mm.inputs_embeds(
                 [r.request_id for r in reqs], [r.num_computed_tokens for r in reqs], query_lens, input_ids)
             if embeds is None:
-                hidden = self.forward_fn(input_ids, positions, self.kv_caches, meta)  # (T, H)
+                # (T, H); `eager` only ever comes with a CompiledForward (_tuned_forward)
+                hidden = (self.forward_fn(input_ids, positions, self.kv_caches, meta, eager=True) if eager
+                          else self.forward_fn(input_ids, positions, self.kv_caches, meta))
             else:  # image features scattered into the placeholders' embeddings
                 hidden = self.model(input_ids, positions, self.kv_caches, meta, inputs_embeds=embeds)
             sampled: list[int] = []

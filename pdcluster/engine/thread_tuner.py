@@ -19,10 +19,14 @@ probed four times less often).
 
 Thread counts do not change results: the products split their output, not their reduction
 (checked bit for bit at 1 and 2 threads, tests/engine/test_thread_tuner.py), so greedy outputs
-are the same whatever the tuner picks. Steps with prefill tokens are tuned when they run eagerly
-(serving beside a busy process, steps mixing a prefill chunk with decodes ran at ~950 ms with 2
-threads); on the compiled layers they keep the full count, because dynamo guards on the thread
-count (GLOBAL_STATE num_threads) and another count would compile the layers again mid-serving.
+are the same whatever the tuner picks. Steps with prefill tokens are tuned too (serving beside a
+busy process, steps mixing a prefill chunk with decodes ran at ~950 ms with 2 threads). The
+compiled layers (compiled_forward.py) exist for the full count only: dynamo guards on the thread
+count (GLOBAL_STATE num_threads), so another count would compile them again mid-serving. So for
+a step with prefill tokens on a compiled forward the ladder's rungs mean: the full count runs the
+compiled layers, a smaller count runs the same step eagerly (step_plan). On a quiet machine the
+compiled rung wins and the probes cost one eager step in explore_every; beside a busy process
+the eager one-thread rung wins without any recompile.
 """
 
 from __future__ import annotations
@@ -109,3 +113,17 @@ class ThreadTuner:
     def snapshot(self) -> dict[int, dict[int, float]]:
         """{key: {threads: mean step seconds}}, for logs and stats."""
         return {k: dict(s.means) for k, s in self._keys.items()}
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    threads: int
+    eager: bool  # run a step with prefill tokens eagerly instead of on the compiled layers
+
+
+def step_plan(tuner: ThreadTuner, key: int, compiled_prefill: bool) -> StepPlan:
+    """The next step's thread count, and whether it leaves the compiled layers: a step with
+    prefill tokens on a compiled forward (`compiled_prefill`) runs compiled only at the count the
+    layers were compiled for (the full one), eagerly at any other."""
+    threads = tuner.choose(key)
+    return StepPlan(threads, compiled_prefill and threads != tuner.max_threads)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pdcluster import LLM, SamplingParams
-from pdcluster.engine.thread_tuner import ThreadTuner, ladder, shape_key, step_key
+from pdcluster.engine.thread_tuner import StepPlan, ThreadTuner, ladder, shape_key, step_key, step_plan
 
 
 def test_ladder_and_shape_key() -> None:
@@ -65,6 +65,22 @@ def test_keys_learn_apart_and_a_ladder_is_climbed_one_rung_at_a_time() -> None:
     assert tuner.snapshot()[1][2] == pytest.approx(0.01)
 
 
+def test_a_compiled_prefill_step_leaves_the_compiled_layers_only_for_another_count() -> None:
+    """The compiled layers exist for the full count: a prefill key's smaller rung is the eager
+    forward, so beside a busy process the one-thread eager step can win without a recompile."""
+    tuner = ThreadTuner(2, explore_every=2)
+    plans = [step_plan(tuner, -64, compiled_prefill=True) for _ in range(4)]
+    assert plans[:2] == [StepPlan(2, False), StepPlan(1, True)]  # the second step probes 1 thread
+    tuner = ThreadTuner(2, explore_every=2)
+    assert [step_plan(tuner, 1, compiled_prefill=False) for _ in range(2)] == [StepPlan(2, False), StepPlan(1, False)]
+    # Busy machine: the eager one-thread rung is measured faster and becomes the plan.
+    tuner = ThreadTuner(2, explore_every=8)
+    for _ in range(16):
+        p = step_plan(tuner, -64, compiled_prefill=True)
+        tuner.record(-64, p.threads, 0.9 if p.threads == 2 else 0.05)
+    assert step_plan(tuner, -64, compiled_prefill=True) == StepPlan(1, True)
+
+
 @pytest.fixture
 def two_threads(monkeypatch: pytest.MonkeyPatch):
     """Two intra-op threads for the test (the tuner needs a count to choose from), restored after;
@@ -113,8 +129,8 @@ def test_outputs_do_not_depend_on_the_thread_count(tiny_ckpts, two_threads, monk
 @pytest.mark.slow
 def test_compiled_engine_switching_threads_neither_recompiles_nor_changes_tokens(
         tiny_ckpts, two_threads, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Prefill steps run the compiled layers at the full count (dynamo guards on it); decode
-    steps switch counts; no new graph, the same tokens."""
+    """Steps switch counts; a step with prefill tokens runs the compiled layers at the full count
+    (dynamo guards on it) and eagerly at the other; no new graph, the same tokens."""
     monkeypatch.setenv("PDCLUSTER_COMPILE", "1")
     monkeypatch.setenv("PDCLUSTER_COMPILE_START", "wait")
     from torch._dynamo.utils import counters
@@ -135,6 +151,9 @@ def test_compiled_engine_switching_threads_neither_recompiles_nor_changes_tokens
         assert counters["stats"]["unique_graphs"] == graphs, (switching, graphs)  # no recompile
         if switching:
             assert {1, 2} <= set(runner.thread_tuner.picked)
+            assert runner.forward_fn.eager_prefill_steps > 0  # prefill steps on one thread: eager
+        else:
+            assert runner.forward_fn.eager_prefill_steps == 0
         llm.shutdown()
     assert runs[0] == runs[1]
 
