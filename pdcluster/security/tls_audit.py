@@ -123,15 +123,13 @@ class HandshakeAudit:
     """One TLS gRPC server's handshakes: on_handshake from its fetcher, start(port) once bound,
     interceptor() on the server, registered as a Prometheus collector; stop() with the server."""
 
-    def __init__(self, server: str, connections: Callable[[int], dict[Peer, bool]] = server_connections,
-                 reconcile: bool | None = None) -> None:
+    def __init__(self, server: str, connections: Callable[[int], dict[Peer, bool]] = server_connections) -> None:
         self.server = server
         self.port: int | None = None
         self._connections = connections
         # Reconciling starts with rows needs a real table: off where /proc/net/tcp is absent.
-        self._reconcile = tables_readable() if reconcile is None else reconcile
-        self._recent: deque[float] = deque()    # start times of the last GRACE_S
-        self._old_starts = 0                    # starts older than that
+        self._reconcile = tables_readable()
+        self._recent: deque[float] = deque()    # start times of the last GRACE_S (the rest: older)
         self._lock = threading.Lock()
         self._pending: set[Peer] = set()        # open, no RPC seen yet (in or after a handshake)
         self._authed: set[Peer] = set()         # open connections that made an RPC
@@ -216,8 +214,8 @@ class HandshakeAudit:
         Each explained connection (pending, authenticated, refused) is one distinct start."""
         while self._recent and self._recent[0] <= cutoff:
             self._recent.popleft()
-            self._old_starts += 1
-        unseen = self._old_starts - self.counts["authenticated"] - self.counts["refused"] - len(self._pending)
+        old_starts = self.counts["started"] - len(self._recent)
+        unseen = old_starts - self.counts["authenticated"] - self.counts["refused"] - len(self._pending)
         if unseen <= 0:
             return
         self.counts["refused"] += unseen
