@@ -1,6 +1,7 @@
 """Run inside a venv with vLLM's CPU build: prints one JSON line with the elapsed time.
 
-Usage: python _vllm_throughput.py MODEL WORKLOAD_JSON   (workload: {"prompts": [[ids]], "max_tokens": [n]})
+Usage: python _vllm_throughput.py MODEL WORKLOAD_JSON
+    (workload: {"prompts": [[ids]], "max_tokens": [n], "repeats": r, "dtype": "bfloat16" | "float32"})
 """
 
 import json
@@ -12,7 +13,7 @@ if __name__ == "__main__":  # vLLM's LLM must be created under __main__ (it spaw
     from vllm.inputs import TokensPrompt
 
     model, workload = sys.argv[1], json.load(open(sys.argv[2]))
-    llm = LLM(model=model, dtype="bfloat16", max_model_len=1024, enforce_eager=False, seed=0,
+    llm = LLM(model=model, dtype=workload.get("dtype", "bfloat16"), max_model_len=1024, enforce_eager=False, seed=0,
               gpu_memory_utilization=0.3)  # on CPU: the share of RAM vLLM reserves
     prompts = [TokensPrompt(prompt_token_ids=p) for p in workload["prompts"]]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in workload["max_tokens"]]

