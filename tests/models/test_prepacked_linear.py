@@ -1,6 +1,7 @@
-"""oneDNN pre-packed CPU weights (models/layers/cpu_gemm.py): the packed layers give exactly what
-F.linear gives, the model generates the same tokens with packing on and off, and packing stays
-off where it is not exact (float32, float16) or not wanted (PDCLUSTER_CPU_PREPACK=0)."""
+"""oneDNN pre-packed CPU weights (models/layers/cpu_gemm.py): the packed bfloat16 layers give
+exactly what F.linear gives, float32 ones agree within the dot product's rounding bound (and a
+wrong product is refused), the model generates the same tokens with packing on and off, and
+packing stays off where it cannot run (float16) or is not wanted (PDCLUSTER_CPU_PREPACK=0)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,9 @@ ROWS = (1, 2, 7, 64, 300)  # decode GEMV, small batches, a prefill-sized GEMM
 needs_packing = pytest.mark.skipif(
     cpu_gemm.pack_weight(torch.randn(8, 8, dtype=BF16)) is None,
     reason="this CPU / torch build cannot pack bf16 weights exactly (F.linear is used)")
+needs_fp32_packing = pytest.mark.skipif(
+    cpu_gemm.pack_weight(torch.randn(8, 8)) is None,
+    reason="this CPU / torch build cannot pack float32 weights (oneDNN unavailable)")
 
 
 def _fill(layer: torch.nn.Module, seed: int = 0) -> None:
@@ -91,12 +95,45 @@ def test_row_parallel_shards_reduce_to_the_unpacked_result() -> None:
         assert torch.equal(ranks[0](x[:, :32]), want)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_float32_and_float16_stay_unpacked(dtype: torch.dtype) -> None:
-    # oneDNN's fp32 GEMM rounds differently from F.linear's; fp16 needs AVX512-FP16.
-    layer = ReplicatedLinear(16, 8, True, dtype)
+def test_float16_stays_unpacked() -> None:
+    # fp16 needs AVX512-FP16 / AVX-NE-CONVERT in oneDNN: never packed.
+    layer = ReplicatedLinear(16, 8, True, torch.float16)
     _fill(layer)
     assert not layer.prepack() and layer.packed_weight is None
+
+
+@needs_fp32_packing
+@pytest.mark.parametrize("kind", sorted(_layers(torch.float32)))
+def test_packed_float32_layer_within_the_rounding_bound(kind: str) -> None:
+    layer = _layers(torch.float32)[kind]
+    _fill(layer)
+    in_features = layer.weight.shape[1]
+    xs = [torch.randn(m, in_features) for m in ROWS]
+    with torch.inference_mode():
+        plain = [layer(x) for x in xs]
+    assert layer.prepack() and layer.packed_weight is not None
+    with torch.inference_mode():
+        for x, want in zip(xs, plain):
+            got = layer(x)
+            assert got.shape == want.shape
+            bias = getattr(layer, "bias", None)
+            assert cpu_gemm.probe_agrees(got, x, layer.weight, bias if isinstance(bias, torch.Tensor) else None)
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (kind, x.shape)
+
+
+def test_float32_probe_refuses_a_wrong_product() -> None:
+    w, x = torch.randn(40, 48), torch.randn(3, 48)
+    want = F.linear(x, w)
+    assert cpu_gemm.probe_agrees(want.clone(), x, w, None)
+    off_by_ulps = want + want.abs() * 4 * torch.finfo(torch.float32).eps  # rounding-sized: accepted
+    assert cpu_gemm.probe_agrees(off_by_ulps, x, w, None)
+    wrong = want.clone()
+    wrong[1, 7] += 1e-3 * want.abs().max()  # one element off by far more than rounding
+    assert not cpu_gemm.probe_agrees(wrong, x, w, None)
+    assert not cpu_gemm.probe_agrees(F.linear(x, w.roll(1, 0)), x, w, None)  # a mis-laid-out weight
+    nan = want.clone()
+    nan[0, 0] = float("nan")
+    assert not cpu_gemm.probe_agrees(nan, x, w, None)
 
 
 def test_disabled_by_env_falls_back_to_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -147,9 +184,25 @@ def test_compiled_layer_equals_eager_packed() -> None:
             assert torch.equal(compiled(x), layer(x))
 
 
-def _runner(path: str, monkeypatch: pytest.MonkeyPatch, pack: bool) -> ModelRunner:
+def _runner(path: str, monkeypatch: pytest.MonkeyPatch, pack: bool, dtype: str = "bfloat16") -> ModelRunner:
     monkeypatch.setenv(cpu_gemm.ENV, "1" if pack else "0")
-    return ModelRunner(engine_config(path, compute_dtype="bfloat16"))
+    return ModelRunner(engine_config(path, compute_dtype=dtype))
+
+
+@needs_fp32_packing
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_float32_greedy_same_tokens_packed_and_unpacked(arch: str, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # float32 packing is not bit-exact (oneDNN vs MKL summation order) but must not change tokens;
+    # the transformers equivalence tests run the packed default too.
+    path = make_tiny_checkpoint(arch, tmp_path / arch)
+    prompts = make_prompts(384, lens=(9, 30, 1))
+    plain = _runner(path, monkeypatch, pack=False, dtype="float32")
+    assert cpu_gemm.packed_count(plain.model)[0] == 0
+    want = run_greedy(plain, prompts, max_tokens=16, stagger=True)
+    packed = _runner(path, monkeypatch, pack=True, dtype="float32")
+    n, total = cpu_gemm.packed_count(packed.model)
+    assert n == total == 2 * 4 + 1
+    assert run_greedy(packed, prompts, max_tokens=16, stagger=True) == want
 
 
 @needs_packing
