@@ -115,7 +115,7 @@ def ready_instances(log: pathlib.Path) -> dict:
 
 
 def start_server(kind: str, model: str, vllm_python: str, max_model_len: int, log: pathlib.Path,
-                 threads: int | None, extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
+                 threads: int | None, extra: list[str] = (), vllm_dtype: str = "bfloat16") -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = dict(os.environ)
     if kind == "vllm":
@@ -123,7 +123,7 @@ def start_server(kind: str, model: str, vllm_python: str, max_model_len: int, lo
         if threads:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "0" if threads == 1 else f"0-{threads - 1}"
         cmd = [vllm_python, "-P", "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-               "--dtype", "bfloat16", "--max-model-len", str(max_model_len), "--host", "127.0.0.1",
+               "--dtype", vllm_dtype, "--max-model-len", str(max_model_len), "--host", "127.0.0.1",
                "--port", str(port), "--gpu-memory-utilization", "0.3"]
     else:
         if threads:
@@ -234,7 +234,7 @@ def _measure(args: argparse.Namespace, model: str, result_dir: pathlib.Path,
         for kind in args.servers:
             proc, base = start_server(kind, model, args.vllm_python, args.max_model_len,
                                       result_dir / f"{kind}-server.log", args.threads,
-                                      shlex.split(args.pdcluster_args))
+                                      shlex.split(args.pdcluster_args), args.vllm_dtype)
             try:
                 for rate in args.rates:
                     name = f"{kind}-{rate:g}qps-run{rep}.json"
@@ -261,6 +261,8 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--vllm-dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="vllm serve --dtype (a CPU without BF16: float32, the dtype pdcluster's auto picks there)")
     p.add_argument("--threads", type=int, default=None, help="engine threads on both sides (default: theirs)")
     p.add_argument("--pdcluster-args", default="", help="extra `pdcluster serve` flags, e.g. \"--worker-threads 0\"")
     p.add_argument("--result-dir", default="benchmarks/results/serve-vs-vllm")
