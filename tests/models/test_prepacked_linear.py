@@ -116,8 +116,7 @@ def test_packed_float32_layer_within_the_rounding_bound(kind: str) -> None:
         for x, want in zip(xs, plain):
             got = layer(x)
             assert got.shape == want.shape
-            bias = getattr(layer, "bias", None)
-            assert cpu_gemm.probe_agrees(got, x, layer.weight, bias if isinstance(bias, torch.Tensor) else None)
+            assert cpu_gemm.probe_agrees(got, x, layer.weight, getattr(layer, "bias", None))
             assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (kind, x.shape)
 
 
