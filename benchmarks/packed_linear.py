@@ -1,0 +1,56 @@
+"""One linear layer's product, plain F.linear against the oneDNN pre-packed weight, by row count.
+
+    python benchmarks/packed_linear.py                  # 768 x 3072 (the bench model's MLP), bf16 and fp32
+    python benchmarks/packed_linear.py --k 2048 --n 8192 --rows 1 64 4096
+
+Why: whether packing pays depends on the CPU and on M (rows per call). On an AMX CPU (session 7)
+the packed bf16 product won up to M = 256 and lost 22% at M = 2,048, so this table is the input to
+any M-dependent pack decision. Prints GFLOP/s and, for the weight-bound small-M calls, GB/s of weights.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from pdcluster.models.layers.cpu_gemm import pack_weight, packed_linear
+
+
+def seconds_per_call(fn, calls: int, *fn_args) -> float:
+    fn(*fn_args)
+    fn(*fn_args)  # warm: oneDNN builds its primitive on the first call of a shape
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn(*fn_args)
+    return (time.perf_counter() - start) / calls
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--k", type=int, default=768, help="in features")
+    ap.add_argument("--n", type=int, default=3072, help="out features")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 32, 256, 2048])
+    ap.add_argument("--calls", type=int, default=30)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    print(f"threads={torch.get_num_threads()} capability={torch.backends.cpu.get_cpu_capability()} K={args.k} N={args.n}")
+    print(f"{'dtype':>9} {'M':>6} {'plain GFLOP/s':>14} {'packed GFLOP/s':>15} {'packed/plain':>13} {'packed weight GB/s':>19}")
+    for dtype in (torch.bfloat16, torch.float32):
+        w = torch.randn(args.n, args.k, dtype=dtype)
+        packed = pack_weight(w)
+        for m in args.rows:
+            x = torch.randn(m, args.k, dtype=dtype)
+            flops = 2 * m * args.k * args.n
+            plain_s = seconds_per_call(F.linear, args.calls, x, w)
+            if packed is None:  # this torch/CPU cannot pack (or the probe refused): plain only
+                print(f"{str(dtype)[6:]:>9} {m:>6} {flops / plain_s / 1e9:>14.0f} {'-':>15}")
+                continue
+            packed_s = seconds_per_call(packed_linear, args.calls, x, packed)
+            print(f"{str(dtype)[6:]:>9} {m:>6} {flops / plain_s / 1e9:>14.0f} {flops / packed_s / 1e9:>15.0f} "
+                  f"{plain_s / packed_s:>12.2f}x {w.numel() * w.element_size() / packed_s / 1e9:>19.1f}")
+
+
+if __name__ == "__main__":
+    main()
