@@ -5,7 +5,8 @@
 
 Why: whether packing pays depends on the CPU and on M (rows per call). On an AMX CPU (session 7)
 the packed bf16 product won up to M = 256 and lost 22% at M = 2,048, so this table is the input to
-any M-dependent pack decision. Prints GFLOP/s and, for the weight-bound small-M calls, GB/s of weights.
+any M-dependent pack decision (cpu_gemm: a bf16 copy serves up to its last exact probe rung). Prints
+GFLOP/s, for the weight-bound small-M calls GB/s of weights, and which product the engine runs.
 """
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     print(f"threads={torch.get_num_threads()} capability={torch.backends.cpu.get_cpu_capability()} K={args.k} N={args.n}")
-    print(f"{'dtype':>9} {'M':>6} {'plain GFLOP/s':>14} {'packed GFLOP/s':>15} {'packed/plain':>13} {'packed weight GB/s':>19}")
+    print(f"{'dtype':>9} {'M':>6} {'plain GFLOP/s':>14} {'packed GFLOP/s':>15} {'packed/plain':>13} "
+          f"{'packed weight GB/s':>19} {'engine runs':>12}")
     for dtype in (torch.bfloat16, torch.float32):
         w = torch.randn(args.n, args.k, dtype=dtype)
         packed = pack_weight(w)
@@ -47,9 +49,10 @@ def main() -> None:
             if packed is None:  # this torch/CPU cannot pack (or the probe refused): plain only
                 print(f"{str(dtype)[6:]:>9} {m:>6} {flops / plain_s / 1e9:>14.0f} {'-':>15}")
                 continue
-            packed_s = seconds_per_call(packed_linear, args.calls, x, packed)
+            packed_s = seconds_per_call(packed_linear, args.calls, x, packed.blocked)
             print(f"{str(dtype)[6:]:>9} {m:>6} {flops / plain_s / 1e9:>14.0f} {flops / packed_s / 1e9:>15.0f} "
-                  f"{plain_s / packed_s:>12.2f}x {w.numel() * w.element_size() / packed_s / 1e9:>19.1f}")
+                  f"{plain_s / packed_s:>12.2f}x {w.numel() * w.element_size() / packed_s / 1e9:>19.1f} "
+                  f"{'packed' if packed.serves(x) else 'plain':>12}")
 
 
 if __name__ == "__main__":

@@ -113,8 +113,9 @@ class ModelRunner:
         from pdcluster.engine.compiled_forward import build_forward, release_and_start
 
         forward = build_forward(self.config, self.model, self.attn_backend, self.layer_kv_caches)
-        # Every product now runs on the oneDNN-packed weights (eagerly, or through the compiled
-        # graph's packed_linear op): the plain copies would double the model's memory. A background
+        # A packed copy that serves every row count now runs every product of its layer (eagerly,
+        # or through the compiled graph's packed_linear op): its plain copy would double that
+        # weight's memory (bf16 copies serve small M only and keep theirs: cpu_gemm). A background
         # compile starts here (after the release) and keeps the LM head's until it is done.
         freed = release_and_start(forward, self.model)
         if freed:

@@ -78,6 +78,41 @@ class _SumGroup:
         return t.add_(self.other)
 
 
+def test_served_rows_stops_below_the_first_disagreement() -> None:
+    rungs = (1, 3, 16, 64, 256)
+    assert cpu_gemm.served_rows([True] * 5, rungs, exact=True) == 256  # checked no further
+    assert cpu_gemm.served_rows([True] * 5, rungs, exact=False) is None  # a rounding bound: every M
+    assert cpu_gemm.served_rows([True, True, False], rungs[:3], exact=True) == 3
+    assert cpu_gemm.served_rows([True, True, True, False], rungs[:4], exact=False) == 16
+    assert cpu_gemm.served_rows([False], rungs[:1], exact=True) == 0  # not packed
+
+
+@needs_fp32_packing
+@pytest.mark.parametrize("kind", ["qkv+bias", "lm_head"])
+def test_products_beyond_max_rows_run_f_linear_on_the_plain_weight(kind: str) -> None:
+    # A copy that serves up to 2 rows (as a bf16 copy does up to the probe's last agreeing rung):
+    # 1-2 rows multiply the packed weight, 3 rows or more the plain one, bit for bit F.linear; the
+    # plain weight is kept for them when the forward releases what nothing reads.
+    layer = _layers(torch.float32)[kind]
+    _fill(layer)
+    assert layer.prepack() and layer.packed_weight.max_rows is None  # float32 serves every M ...
+    layer.packed_weight = cpu_gemm.PackedWeight(layer.packed_weight.blocked, max_rows=2)  # ... cap it
+    bias = getattr(layer, "bias", None)
+    with torch.inference_mode():
+        for m in (1, 2, 3, 300):
+            x = torch.randn(m, layer.weight.shape[1])
+            got = layer(x)
+            if kind == "lm_head":
+                got = got[:, : layer.weight.shape[0]]
+            path = cpu_gemm.packed_linear(x, layer.packed_weight.blocked, bias) if m <= 2 else F.linear(x, layer.weight, bias)
+            assert torch.equal(got, path), (kind, m)
+            x3 = x.reshape(1, m, -1)  # leading dims count as rows
+            assert layer.packed_weight.serves(x3) == (m <= 2)
+    assert cpu_gemm.release_plain_weights(layer) == 0 and layer.weight.numel() > 0
+    layer.packed_weight = cpu_gemm.PackedWeight(layer.packed_weight.blocked, max_rows=None)
+    assert cpu_gemm.release_plain_weights(layer) > 0 and layer.weight.numel() == 0
+
+
 @needs_packing
 def test_row_parallel_shards_reduce_to_the_unpacked_result() -> None:
     full = RowParallelLinear(64, 24, True, BF16)
@@ -230,7 +265,12 @@ def test_bf16_greedy_same_tokens_packed_and_unpacked(arch: str, linears: int, tm
     a, b = dict(plain.model.named_parameters()), dict(packed.model.named_parameters())
     assert a.keys() == b.keys() and all(a[k].dtype == b[k].dtype for k in a)
     released = [k for k in a if b[k].numel() == 0]
-    assert len(released) == linears - (arch == "qwen2")  # a tied head shares the embedding table: kept
+    # Released exactly where the packed copy serves every M (a bf16 copy serves up to max_rows and
+    # keeps its plain weight for larger products); a tied head shares the embedding table: kept.
+    serves_all = [n for n, m in packed.model.named_modules()
+                  if getattr(m, "packed_weight", None) is not None and m.packed_weight.max_rows is None]
+    assert sorted(released) == sorted(f"{n}.weight" for n in serves_all
+                                      if not (arch == "qwen2" and n == "lm_head"))
     assert all(k.endswith(".weight") for k in released)
     assert all(torch.equal(a[k], b[k]) for k in a if k not in released)
     # What a step still reads from the packed copies (benchmarks/decode_roofline.py counts it).

@@ -9,23 +9,34 @@ AVX512-BF16 1.65-2.3x faster at M = 1 and 1.0-1.9x at M = 16-256; float32 on an 
 
 When: a weight is packed only if it is on the CPU, in a dtype of PACK_DTYPES, oneDNN is
 available with both ops, PDCLUSTER_CPU_PREPACK is not "0", and probe products of the packed
-weight agree with `F.linear`'s on this machine:
-- bfloat16: bit for bit (same oneDNN kernel, same accumulation order, bias included), so a CPU or
-  torch build where the two paths round differently keeps `F.linear`;
+weight agree with `F.linear`'s on this machine at every rung of PROBE_ROWS (M = 1 ... 256):
+- bfloat16: bit for bit (same oneDNN kernel, same accumulation order, bias included). Whether the
+  two paths round alike depends on the CPU and on M: on one CI machine they agreed at M = 1 and 3
+  and not at M = 64, where oneDNN picks another kernel for one of them. So a bf16 packed copy
+  serves products of up to `max_rows` rows, the highest rung below the first disagreement (and at
+  most the top rung: beyond it nothing was checked, and on an AMX CPU plain F.linear is faster
+  there anyway: 0.74x packed at M = 2,048, benchmarks/packed_linear.py); larger products run
+  F.linear on the plain weight, which therefore stays allocated (bf16 packing costs a second copy
+  of the linear weights; PDCLUSTER_CPU_PREPACK=0 trades that memory back for the speed);
 - float32: within the rounding-error bound of a dot product. F.linear's float32 GEMM is MKL's,
   oneDNN sums in another order, so the two differ in the last bits (as MKL itself does between
   batch sizes); each lies within gamma_K * sum|x_i w_i| of the exact product (gamma_K ~ K * u,
-  whatever the order), so a difference beyond twice that is a wrong kernel, not rounding.
+  whatever the order), so a difference beyond twice that is a wrong kernel, not rounding. Rounding
+  is no contract there, so a float32 copy that passes every rung serves every M and its plain
+  weight is released once the forward is built.
 float16 is not packed (it needs AVX512-FP16 / AVX-NE-CONVERT).
 
 The packed tensor is an opaque mkldnn tensor: inductor cannot take it as a graph input, so a
 traced layer calls the opaque `pdcluster::packed_linear` op instead, which looks the packed weight
-up at run time (below); once the forward is built the runner releases the plain weights.
+up at run time (below); once the forward is built the runner releases the plain weights that no
+product reads any more (`release_plain_weights`).
 """
 
 from __future__ import annotations
 
 import contextvars
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +45,21 @@ from pdcluster.env_flags import env_enabled
 
 ENV = "PDCLUSTER_CPU_PREPACK"  # "0" / "false" / "off" / "no": never pack
 PACK_DTYPES = (torch.bfloat16, torch.float32)
-_PROBE_ROWS = (1, 3)  # the probe's M values: the GEMV path and a small GEMM
+# The probe's M values: the decode GEMV, small and mid batches, a prefill chunk's GEMM. Each rung
+# costs two products of the real weight at load (about 0.1 s for the bench model's 256 rows).
+PROBE_ROWS = (1, 3, 16, 64, 256)
+
+
+@dataclass(eq=False)
+class PackedWeight:
+    """A weight's oneDNN-packed copy and the row counts it is proven to serve."""
+
+    blocked: torch.Tensor  # the opaque mkldnn tensor (_reorder_linear_weight of the plain weight)
+    max_rows: int | None  # products of more rows run F.linear on the plain weight; None: every M
+
+    def serves(self, x: torch.Tensor) -> bool:
+        """Whether x's product (rows = every leading dim) runs packed."""
+        return self.max_rows is None or x.numel() <= self.max_rows * x.shape[-1]
 
 
 def prepack_enabled() -> bool:
@@ -81,28 +106,57 @@ def probe_agrees(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.T
     return bool(torch.isfinite(got).all()) and bool(((got - want).abs() <= bound).all())
 
 
-def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """The oneDNN-packed copy of `weight` (out, in), or None when it must stay unpacked (see
-    `unpackable_reason`, or the probe disagreed with F.linear). The plain weight is not changed."""
+def served_rows(agrees: Sequence[bool], rows: Sequence[int], exact: bool) -> int | None:
+    """How many rows a packed copy serves, given whether the probe agreed at each rung of `rows`
+    (ascending): 0 when the first rung disagreed (not packed); else the highest rung below the
+    first disagreement, except that a copy held only to the rounding bound (float32, `exact`
+    False) which agreed everywhere serves every M (None). A bit-exact contract is kept to what was
+    checked."""
+    served = 0
+    for ok, m in zip(agrees, rows, strict=True):
+        if not ok:
+            return served
+        served = m
+    return served if exact else None
+
+
+def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedWeight | None:
+    """The oneDNN-packed copy of `weight` (out, in) and the rows it serves, or None when it must
+    stay unpacked (see `unpackable_reason`, or the probe disagreed with F.linear at M = 1). The
+    plain weight is not changed."""
     if unpackable_reason(weight) is not None:
         return None
     w = weight.detach()
     try:
         # Batch-size hint 1: the decode GEMV's layout; measured as fast as an M-specific packing at
         # M = 16-256 too.
-        packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1)
+        blocked = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1)
         gen = torch.Generator().manual_seed(0)
         b = None if bias is None else bias.detach()
-        for rows in _PROBE_ROWS:
+        agrees: list[bool] = []
+        for rows in PROBE_ROWS:
             x = torch.randn(rows, w.shape[1], generator=gen).to(w.dtype)
-            if not probe_agrees(packed_linear(x, packed, b), x, w, b):
-                return None
+            agrees.append(probe_agrees(packed_linear(x, blocked, b), x, w, b))
+            if not agrees[-1]:
+                break
     except RuntimeError:  # e.g. a CPU without the ISA this dtype needs in oneDNN
         return None
-    return packed
+    max_rows = served_rows(agrees, PROBE_ROWS[: len(agrees)], exact=w.dtype != torch.float32)
+    if max_rows == 0:
+        return None
+    return PackedWeight(blocked, max_rows)
 
 
-def packed_now(layer: torch.nn.Module) -> torch.Tensor | None:
+def linear(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ layer.weight.T (+ bias) outside a trace: packed where the layer's packed copy serves
+    x's row count, F.linear on the plain weight otherwise."""
+    packed = packed_now(layer)
+    if packed is not None and packed.serves(x):
+        return packed_linear(x, packed.blocked, bias)
+    return F.linear(x, layer.weight, bias)
+
+
+def packed_now(layer: torch.nn.Module) -> PackedWeight | None:
     """The layer's packed weight to multiply with now, or None: always None while dynamo traces
     (the opaque mkldnn tensor cannot enter an inductor graph: a traced linear calls
     `packed_linear_op` by name instead; checked first, so the trace never even reads the
@@ -145,9 +199,13 @@ CURRENT_LAYER: contextvars.ContextVar[torch.nn.Module] = contextvars.ContextVar(
 def packed_linear_op(x: torch.Tensor, bias: torch.Tensor | None, name: str, out_features: int) -> torch.Tensor:
     """The packed product inside a compiled graph: `name` is the linear's path in the current
     decoder layer (the same string in every layer, so one graph serves them all), and its packed
-    weight is looked up at run time, so the opaque mkldnn tensor never enters the graph."""
+    weight is looked up at run time, so the opaque mkldnn tensor never enters the graph (nor does
+    the plain weight a product of more rows than the packed copy serves multiplies)."""
     layer = CURRENT_LAYER.get().get_submodule(name)
-    return packed_linear(x, layer.packed_weight, bias)
+    packed: PackedWeight = layer.packed_weight
+    if packed.serves(x):
+        return packed_linear(x, packed.blocked, bias)
+    return F.linear(x, layer.weight, bias)
 
 
 @packed_linear_op.register_fake
@@ -164,16 +222,18 @@ def name_packed_layers(layer: torch.nn.Module) -> None:
 
 
 def release_plain_weights(model: torch.nn.Module) -> int:
-    """Free the plain copy of every packed weight that nothing else reads (a tied LM head's weight
-    is the embedding's table: kept). Call once the forward is built: from then on every product
-    runs packed, eagerly or through `packed_linear_op`. Returns the bytes freed."""
+    """Free the plain copy of every packed weight that nothing reads any more: its packed copy
+    serves every row count (a bf16 copy serving up to `max_rows` keeps it for larger products),
+    and no unpacked module shares it (a tied LM head's weight is the embedding's table: kept).
+    Call once the forward is built: from then on those products run packed, eagerly or through
+    `packed_linear_op`. Returns the bytes freed."""
     # Weights some unpacked module also reads (the embedding table a tied head shares, any module).
     shared = {id(m.weight) for m in model.modules()
               if getattr(m, "packed_weight", None) is None and isinstance(getattr(m, "weight", None), torch.Tensor)}
     freed = 0
     for mod in model.modules():
-        w = getattr(mod, "weight", None)
-        if getattr(mod, "packed_weight", None) is None or w is None or id(w) in shared or w.numel() == 0:
+        w, packed = getattr(mod, "weight", None), getattr(mod, "packed_weight", None)
+        if packed is None or packed.max_rows is not None or w is None or id(w) in shared or w.numel() == 0:
             continue
         nbytes = w.numel() * w.element_size()
         freed += nbytes

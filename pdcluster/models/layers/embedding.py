@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdcluster.models.layers.cpu_gemm import pack_weight, packed_linear, packed_now
+from pdcluster.models.layers import cpu_gemm
+from pdcluster.models.layers.cpu_gemm import PackedWeight, pack_weight
 from pdcluster.models.layers.weight_slice import Loaded, narrow, shape_of
 
 if TYPE_CHECKING:
@@ -69,7 +70,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(vocab_size, hidden_size, dtype, tp_rank, tp_size)
         self.weight.weight_loader = self._load
         # oneDNN-packed copy of `weight` (a plain attribute: not a parameter, not in state_dict).
-        self.packed_weight: torch.Tensor | None = None
+        self.packed_weight: PackedWeight | None = None
 
     def _load(self, param: nn.Parameter, loaded: Loaded, shard_id: str | int | None = None) -> None:
         self.packed_weight = None  # a packed copy of the old values would be stale
@@ -85,11 +86,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         return self.packed_weight is not None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        packed = packed_now(self)
-        if packed is not None:
-            logits = packed_linear(hidden, packed)  # (N, num_local)
-        else:
-            logits = F.linear(hidden, self.weight)  # (N, num_local)
+        logits = cpu_gemm.linear(self, hidden, None)  # (N, num_local)
         if self.tp_size > 1:
             if self.tp_group is None:
                 raise RuntimeError("ParallelLMHead with tp_size > 1 needs tp_group set before forward")

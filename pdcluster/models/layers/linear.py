@@ -30,10 +30,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from pdcluster.models.layers.cpu_gemm import pack_weight, packed_linear, packed_now
+from pdcluster.models.layers import cpu_gemm
+from pdcluster.models.layers.cpu_gemm import PackedWeight, pack_weight
 from pdcluster.models.layers.weight_slice import Loaded, narrow, shape_of, whole
 
 if TYPE_CHECKING:
@@ -73,7 +73,7 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         # oneDNN-packed copy of `weight` (a plain attribute: not a parameter, not in state_dict).
-        self.packed_weight: torch.Tensor | None = None
+        self.packed_weight: PackedWeight | None = None
         # Path inside its decoder layer once compiled_forward traces it packed (cpu_gemm).
         self.compiled_name: str | None = None
 
@@ -91,14 +91,11 @@ class LinearBase(nn.Module):
         return self.packed_weight is not None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x @ weight.T (+ bias): through the packed copy when there is one, else F.linear."""
+        """x @ weight.T (+ bias): through the packed copy where it serves x's rows, else F.linear."""
         if torch.compiler.is_dynamo_compiling() and self.compiled_name is not None:  # this thread traces
             # Traced: the opaque op multiplies with the packed weight at run time (cpu_gemm).
             return torch.ops.pdcluster.packed_linear(x, bias, self.compiled_name, self.out_features)
-        packed = packed_now(self)
-        if packed is not None:
-            return packed_linear(x, packed, bias)
-        return F.linear(x, self.weight, bias)
+        return cpu_gemm.linear(self, x, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
