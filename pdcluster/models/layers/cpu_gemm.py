@@ -9,10 +9,11 @@ AVX512-BF16 1.65-2.3x faster at M = 1 and 1.0-1.9x at M = 16-256; float32 on an 
 
 When: a weight is packed only if it is on the CPU, in a dtype of PACK_DTYPES, oneDNN is
 available with both ops, PDCLUSTER_CPU_PREPACK is not "0", and probe products of the packed
-weight agree with `F.linear`'s on this machine at every rung of PROBE_ROWS (M = 1 ... 256):
-- bfloat16: bit for bit (same oneDNN kernel, same accumulation order, bias included). Whether the
-  two paths round alike depends on the CPU and on M: on one CI machine they agreed at M = 1 and 3
-  and not at M = 64, where oneDNN picks another kernel for one of them. So a bf16 packed copy
+weight agree with `F.linear`'s on this machine at every probed row count M:
+- bfloat16: bit for bit (same oneDNN kernel, same accumulation order, bias included), probed at
+  M = 1, 3, 16, 64 and 256 (PROBE_ROWS_EXACT). Whether the two paths round alike depends on the
+  CPU and on M: on one CI machine they agreed at M = 1 and 3 and not at M = 64, where oneDNN
+  picks another kernel for one of them. So a bf16 packed copy
   serves products of up to `max_rows` rows, the highest rung below the first disagreement (and at
   most the top rung: beyond it nothing was checked, and on an AMX CPU plain F.linear is faster
   there anyway: 0.74x packed at M = 2,048, benchmarks/packed_linear.py); larger products run
@@ -21,8 +22,9 @@ weight agree with `F.linear`'s on this machine at every rung of PROBE_ROWS (M = 
 - float32: within the rounding-error bound of a dot product. F.linear's float32 GEMM is MKL's,
   oneDNN sums in another order, so the two differ in the last bits (as MKL itself does between
   batch sizes); each lies within gamma_K * sum|x_i w_i| of the exact product (gamma_K ~ K * u,
-  whatever the order), so a difference beyond twice that is a wrong kernel, not rounding. Rounding
-  is no contract there, so a float32 copy that passes every rung serves every M and its plain
+  whatever the order), so a difference beyond twice that is a wrong kernel, not rounding; probed
+  at M = 1 and 3 (PROBE_ROWS_BOUND: the bound holds at any M, the probe checks the packed layout).
+  Rounding is no contract there, so a float32 copy that passes serves every M and its plain
   weight is released once the forward is built.
 float16 is not packed (it needs AVX512-FP16 / AVX-NE-CONVERT).
 
@@ -45,9 +47,13 @@ from pdcluster.env_flags import env_enabled
 
 ENV = "PDCLUSTER_CPU_PREPACK"  # "0" / "false" / "off" / "no": never pack
 PACK_DTYPES = (torch.bfloat16, torch.float32)
-# The probe's M values: the decode GEMV, small and mid batches, a prefill chunk's GEMM. Each rung
-# costs two products of the real weight at load (about 0.1 s for the bench model's 256 rows).
-PROBE_ROWS = (1, 3, 16, 64, 256)
+# The probe's M values. Bit-exact (bf16): the decode GEMV, small and mid batches, a prefill chunk's
+# GEMM, since which kernel oneDNN picks (and so the rounding) changes with M; two products of the
+# real weight per rung at load. Rounding-bound (float32): the GEMV and a small GEMM check the
+# packed layout only (a rounding bound holds at any M), since three float32 products per rung up
+# to 256 rows cost ~4 s of the 125M bench model's load on a 2-core AVX2 CPU.
+PROBE_ROWS_EXACT = (1, 3, 16, 64, 256)
+PROBE_ROWS_BOUND = (1, 3)
 
 
 @dataclass(eq=False)
@@ -133,15 +139,17 @@ def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Packe
         blocked = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1)
         gen = torch.Generator().manual_seed(0)
         b = None if bias is None else bias.detach()
+        exact = w.dtype != torch.float32
+        ladder = PROBE_ROWS_EXACT if exact else PROBE_ROWS_BOUND
         agrees: list[bool] = []
-        for rows in PROBE_ROWS:
+        for rows in ladder:
             x = torch.randn(rows, w.shape[1], generator=gen).to(w.dtype)
             agrees.append(probe_agrees(packed_linear(x, blocked, b), x, w, b))
             if not agrees[-1]:
                 break
     except RuntimeError:  # e.g. a CPU without the ISA this dtype needs in oneDNN
         return None
-    max_rows = served_rows(agrees, PROBE_ROWS[: len(agrees)], exact=w.dtype != torch.float32)
+    max_rows = served_rows(agrees, ladder[: len(agrees)], exact=exact)
     if max_rows == 0:
         return None
     return PackedWeight(blocked, max_rows)
