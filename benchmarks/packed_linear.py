@@ -2,6 +2,7 @@
 
     python benchmarks/packed_linear.py                  # 768 x 3072 (the bench model's MLP), bf16 and fp32
     python benchmarks/packed_linear.py --k 2048 --n 8192 --rows 1 64 4096
+    python benchmarks/packed_linear.py --hints 1 16 32 128   # also oneDNN packed for other batch hints
 
 Why: whether packing pays depends on the CPU and on M (rows per call). On an AMX CPU (session 7)
 the packed bf16 product won up to M = 256 and lost 22% at M = 2,048, so this table is the input to
@@ -16,7 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from pdcluster.models.layers.cpu_gemm import pack_weight, packed_linear
+from pdcluster.models.layers.cpu_gemm import PACK_BATCH_HINT, pack_weight, packed_linear
 
 
 def seconds_per_call(fn, calls: int, *fn_args) -> float:
@@ -34,14 +35,18 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=3072, help="out features")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 32, 256, 2048])
     ap.add_argument("--calls", type=int, default=30)
+    ap.add_argument("--hints", type=int, nargs="*", default=[],
+                    help="also time weights packed for these batch-size hints (cpu_gemm.PACK_BATCH_HINT picks one)")
     args = ap.parse_args()
     torch.manual_seed(0)
-    print(f"threads={torch.get_num_threads()} capability={torch.backends.cpu.get_cpu_capability()} K={args.k} N={args.n}")
+    print(f"threads={torch.get_num_threads()} capability={torch.backends.cpu.get_cpu_capability()} K={args.k} N={args.n} "
+          f"engine batch hint: {', '.join(f'{str(d)[6:]} {h}' for d, h in PACK_BATCH_HINT.items())}")
     print(f"{'dtype':>9} {'M':>6} {'plain GFLOP/s':>14} {'packed GFLOP/s':>15} {'packed/plain':>13} "
-          f"{'packed weight GB/s':>19} {'engine runs':>12}")
+          f"{'packed weight GB/s':>19} {'engine runs':>12}" + "".join(f" {f'hint {h}':>8}" for h in args.hints))
     for dtype in (torch.bfloat16, torch.float32):
         w = torch.randn(args.n, args.k, dtype=dtype)
         packed = pack_weight(w)
+        hinted = {h: torch.ops.mkldnn._reorder_linear_weight(w, h) for h in args.hints} if packed else {}
         for m in args.rows:
             x = torch.randn(m, args.k, dtype=dtype)
             flops = 2 * m * args.k * args.n
@@ -52,7 +57,9 @@ def main() -> None:
             packed_s = seconds_per_call(packed_linear, args.calls, x, packed.blocked)
             print(f"{str(dtype)[6:]:>9} {m:>6} {flops / plain_s / 1e9:>14.0f} {flops / packed_s / 1e9:>15.0f} "
                   f"{plain_s / packed_s:>12.2f}x {w.numel() * w.element_size() / packed_s / 1e9:>19.1f} "
-                  f"{'packed' if packed.serves(x) else 'plain':>12}")
+                  f"{'packed' if packed.serves(x) else 'plain':>12}"
+                  + "".join(f" {flops / seconds_per_call(packed_linear, args.calls, x, p) / 1e9:>8.0f}"
+                            for p in hinted.values()))
 
 
 if __name__ == "__main__":

@@ -54,6 +54,12 @@ PACK_DTYPES = (torch.bfloat16, torch.float32)
 # to 256 rows cost ~4 s of the 125M bench model's load on a 2-core AVX2 CPU.
 PROBE_ROWS_EXACT = (1, 3, 16, 64, 256)
 PROBE_ROWS_BOUND = (1, 3)
+# The batch-size hint oneDNN lays the packed weight out for (its choice of blocking). bfloat16: 1,
+# the decode GEMV's, measured as fast as an M-specific packing at M = 16-256 too (AVX512-BF16).
+# float32: 32. On a 2-core AVX2 EPYC (benchmarks/packed_linear.py --hint, session 9) hint 1 left
+# small batches on a GEMV-like kernel: M = 4-64 ran 1.3-2x faster packed with hint 16-128 (e.g. M =
+# 4 on 768 -> 3072: 37 vs 70 GFLOP/s, M = 32 on the 768 -> 32000 LM head: 53 vs 111), M = 1 alike.
+PACK_BATCH_HINT = {torch.bfloat16: 1, torch.float32: 32}
 
 
 @dataclass(eq=False)
@@ -134,9 +140,7 @@ def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Packe
         return None
     w = weight.detach()
     try:
-        # Batch-size hint 1: the decode GEMV's layout; measured as fast as an M-specific packing at
-        # M = 16-256 too.
-        blocked = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1)
+        blocked = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_BATCH_HINT[w.dtype])
         gen = torch.Generator().manual_seed(0)
         b = None if bias is None else bias.detach()
         exact = w.dtype != torch.float32
