@@ -13,12 +13,12 @@ weight agree with `F.linear`'s on this machine at every probed row count M:
 - bfloat16: bit for bit (same oneDNN kernel, same accumulation order, bias included), probed at
   M = 1, 3, 16, 64 and 256 (PROBE_ROWS_EXACT). Whether the two paths round alike depends on the
   CPU and on M: on one CI machine they agreed at M = 1 and 3 and not at M = 64, where oneDNN
-  picks another kernel for one of them. So a bf16 packed copy
-  serves products of up to `max_rows` rows, the highest rung below the first disagreement (and at
-  most the top rung: beyond it nothing was checked, and on an AMX CPU plain F.linear is faster
-  there anyway: 0.74x packed at M = 2,048, benchmarks/packed_linear.py); larger products run
-  F.linear on the plain weight, which therefore stays allocated (bf16 packing costs a second copy
-  of the linear weights; PDCLUSTER_CPU_PREPACK=0 trades that memory back for the speed);
+  picks another kernel for one of them. So a bf16 packed copy serves products of up to `max_rows`
+  rows, the highest rung below the first disagreement (and at most the top rung: beyond it nothing
+  was checked, and on an AMX CPU plain F.linear is faster there anyway: 0.74x packed at M = 2,048,
+  benchmarks/packed_linear.py); larger products run F.linear on the plain weight, which therefore
+  stays allocated (bf16 packing costs a second copy of the linear weights;
+  PDCLUSTER_CPU_PREPACK=0 trades that memory back for the speed);
 - float32: within the rounding-error bound of a dot product. F.linear's float32 GEMM is MKL's,
   oneDNN sums in another order, so the two differ in the last bits (as MKL itself does between
   batch sizes); each lies within gamma_K * sum|x_i w_i| of the exact product (gamma_K ~ K * u,
@@ -56,7 +56,7 @@ PROBE_ROWS_EXACT = (1, 3, 16, 64, 256)
 PROBE_ROWS_BOUND = (1, 3)
 # The batch-size hint oneDNN lays the packed weight out for (its choice of blocking). bfloat16: 1,
 # the decode GEMV's, measured as fast as an M-specific packing at M = 16-256 too (AVX512-BF16).
-# float32: 32. On a 2-core AVX2 EPYC (benchmarks/packed_linear.py --hint, session 9) hint 1 left
+# float32: 32. On a 2-core AVX2 EPYC (benchmarks/packed_linear.py --hints, session 9) hint 1 left
 # small batches on a GEMV-like kernel: M = 4-64 ran 1.3-2x faster packed with hint 16-128 (e.g. M =
 # 4 on 768 -> 3072: 37 vs 70 GFLOP/s, M = 32 on the 768 -> 32000 LM head: 53 vs 111), M = 1 alike.
 PACK_BATCH_HINT = {torch.bfloat16: 1, torch.float32: 32}
@@ -162,7 +162,11 @@ def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Packe
 def linear(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ layer.weight.T (+ bias) outside a trace: packed where the layer's packed copy serves
     x's row count, F.linear on the plain weight otherwise."""
-    packed = packed_now(layer)
+    return _routed(layer, packed_now(layer), x, bias)
+
+
+def _routed(layer: torch.nn.Module, packed: PackedWeight | None, x: torch.Tensor,
+            bias: torch.Tensor | None) -> torch.Tensor:
     if packed is not None and packed.serves(x):
         return packed_linear(x, packed.blocked, bias)
     return F.linear(x, layer.weight, bias)
@@ -214,10 +218,7 @@ def packed_linear_op(x: torch.Tensor, bias: torch.Tensor | None, name: str, out_
     weight is looked up at run time, so the opaque mkldnn tensor never enters the graph (nor does
     the plain weight a product of more rows than the packed copy serves multiplies)."""
     layer = CURRENT_LAYER.get().get_submodule(name)
-    packed: PackedWeight = layer.packed_weight
-    if packed.serves(x):
-        return packed_linear(x, packed.blocked, bias)
-    return F.linear(x, layer.weight, bias)
+    return _routed(layer, layer.packed_weight, x, bias)
 
 
 @packed_linear_op.register_fake
