@@ -7,6 +7,8 @@ GIL inside its ops, so the event loop stays responsive while a step runs.
     caller (event loop)                      engine thread
     generate() --("add", request)--> cmds -> add_prepared(); step(); ... --call_soon_threadsafe--> stream queue
     abort() / cancelled --("abort")--> cmds -> abort() (frees blocks)
+    settle_handoff()    --("settle")--> cmds -> a decode leg that never entered the engine
+                                               lets its producer's KV go (drop_unadmitted)
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -32,6 +35,7 @@ from pdcluster.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 _IDLE_WAIT_S = 0.05
+_SETTLED_MEMORY = 4096  # hand-offs remembered as settled, so a second settle is a no-op
 
 
 class EngineDeadError(RuntimeError):
@@ -83,6 +87,11 @@ class AsyncEngine:
         # applied. Outputs go to a stream only when both maps agree, so a step that ran before an
         # aborted request's abort was applied never reaches a newer request reusing its id.
         self._live: dict[str, _Stream] = {}
+        # Engine thread only: decode legs with a producer's KV (request id, transfer id) that the
+        # engine took, and those already settled. A leg the engine never took is settled by
+        # telling the connector (drop_unadmitted); one it took, by its own finish.
+        self._handoffs_taken: set[tuple[str, str]] = set()
+        self._handoffs_settled: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._dead: BaseException | None = None
         self.stats: dict[str, Any] = engine.get_stats()  # snapshot swapped after every step
         self.last_step_time = time.monotonic()
@@ -159,9 +168,13 @@ class AsyncEngine:
         runner_error = self.engine.core.health_error()  # e.g. a tensor-parallel rank died while idle
         if runner_error is not None:
             raise EngineDeadError(f"engine is not running: {runner_error}")
-        request, text = self.engine.prepare_request(prompt, sampling_params, request_id, kv_transfer_params,
-                                                prefill_output_token_ids, multi_modal_data=multi_modal_data,
-                                                ec_transfer_params=ec_transfer_params)
+        try:
+            request, text = self.engine.prepare_request(prompt, sampling_params, request_id, kv_transfer_params,
+                                                    prefill_output_token_ids, multi_modal_data=multi_modal_data,
+                                                    ec_transfer_params=ec_transfer_params)
+        except BaseException:  # refused: no decode leg will read the producer's blocks
+            self.settle_handoff(request_id or "", kv_transfer_params)
+            raise
         request_id = request.request_id
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
@@ -196,6 +209,8 @@ class AsyncEngine:
                 self._streams.pop(request_id, None)
             if not finished:
                 self._cmds.put(("abort", [request_id]))
+            # After the add (if any): the engine thread knows whether it took the request.
+            self.settle_handoff(request_id, request.kv_transfer_params)
 
     async def _fetch_encoder_outputs(self, request: Any) -> None:
         """EC consumer: fetch the request's items from their producers (connector threads; this
@@ -233,6 +248,16 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> None:
         self._cmds.put(("abort", [request_id]))
+
+    def settle_handoff(self, request_id: str, kv_transfer_params: KVTransferParams | None) -> None:
+        """A decode leg that was handed a producer's KV (do_remote_prefill) has ended, however it
+        ended, maybe before generate() ever ran (cancelled first) or took it (refused, or its caller
+        went away before the engine applied the add). If the engine never took it, the connector
+        is told so the producer lets its blocks go now, not at lease expiry. Idempotent and
+        thread-safe; a no-op for any other params. Call it after the leg's last generate() call."""
+        kv = kv_transfer_params
+        if kv is not None and kv.do_remote_prefill:
+            self._cmds.put(("settle", request_id or kv.request_id, kv))
 
     async def call(self, function: Callable[[LLMEngine], Any]) -> Any:
         """Run function(engine) on the engine thread (for connectors and introspection)."""
@@ -296,6 +321,11 @@ class AsyncEngine:
             if alive:  # the caller may have gone away before we got here
                 self.engine.add_prepared(request, text)
                 self._live[request.request_id] = stream
+                kv = request.kv_transfer_params
+                if kv is not None and kv.do_remote_prefill:
+                    self._handoffs_taken.add((request.request_id, kv.transfer_id))
+        elif kind == "settle":
+            self._settle(cmd[1], cmd[2])
         elif kind == "abort":
             self.engine.abort(cmd[1])
             for request_id in cmd[1]:
@@ -310,6 +340,18 @@ class AsyncEngine:
                 self.stats = self.engine.get_stats()
             loop = fut.get_loop()
             loop.call_soon_threadsafe(_settle, fut, res, err)
+
+    def _settle(self, request_id: str, kv: KVTransferParams) -> None:
+        key = (request_id, kv.transfer_id)
+        if key in self._handoffs_settled:
+            return
+        self._handoffs_settled[key] = None
+        while len(self._handoffs_settled) > _SETTLED_MEMORY:
+            self._handoffs_settled.popitem(last=False)
+        if key in self._handoffs_taken:  # its finish (or abort) told the connector
+            self._handoffs_taken.discard(key)
+            return
+        self.engine.drop_unadmitted(request_id, kv)
 
     def _step(self) -> None:
         started = time.monotonic()

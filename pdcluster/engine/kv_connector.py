@@ -197,7 +197,10 @@ class KVConnectorBase(ABC):
         or lease expiry: the connector must report it eventually); kv_transfer_params (built from
         request.kv_transfer_params and the connector's own state) is returned to the client with
         the final output. A request finished while WAITING_FOR_REMOTE_KV keeps
-        its blocks until finished_recving reports it: cancel the load and report it."""
+        its blocks until finished_recving reports it: cancel the load and report it.
+        A request that carried kv_transfer_params but was never queued (refused at admission, or
+        its caller went away before the engine took it) is reported too, with no blocks and
+        without any earlier call: a consumer lets its producer's hand-off go here."""
         return False, None
 
     def abort_held(self, request_id: str) -> None:

@@ -141,6 +141,13 @@ class LLMEngine:
         self.add_prepared(req, text)
         return req.request_id
 
+    def drop_unadmitted(self, request_id: str, kv_transfer_params: KVTransferParams) -> None:
+        """A request with these params will never be added (its caller went away first, or it was
+        refused before a Request existed): the connector hears it finished, so a producer's
+        hand-off is let go now (Scheduler.drop_unadmitted)."""
+        req = Request(request_id, [], SamplingParams(), kv_transfer_params=kv_transfer_params)
+        self.core.scheduler.drop_unadmitted(req)
+
     def abort(self, request_ids: list[str]) -> None:
         self.core.abort_requests(request_ids)
         for request_id in request_ids:

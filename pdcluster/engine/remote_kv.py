@@ -103,6 +103,17 @@ class RemoteKV:
             self.kv.free(request)
         return params
 
+    def drop_unadmitted(self, request: Request) -> bool:
+        """Tell the connector that a request it never saw admitted has finished, with no blocks
+        (Scheduler.drop_unadmitted). Returns whether there was a connector to tell."""
+        if self.connector is None or request.kv_transfer_params is None:
+            return False
+        try:
+            self.connector.request_finished(request, [])
+        except Exception:  # a plugin bug must not kill the engine: the hold just runs out
+            logger.exception("KV connector request_finished failed for unadmitted %s", request.request_id)
+        return True
+
     def abort_held(self, request_id: str) -> None:
         """An abort for a request that finished already, its blocks held for a hand-off nobody
         will take now."""

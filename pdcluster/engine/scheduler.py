@@ -57,6 +57,9 @@ class Scheduler:
         self._finished_ids: set[str] = set()  # runner state to drop; sent with the next schedule()
         self._pending_outputs: list[EngineCoreOutput] = []  # errors raised outside update()
         self._num_preemptions = 0
+        # A connector was told of a request outside a step (drop_unadmitted): one step must run
+        # so its notices (e.g. a P2P release to the producer) go out with build_connector_meta.
+        self._connector_notice = False
 
     # == requests in and out =======================================================================
     def add_request(self, request: Request) -> None:
@@ -69,10 +72,21 @@ class Scheduler:
         if error is not None:  # never queued: report it with the next update()
             request.status, request.error = RequestStatus.FINISHED_ERROR, error
             self._pending_outputs.append(EngineCoreOutput(request_id, [], finish_reason="error", error=error))
+            self.drop_unadmitted(request)
             return
         request.status = RequestStatus.WAITING
         self.requests[request_id] = request
         self.waiting.append(request)
+
+    def drop_unadmitted(self, request: Request) -> None:
+        """A request carrying connector params that never entered the queues (refused at
+        admission, or its caller went away before the engine took it): the connector hears it
+        finished with no blocks, so a producer holding its KV for this decode leg lets go now
+        rather than at its lease's expiry."""
+        if not request.status.finished:
+            request.status = RequestStatus.FINISHED_ABORTED
+        if self.remote.drop_unadmitted(request):
+            self._connector_notice = True
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
         """Finish requests from outside (abort, stop string). Unknown or finished ids are ignored.
@@ -129,6 +143,7 @@ class Scheduler:
                               sum(step.num_scheduled.values()), finished)
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
+        self._connector_notice = False
         # The runner computes these tokens now; update() sees num_computed_tokens after the step.
         for req in step.scheduled:
             req.num_computed_tokens += step.num_scheduled[req.request_id]
@@ -285,8 +300,10 @@ class Scheduler:
     # == introspection =============================================================================
     def has_unfinished_requests(self) -> bool:
         """Whether the engine must keep stepping: unfinished requests, outputs or runner drops not
-        yet delivered, or blocks held until a connector reports a transfer done."""
-        return bool(self.requests or self._pending_outputs or self._finished_ids or self.remote.held)
+        yet delivered, blocks held until a connector reports a transfer done, or connector
+        notices not yet sent."""
+        return bool(self.requests or self._pending_outputs or self._finished_ids or self.remote.held
+                    or self._connector_notice)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()

@@ -59,6 +59,13 @@ def abort_response(request_id: str, inflight: Inflight) -> worker_pb2.WorkerGene
         usage=common_pb2.Usage(prompt_tokens=inflight.num_prompt_tokens, completion_tokens=inflight.num_tokens))
 
 
+def _provided_kv(waiter: Any) -> KVTransferParams | None:
+    """The params a concurrent decode leg was given by ProvideKVParams, if it got any."""
+    if waiter is None or not waiter.future.done() or waiter.future.cancelled():
+        return None
+    return waiter.future.result()[0]
+
+
 def ec_params(request: worker_pb2.WorkerGenerateRequest) -> tuple[ECTransferParams, ...]:
     """The request's EC params, validated and bounded (ValueError naming the field)."""
     if not request.ec_transfer_params:
@@ -173,6 +180,9 @@ class RequestTable:
                                                                  waiter))
         self._pumps[request_id] = task
         task.add_done_callback(lambda t: self._pumps.pop(request_id) if self._pumps.get(request_id) is t else None)
+        # However the task ends (even cancelled before it ran, so before generate() saw the
+        # params), a producer's KV this leg was handed is let go if the engine never took it.
+        task.add_done_callback(lambda _: self.engine.settle_handoff(request_id, kv or _provided_kv(waiter)))
         return task
 
     async def _pump(self, request_id: str, request: worker_pb2.WorkerGenerateRequest, params: SamplingParams,
