@@ -61,17 +61,21 @@ class MasterRPC:
                 self._stubs[i] = pb_grpc.KVStoreMasterStub(self._channels[i])
             return self._stubs[i]
 
-    def call(self, method: str, request: Message, *, wait_s: float | None = None) -> Any:
+    def call(self, method: str, request: Message, *, wait_s: float | None = None,
+             budget_s: float | None = None) -> Any:
         """The master's answer to `method`; KVStoreError when the call failed. wait_s: wait that
-        long for a master to come up (gRPC wait_for_ready)."""
+        long for a master to come up (gRPC wait_for_ready). budget_s: give up after that long in
+        all, failover included (a best-effort call, e.g. a node's unmount at shutdown)."""
         if self._failover_s == 0.0:
-            return self._call_one(0, method, request, wait_s)
-        deadline = time.monotonic() + max(self._failover_s, wait_s or 0.0)
+            return self._call_one(0, method, request, wait_s, budget_s)
+        span = max(self._failover_s, wait_s or 0.0)
+        deadline = time.monotonic() + (span if budget_s is None else min(span, budget_s))
         while True:
             i = self._current
             try:
                 left = max(0.05, deadline - time.monotonic())
-                return self._call_one(i, method, request, min(left, wait_s) if wait_s else None)
+                return self._call_one(i, method, request, min(left, wait_s) if wait_s else None,
+                                      left if budget_s is not None else None)
             except KVStoreError as e:
                 if not e.failover:
                     raise
@@ -83,10 +87,14 @@ class MasterRPC:
                 if self._current == 0:
                     time.sleep(0.05)  # a full round refused: the standby may still be taking over
 
-    def _call_one(self, i: int, method: str, request: Message, wait_s: float | None) -> Any:
+    def _call_one(self, i: int, method: str, request: Message, wait_s: float | None,
+                  cap_s: float | None = None) -> Any:
         stub = self._stub_at(i)
+        timeout = wait_s or self._timeout
+        if cap_s is not None:
+            timeout = min(timeout, cap_s)
         try:
-            resp, call = getattr(stub, method).with_call(request, timeout=wait_s or self._timeout,
+            resp, call = getattr(stub, method).with_call(request, timeout=timeout,
                                                          wait_for_ready=wait_s is not None or None)
         except grpc.RpcError as e:
             code, details = e.code(), e.details() or ""

@@ -38,6 +38,7 @@ from .rpc import add_tls_client_args
 from .secret import load_secret, node_key
 
 log = logging.getLogger(__name__)
+UNMOUNT_BUDGET_S = 1.0  # stop(): how long the unmount may look for a master (failover included)
 
 
 class StorageNode:
@@ -126,8 +127,11 @@ class StorageNode:
         failing = False
         while not self._stop.wait(self._heartbeat_s):
             try:
+                # Bounded: a beat that finds no master gives up and the next one tries again (at
+                # the next address), so stop() never waits out a whole failover for the thread.
                 resp = self._master.call("Heartbeat", pb.KVHeartbeatRequest(node_id=self.node_id,
-                                                                             segments=self._segments()))
+                                                                             segments=self._segments()),
+                                         budget_s=max(1.0, 2 * self._heartbeat_s))
                 self._count("heartbeats")
                 if resp.HasField("used_bytes"):  # unset from a master that predates it
                     self._usage = (resp.used_bytes, resp.objects, resp.object_bytes)
@@ -151,7 +155,9 @@ class StorageNode:
             self._thread.join()
         if unmount:
             try:
-                self._master.call("UnmountSegment", pb.KVUnmountSegmentRequest(node_id=self.node_id))
+                # Best effort: a master that does not hear it drops the node at its node timeout.
+                self._master.call("UnmountSegment", pb.KVUnmountSegmentRequest(node_id=self.node_id),
+                                  budget_s=UNMOUNT_BUDGET_S)
             except KVStoreError as e:
                 log.warning("node %s: unmount failed: %s", self.node_id, e)
         self.server.stop()

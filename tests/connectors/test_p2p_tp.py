@@ -79,7 +79,10 @@ def test_killed_decode_rank_fails_request_and_producer_reclaims(engine_procs: An
                                                                 prompts: list[list[int]]) -> None:
     k = cluster_keys
     slow = engine_procs({"d2slow": _tp(engine_args(demo_model, "consumer", k.options(
-        "consumer", engine_id="d-tp2-slow", debug_pause_before_read_s=30.0)), 2)})["d2slow"]
+        # Parked long enough to be killed while waiting (1 s below), short enough that the
+        # surviving rank's heartbeats stop soon after: the reclaim below waits for the pause,
+        # then the 3 s lease.
+        "consumer", engine_id="d-tp2-slow", debug_pause_before_read_s=10.0)), 2)})["d2slow"]
     assert len(slow.tp_pids) == 1
     params = [dict(GREEDY)]
     pre = prefill(procs["p2"], "kill", prompts[:1], params)
