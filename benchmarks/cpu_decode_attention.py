@@ -55,34 +55,38 @@ def main() -> None:
     print("| dtype | rows | seq | gather ms | block-diagonal ms | head-major ms | engine runs |")
     print("|---|---|---|---|---|---|---|")
     gen = torch.Generator().manual_seed(0)
-    cutoff = cpu_decode.BLOCK_DIAG_MAX_KV_HEADS
-    bs, hk, d = args.block_size, args.kv_heads, args.head_dim
     for name in args.dtypes:
-        dtype = getattr(torch, name)
         for rows in args.rows:
             for seq in args.seq:
-                num_blocks = rows * -(-seq // bs) + 8
-                k_cache = torch.randn(num_blocks, bs, hk, d, generator=gen).to(dtype)
-                v_cache = torch.randn(num_blocks, bs, hk, d, generator=gen).to(dtype)
-                q = torch.randn(rows, args.q_heads, d, generator=gen).to(dtype)
-                (g,) = plan(rows, seq, bs, num_blocks, gen).view(None)
+                print(case(getattr(torch, name), rows, seq, args, gen))
 
-                def gather() -> None:
-                    k_cache.view(num_blocks, -1).index_select(0, g.blocks)
-                    v_cache.view(num_blocks, -1).index_select(0, g.blocks)
 
-                def run(limit: int) -> None:
-                    cpu_decode.BLOCK_DIAG_MAX_KV_HEADS = limit
-                    cpu_decode.decode(q, k_cache, v_cache, g, d ** -0.5)
+def case(dtype: torch.dtype, rows: int, seq: int, args: argparse.Namespace, gen: torch.Generator) -> str:
+    """One table row: the gather alone, then decode() both ways, ms per layer."""
+    bs, hk, d = args.block_size, args.kv_heads, args.head_dim
+    num_blocks = rows * -(-seq // bs) + 8
+    k_cache = torch.randn(num_blocks, bs, hk, d, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, bs, hk, d, generator=gen).to(dtype)
+    q = torch.randn(rows, args.q_heads, d, generator=gen).to(dtype)
+    (g,) = plan(rows, seq, bs, num_blocks, gen).view(None)
+    cutoff = cpu_decode.BLOCK_DIAG_MAX_KV_HEADS
 
-                try:
-                    diag = ms(lambda: run(hk), args.reps)
-                    major = ms(lambda: run(0), args.reps)
-                finally:
-                    cpu_decode.BLOCK_DIAG_MAX_KV_HEADS = cutoff
-                runs = "block-diagonal" if hk <= cutoff else "head-major"
-                print(f"| {name} | {rows} | {seq} | {ms(gather, args.reps):.3f} | {diag:.3f} | {major:.3f} | {runs} |")
+    def gather() -> None:
+        k_cache.view(num_blocks, -1).index_select(0, g.blocks)
+        v_cache.view(num_blocks, -1).index_select(0, g.blocks)
 
+    def run(limit: int) -> None:
+        cpu_decode.BLOCK_DIAG_MAX_KV_HEADS = limit
+        cpu_decode.decode(q, k_cache, v_cache, g, d ** -0.5)
+
+    try:
+        diag = ms(lambda: run(hk), args.reps)
+        major = ms(lambda: run(0), args.reps)
+    finally:
+        cpu_decode.BLOCK_DIAG_MAX_KV_HEADS = cutoff
+    runs = "block-diagonal" if hk <= cutoff else "head-major"
+    name = str(dtype).removeprefix("torch.")
+    return f"| {name} | {rows} | {seq} | {ms(gather, args.reps):.3f} | {diag:.3f} | {major:.3f} | {runs} |"
 
 if __name__ == "__main__":
     main()
