@@ -9,9 +9,11 @@ setup:
 run: setup
 	$(VENV)/bin/pdcluster up --prefill 1 --decode 1 --connector p2p --demo-request
 
+# The pytest script, not `python -m pytest`: -m would put the checkout root on sys.path, and its
+# kernels/ folder would shadow the `kernels` distribution that transformers imports.
 test: setup
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q
+	$(VENV)/bin/pytest -q
 
 lint: setup
 	$(PY) -m ruff check .

@@ -34,7 +34,7 @@ import time
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))  # last: the root's kernels/ must not shadow site-packages' `kernels`
 
 from pdcluster.models import demo  # noqa: E402 - after the sys.path line, so the script runs from a checkout
 

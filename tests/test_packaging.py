@@ -37,3 +37,20 @@ def test_wheel_contains_every_module(tmp_path: pathlib.Path) -> None:
     missing = sorted(_expected_modules() - names)
     assert not missing, f"modules missing from the wheel (add their package to pyproject.toml): {missing}"
     assert "pdcluster/_proto/__init__.py" in names
+
+
+def test_component_folders_do_not_shadow_installed_packages() -> None:
+    """The component folders sit at the checkout's root under their own names (`kernels/` installs as
+    `pdcluster.kernels`). A test process with the root on sys.path would import this checkout's
+    `kernels/` where a library asks for the `kernels` distribution (transformers >= 5.25 depends on
+    Hugging Face's `kernels` and imports it); the test command must keep the root off sys.path."""
+    import importlib.util
+
+    for name in COMPONENTS:
+        if name == "pdcluster":
+            continue
+        spec = importlib.util.find_spec(name)
+        origin = pathlib.Path(spec.origin).resolve() if spec is not None and spec.origin else None
+        assert origin is None or ROOT not in origin.parents or "site-packages" in origin.parts, (
+            f"`import {name}` resolves to this checkout's {origin}: run the tests as `make test` "
+            f"(the pytest script), not `python -m pytest` from the checkout's root")

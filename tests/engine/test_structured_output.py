@@ -10,11 +10,11 @@ import re
 
 import jsonschema
 import pytest
+from bytelevel_tiny import make_bytelevel_checkpoint
 
 from pdcluster import LLM, SamplingParams
 from pdcluster.proto_convert import sampling_params_from_proto, sampling_params_to_proto
 from pdcluster.structured_spec import StructuredOutputs
-from tests.bytelevel_tiny import make_bytelevel_checkpoint
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "enum": ["ada", "bob"]},
                                            "ok": {"type": "boolean"}},
