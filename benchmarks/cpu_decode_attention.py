@@ -8,6 +8,10 @@ rows in place when Hk <= BLOCK_DIAG_MAX_KV_HEADS (Hk x the FLOPs, two fewer pass
 context), else copies K/V head-major. Which one wins depends on the CPU and the dtype: the cutoff
 was measured on an AVX512-BF16 EPYC in bf16. This prints ms per layer for both, the block gather
 alone (the floor both share), and what the engine runs (the current cutoff).
+
+The `native` column is the C kernel (kernels/csrc/paged_decode_cpu.c) that reads the blocks in
+place, the engine's decode attention wherever it builds; `floor` is the time to read K and V once
+at this machine's measured copy bandwidth (a torch clone of a 256 MiB buffer: read + write).
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import time
 
 import torch
 
+from pdcluster.kernels import paged_decode_cpu
 from pdcluster.models.layers import cpu_decode
 from pdcluster.models.layers.cpu_decode import DecodePlan
 
@@ -52,16 +57,27 @@ def main() -> None:
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, cpu capability "
           f"{torch.backends.cpu.get_cpu_capability()}; Hq {args.q_heads}, Hk {args.kv_heads}, D {args.head_dim}; "
           f"engine cutoff BLOCK_DIAG_MAX_KV_HEADS = {cpu_decode.BLOCK_DIAG_MAX_KV_HEADS}")
-    print("| dtype | rows | seq | gather ms | block-diagonal ms | head-major ms | engine runs |")
-    print("|---|---|---|---|---|---|---|")
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e9:.1f} GB/s (read + write); native kernel built: {paged_decode_cpu.available()}")
+    print("| dtype | rows | seq | gather ms | block-diagonal ms | head-major ms | native ms | floor ms | "
+          "torch / native |")
+    print("|---|---|---|---|---|---|---|---|---|")
     gen = torch.Generator().manual_seed(0)
     for name in args.dtypes:
         for rows in args.rows:
             for seq in args.seq:
-                print(case(getattr(torch, name), rows, seq, args, gen))
+                print(case(getattr(torch, name), rows, seq, args, gen, bw))
 
 
-def case(dtype: torch.dtype, rows: int, seq: int, args: argparse.Namespace, gen: torch.Generator) -> str:
+def copy_bandwidth() -> float:
+    """Bytes per second of a 256 MiB clone, counting both the read and the write (median of 5)."""
+    x = torch.ones(64 << 20, dtype=torch.float32)
+    t = ms(lambda: x.clone(), 5)
+    return 2 * x.numel() * 4 / (t / 1e3)
+
+
+def case(dtype: torch.dtype, rows: int, seq: int, args: argparse.Namespace, gen: torch.Generator,
+         bw: float) -> str:
     """One table row: the gather alone, then decode() both ways, ms per layer."""
     bs, hk, d = args.block_size, args.kv_heads, args.head_dim
     num_blocks = rows * -(-seq // bs) + 8
@@ -84,9 +100,16 @@ def case(dtype: torch.dtype, rows: int, seq: int, args: argparse.Namespace, gen:
         major = ms(lambda: run(0), args.reps)
     finally:
         cpu_decode.BLOCK_DIAG_MAX_KV_HEADS = cutoff
-    runs = "block-diagonal" if hk <= cutoff else "head-major"
+    torch_ms = diag if hk <= cutoff else major
+    tables, lens = plan(rows, seq, bs, num_blocks, gen).tables, torch.full((rows,), seq, dtype=torch.int64)
+    native = float("nan")
+    if paged_decode_cpu.available():
+        native = ms(lambda: paged_decode_cpu.paged_decode_attention_cpu(q, k_cache, v_cache, tables, lens,
+                                                                        d ** -0.5), args.reps)
+    floor = 1e3 * 2 * rows * seq * hk * d * k_cache.element_size() / bw
     name = str(dtype).removeprefix("torch.")
-    return f"| {name} | {rows} | {seq} | {ms(gather, args.reps):.3f} | {diag:.3f} | {major:.3f} | {runs} |"
+    return (f"| {name} | {rows} | {seq} | {ms(gather, args.reps):.3f} | {diag:.3f} | {major:.3f} | {native:.3f} | "
+            f"{floor:.3f} | {torch_ms / native:.2f} |")
 
 if __name__ == "__main__":
     main()

@@ -37,6 +37,8 @@ def test_wheel_contains_every_module(tmp_path: pathlib.Path) -> None:
     missing = sorted(_expected_modules() - names)
     assert not missing, f"modules missing from the wheel (add their package to pyproject.toml): {missing}"
     assert "pdcluster/_proto/__init__.py" in names
+    csrc = {f"pdcluster/kernels/csrc/{f.name}" for f in (ROOT / "kernels" / "csrc").glob("*.c")}
+    assert csrc and csrc <= names, f"C kernel sources missing from the wheel: {sorted(csrc - names)}"
 
 
 def test_component_folders_do_not_shadow_installed_packages() -> None:

@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 
+from pdcluster.kernels import paged_decode_cpu
 from pdcluster.models.layers import cpu_attention, cpu_decode
 from pdcluster.models.layers.attention_backend import AttentionMetadata
 
@@ -91,9 +92,16 @@ def _mixed(rng: random.Random) -> tuple[list[int], list[int]]:
 @pytest.mark.parametrize("window", [None, 7, 24])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("decode_only", [False, True])
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])  # the C kernel / the torch path
 def test_mixed_step_matches_dense_reference(monkeypatch, overhead: int, hk: int, hq: int, window: int | None,
-                                            dtype: torch.dtype, decode_only: bool) -> None:
+                                            dtype: torch.dtype, decode_only: bool, native: bool) -> None:
     monkeypatch.setattr(cpu_decode, "GROUP_OVERHEAD_KEYS", overhead)
+    if native and not paged_decode_cpu.available():
+        pytest.skip("no C compiler: the native decode kernel is not built on this machine")
+    if native:  # the kernel takes every decode row: the torch products must not run
+        monkeypatch.setattr(cpu_decode, "decode", lambda *a: pytest.fail("torch decode path ran"))
+    if not native:
+        monkeypatch.setattr(paged_decode_cpu, "supports", lambda *a: False)
     ctx, ql = _mixed(random.Random(3))
     if decode_only:
         ctx, ql = [c for c, n in zip(ctx, ql) if n == 1], [1 for n in ql if n == 1]

@@ -1,0 +1,118 @@
+"""The C decode-attention kernel (kernels/csrc/paged_decode_cpu.c) against the torch reference,
+and the builder's refusals: no compiler, a failing build, a cache folder others can write."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+from pdcluster.kernels import native, paged_decode_attention_torch, paged_decode_cpu
+
+pytestmark = pytest.mark.skipif(not paged_decode_cpu.available(), reason="no C compiler on this machine")
+
+
+def _case(b: int, hq: int, hk: int, d: int, bs: int, lens: list[int], dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    nb = max(-(-n // bs) for n in lens) + 1
+    nblk = b * nb + 3
+    k = torch.randn(nblk, bs, hk, d, generator=g).to(dtype)
+    v = torch.randn(nblk, bs, hk, d, generator=g).to(dtype)
+    tables = torch.randperm(nblk, generator=g)[: b * nb].view(b, nb).to(torch.int32)
+    q = torch.randn(b, hq, d, generator=g).to(dtype)
+    return q, k, v, tables, torch.tensor(lens, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("hq", "hk", "d", "bs"), [(12, 4, 64, 16), (8, 8, 32, 4), (6, 1, 16, 8), (4, 2, 128, 1)])
+@pytest.mark.parametrize("window", [None, 1, 5, 40])
+def test_matches_reference(dtype: torch.dtype, hq: int, hk: int, d: int, bs: int, window: int | None) -> None:
+    lens = [1, 17, 64, 3, 130]  # one token, partial blocks, exact blocks, longer than every window
+    q, k, v, tables, seq_lens = _case(len(lens), hq, hk, d, bs, lens, dtype)
+    got = paged_decode_cpu.paged_decode_attention_cpu(q, k, v, tables, seq_lens, d ** -0.5, window)
+    want = paged_decode_attention_torch(q, k, v, tables, seq_lens, d ** -0.5, sliding_window=window)
+    assert got is not None and got.dtype == dtype and got.shape == q.shape
+    tol = 2e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_reads_nothing_behind_the_window_and_zero_length_rows() -> None:
+    """Blocks wholly behind a row's window may be freed and hold anything (NaN here): never read.
+    A row with seq_len 0 gives zeros, as the reference does."""
+    q, k, v, tables, seq_lens = _case(2, 4, 2, 16, 4, [40, 0], torch.float32)
+    for blk in tables[0, :5].tolist():  # positions 0-19, behind a window of 12 at seq_len 40
+        k[blk] = float("nan")
+        v[blk] = float("nan")
+    got = paged_decode_cpu.paged_decode_attention_cpu(q, k, v, tables, seq_lens, 0.25, 12)
+    want = paged_decode_attention_torch(q, k, v, tables, seq_lens, 0.25, sliding_window=12)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+
+
+def test_strided_query_and_wider_tables() -> None:
+    """q as a strided view (rows of a fused qkv projection) and tables wider than any row needs."""
+    qkv = torch.randn(3, 3 * 8 * 32)
+    q = qkv[:, : 8 * 32].view(3, 8, 32)
+    _, k, v, tables, seq_lens = _case(3, 8, 4, 32, 8, [9, 30, 2], torch.float32)
+    wide = torch.cat([tables, torch.zeros(3, 7, dtype=torch.int32)], dim=1)
+    got = paged_decode_cpu.paged_decode_attention_cpu(q, k, v, wide, seq_lens, 0.2)
+    want = paged_decode_attention_torch(q.contiguous(), k, v, tables, seq_lens, 0.2)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
+
+
+def test_unsupported_caches_and_bad_shapes() -> None:
+    q, k, v, tables, seq_lens = _case(2, 4, 2, 16, 4, [5, 9], torch.float32)
+    half = paged_decode_cpu.paged_decode_attention_cpu(q.half(), k.half(), v.half(), tables, seq_lens, 0.25)
+    assert half is None  # float16 caches: the caller's torch path runs
+    strided = k.transpose(1, 2)
+    assert paged_decode_cpu.paged_decode_attention_cpu(q, strided, strided, tables, seq_lens, 0.25) is None
+    with pytest.raises(ValueError, match="needs more than"):
+        paged_decode_cpu.paged_decode_attention_cpu(q, k, v, tables, seq_lens * 100, 0.25)
+    with pytest.raises(ValueError, match="do not agree"):
+        paged_decode_cpu.paged_decode_attention_cpu(q[:1], k, v, tables, seq_lens, 0.25)
+
+
+@pytest.fixture
+def fresh_builder(monkeypatch, tmp_path):
+    """native.load with an empty cache of loaded libraries and its own PDCLUSTER_HOME."""
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setenv("PDCLUSTER_HOME", str(tmp_path / "home"))
+    return tmp_path / "home" / "native"
+
+
+def test_built_once_into_a_private_folder_and_reused(fresh_builder) -> None:
+    assert native.load("paged_decode_cpu") is not None
+    (lib,) = fresh_builder.glob("paged_decode_cpu-*.so")
+    assert oct(fresh_builder.stat().st_mode & 0o777) == "0o700"
+    assert not lib.stat().st_mode & 0o077
+    mtime = lib.stat().st_mtime_ns
+    native._loaded.clear()
+    assert native.load("paged_decode_cpu") is not None
+    assert lib.stat().st_mtime_ns == mtime and list(fresh_builder.glob("*")) == [lib]  # no rebuild, no temp left
+
+
+def test_no_compiler_or_a_failing_build_falls_back(fresh_builder, monkeypatch, caplog) -> None:
+    monkeypatch.setenv("CC", "pdcluster-no-such-compiler")
+    with caplog.at_level(logging.WARNING, logger=native.__name__):
+        assert native.load("paged_decode_cpu") is None
+    assert "no C compiler" in caplog.text
+    native._loaded.clear()
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    assert native.load("paged_decode_cpu") is None
+    assert not list(fresh_builder.glob("*.so"))
+    native._loaded.clear()
+    monkeypatch.setenv("PDCLUSTER_NATIVE", "0")
+    monkeypatch.delenv("CC")
+    assert native.load("paged_decode_cpu") is None and not list(fresh_builder.glob("*.so"))
+
+
+def test_a_folder_others_can_write_is_refused(fresh_builder, caplog) -> None:
+    fresh_builder.mkdir(parents=True)
+    os.chmod(fresh_builder, 0o777)
+    with caplog.at_level(logging.WARNING, logger=native.__name__):
+        assert native.load("paged_decode_cpu") is None
+    assert "writable by group or others" in caplog.text
+    assert not list(fresh_builder.glob("*.so"))
