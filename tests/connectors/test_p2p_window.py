@@ -78,7 +78,7 @@ def test_windowed_handoff_equals_aggregated(engines: Any) -> None:
 
 
 def test_lease_covers_only_the_window_tail() -> None:
-    from connectors.p2p.scheduler_side import P2PScheduler
+    from pdcluster.connectors.p2p.scheduler_side import P2PScheduler
 
     for p, w, bs in [(23, 7, 3), (37, 7, 3), (5, 7, 3), (40, 16, 4), (9, 1, 4)]:
         s = P2PScheduler.__new__(P2PScheduler)
@@ -90,7 +90,7 @@ def test_lease_covers_only_the_window_tail() -> None:
 
 
 def test_store_connector_keeps_freeing_off() -> None:
-    from connectors.p2p.connector import P2PConnector
-    from connectors.store.connector import StoreConnector
+    from pdcluster.connectors.p2p.connector import P2PConnector
+    from pdcluster.connectors.store.connector import StoreConnector
 
     assert P2PConnector.frees_behind_window and not StoreConnector.frees_behind_window

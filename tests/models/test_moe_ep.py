@@ -163,7 +163,7 @@ def test_worker_flag_enable_expert_parallel() -> None:
     """serve-worker takes vLLM's --enable-expert-parallel and hands it to EngineArgs."""
     import argparse
 
-    from cluster.worker_flags import add_engine_flags, engine_kwargs
+    from pdcluster.cluster.worker_flags import add_engine_flags, engine_kwargs
 
     parser = argparse.ArgumentParser()
     add_engine_flags(parser)
