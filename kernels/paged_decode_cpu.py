@@ -5,7 +5,7 @@
 block_tables (B, max_blocks), seq_lens (B,), optional sliding window; scores, softmax and the
 weighted sum in float32, the result in q's dtype. It returns None where the kernel does not apply
 (no compiler, a cache dtype other than float32/bfloat16, non-contiguous caches, a GPU tensor, a
-head size over 512): the caller then runs its torch path, so a missing kernel is slower, never wrong.
+slot row Hk * D over 4096 floats, over 256 query heads): the caller then runs its torch path, so a missing kernel is slower, never wrong.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def available() -> bool:
 def supports(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether the kernel takes these caches (checked once per step by the caller)."""
     return (k_cache.device.type == "cpu" and k_cache.dtype in _DTYPES and v_cache.dtype == k_cache.dtype
-            and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[-1] <= 512
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[-2] * k_cache.shape[-1] <= 4096
             and available())
 
 

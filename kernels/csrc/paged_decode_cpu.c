@@ -22,8 +22,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define MAX_HEAD_DIM 512
-#define MAX_GROUP 64
+#define MAX_ROW 4096     /* Hk * D of one cached slot, in floats */
+#define MAX_Q_HEADS 256
 
 static inline void load_row(const void *base, int dtype, int64_t off, int64_t d, float *dst) {
     if (dtype == 0) {
@@ -40,91 +40,135 @@ static inline void load_row(const void *base, int dtype, int64_t off, int64_t d,
     }
 }
 
-/* One (request, KV head): its GQA group of `g` query heads against positions [lo, n). */
-static int attend_one(const float *q, float *out, const void *k, const void *v, int dtype,
-                      const int32_t *table, int64_t lo, int64_t n, int64_t hk, int64_t h,
-                      int64_t d, int64_t bs, int64_t g, float scale) {
-    int64_t len = n - lo;
-    float *scores = (float *)malloc((size_t)(len * g) * sizeof(float)); /* [g][len] */
-    if (scores == NULL) return -3;
-    float row[MAX_HEAD_DIM];
-    float mx[MAX_GROUP], sum[MAX_GROUP];
-    for (int64_t j = 0; j < g; j++) mx[j] = -INFINITY;
-    for (int64_t p = lo; p < n; p++) {
-        int64_t off = (((int64_t)table[p / bs] * bs + p % bs) * hk + h) * d;
-        const float *kr;
-        if (dtype == 0) {
-            kr = (const float *)k + off;
-        } else {
-            load_row(k, dtype, off, d, row);
-            kr = row;
-        }
-        for (int64_t j = 0; j < g; j++) {
-            const float *qj = q + j * d;
-            float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-            for (int64_t i = 0; i < d; i++) s += qj[i] * kr[i];
-            s *= scale;
-            scores[j * len + (p - lo)] = s;
-            if (s > mx[j]) mx[j] = s;
-        }
-    }
-    for (int64_t j = 0; j < g; j++) {
-        float *sj = scores + j * len;
-        float t = 0.0f;
-        for (int64_t i = 0; i < len; i++) {
-            sj[i] = expf(sj[i] - mx[j]);
-            t += sj[i];
-        }
-        sum[j] = t;
-        float *oj = out + j * d;
-        for (int64_t i = 0; i < d; i++) oj[i] = 0.0f;
-    }
-    for (int64_t p = lo; p < n; p++) {
-        int64_t off = (((int64_t)table[p / bs] * bs + p % bs) * hk + h) * d;
-        const float *vr;
-        if (dtype == 0) {
-            vr = (const float *)v + off;
-        } else {
-            load_row(v, dtype, off, d, row);
-            vr = row;
-        }
-        for (int64_t j = 0; j < g; j++) {
-            float w = scores[j * len + (p - lo)];
-            float *oj = out + j * d;
-#pragma omp simd
-            for (int64_t i = 0; i < d; i++) oj[i] += w * vr[i];
-        }
-    }
-    for (int64_t j = 0; j < g; j++) {
-        float inv = 1.0f / sum[j];
-        float *oj = out + j * d;
-        for (int64_t i = 0; i < d; i++) oj[i] *= inv;
-    }
-    free(scores);
-    return 0;
+/* e^x for x <= 0 (a score minus its row's maximum), in a form the compiler vectorizes (libm's expf
+ * is a scalar call per score: a third of the kernel's time before this). Range reduction
+ * x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for e^r (Cephes' coefficients), 2^n through
+ * the exponent bits; relative error ~2 float32 ulp. Below -87 the result is clamped to e^-87
+ * (~1e-38, a weight that cannot move a float32 sum); a NaN stays NaN. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale2;
+    memcpy(&scale2, &bits, sizeof scale2);
+    return p * scale2;
 }
+
+/* One request, KV heads [h0, h1), each with its GQA group of `g` query heads, against positions
+ * [lo, n). A task covers several heads so it walks each cached slot's Hk * D row contiguously
+ * (every cache line and page it touches is used whole, where one head per task read 1/Hk of
+ * each line's neighbourhood and left the rest to another task). Written once as a macro and
+ * instantiated for the common head sizes so the products over D fully unroll; DIM(d) is that
+ * constant, or the runtime d in the generic instance. q/out point at the request's first query
+ * head; scores are [query head - h0 * g][position]. */
+#define ATTEND(NAME, DIM)                                                                           \
+    static int NAME(const float *q, float *out, const void *k, const void *v, int dtype,           \
+                    const int32_t *table, int64_t lo, int64_t n, int64_t hk, int64_t h0, int64_t h1, \
+                    int64_t d, int64_t bs, int64_t g, float scale) {                                \
+        const int64_t dd = DIM(d);                                                                  \
+        const int64_t len = n - lo, nh = h1 - h0, nq = nh * g;                                      \
+        float *scores = (float *)malloc((size_t)(len * nq) * sizeof(float));                        \
+        if (scores == NULL) return -3;                                                              \
+        float row[MAX_ROW];                                                                         \
+        float mx[MAX_Q_HEADS], sum[MAX_Q_HEADS];                                                    \
+        for (int64_t j = 0; j < nq; j++) mx[j] = -INFINITY;                                         \
+        const float *qh = q + h0 * g * dd;                                                          \
+        for (int64_t p = lo; p < n; p++) {                                                          \
+            int64_t off = (((int64_t)table[p / bs] * bs + p % bs) * hk + h0) * dd;                  \
+            const float *kr = (const float *)k + off;                                               \
+            if (dtype != 0) {                                                                       \
+                load_row(k, dtype, off, nh * dd, row);                                              \
+                kr = row;                                                                           \
+            }                                                                                       \
+            for (int64_t j = 0; j < nq; j++) {                                                      \
+                const float *qj = qh + j * dd, *kj = kr + (j / g) * dd;                             \
+                float s = 0.0f;                                                                     \
+                _Pragma("omp simd reduction(+ : s)") for (int64_t i = 0; i < dd; i++) s += qj[i] * kj[i]; \
+                s *= scale;                                                                         \
+                scores[j * len + (p - lo)] = s;                                                     \
+                mx[j] = s > mx[j] ? s : mx[j];                                                      \
+            }                                                                                       \
+        }                                                                                           \
+        float *oh = out + h0 * g * dd;                                                              \
+        for (int64_t j = 0; j < nq; j++) {                                                          \
+            float *sj = scores + j * len;                                                           \
+            const float m = mx[j];                                                                  \
+            float t = 0.0f;                                                                         \
+            _Pragma("omp simd reduction(+ : t)") for (int64_t i = 0; i < len; i++) {                \
+                sj[i] = exp_nonpositive(sj[i] - m);                                                 \
+                t += sj[i];                                                                         \
+            }                                                                                       \
+            sum[j] = t;                                                                             \
+        }                                                                                           \
+        memset(oh, 0, (size_t)(nq * dd) * sizeof(float));                                          \
+        for (int64_t p = lo; p < n; p++) {                                                          \
+            int64_t off = (((int64_t)table[p / bs] * bs + p % bs) * hk + h0) * dd;                  \
+            const float *vr = (const float *)v + off;                                               \
+            if (dtype != 0) {                                                                       \
+                load_row(v, dtype, off, nh * dd, row);                                              \
+                vr = row;                                                                           \
+            }                                                                                       \
+            for (int64_t j = 0; j < nq; j++) {                                                      \
+                const float w = scores[j * len + (p - lo)];                                         \
+                const float *vj = vr + (j / g) * dd;                                                \
+                float *oj = oh + j * dd;                                                            \
+                _Pragma("omp simd") for (int64_t i = 0; i < dd; i++) oj[i] += w * vj[i];            \
+            }                                                                                       \
+        }                                                                                           \
+        for (int64_t j = 0; j < nq; j++) {                                                          \
+            const float inv = 1.0f / sum[j];                                                        \
+            float *oj = oh + j * dd;                                                                \
+            _Pragma("omp simd") for (int64_t i = 0; i < dd; i++) oj[i] *= inv;                      \
+        }                                                                                           \
+        free(scores);                                                                               \
+        return 0;                                                                                   \
+    }
+
+#define DIM_RUNTIME(d) (d)
+#define DIM_64(d) 64
+#define DIM_128(d) 128
+ATTEND(attend_generic, DIM_RUNTIME)
+ATTEND(attend_64, DIM_64)
+ATTEND(attend_128, DIM_128)
 
 int pd_paged_decode(const float *q, float *out, const void *k, const void *v, int dtype,
                     const int32_t *tables, int64_t table_stride, const int64_t *seq_lens,
                     int64_t batch, int64_t hq, int64_t hk, int64_t d, int64_t bs, int64_t window,
                     float scale, int nthreads) {
     if (dtype != 0 && dtype != 1) return -1;
-    if (d > MAX_HEAD_DIM || hk <= 0 || hq % hk != 0 || hq / hk > MAX_GROUP) return -2;
-    int64_t g = hq / hk;
+    if (hk <= 0 || hq % hk != 0 || hq > MAX_Q_HEADS || hk * d > MAX_ROW) return -2;
+    const int64_t g = hq / hk;
+    /* Tasks of whole requests when there are enough of them to keep every thread busy; else each
+     * request's heads split into up to Hk chunks (batch-1 decode still uses every thread). */
+    int64_t chunks = nthreads > 1 ? (4 * nthreads + batch - 1) / batch : 1;
+    chunks = chunks < 1 ? 1 : (chunks > hk ? hk : chunks);
+    const int64_t per = (hk + chunks - 1) / chunks;
+    chunks = (hk + per - 1) / per;
     int status = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (nthreads > 1)
-    for (int64_t t = 0; t < batch * hk; t++) {
-        int64_t b = t / hk, h = t % hk;
-        int64_t n = seq_lens[b];
-        int64_t lo = (window > 0 && n > window) ? n - window : 0;
-        const float *qb = q + (b * hq + h * g) * d;
-        float *ob = out + (b * hq + h * g) * d;
+    for (int64_t t = 0; t < batch * chunks; t++) {
+        const int64_t b = t / chunks, h0 = (t % chunks) * per;
+        const int64_t h1 = h0 + per < hk ? h0 + per : hk;
+        const int64_t n = seq_lens[b];
+        const int64_t lo = (window > 0 && n > window) ? n - window : 0;
+        const float *qb = q + b * hq * d;
+        float *ob = out + b * hq * d;
         if (n <= 0) { /* nothing to attend to: zeros, as the torch reference gives */
-            memset(ob, 0, (size_t)(g * d) * sizeof(float));
+            memset(ob + h0 * g * d, 0, (size_t)((h1 - h0) * g * d) * sizeof(float));
             continue;
         }
-        int rc = attend_one(qb, ob, k, v, dtype, tables + b * table_stride, lo, n, hk, h, d, bs, g, scale);
+        const int32_t *tb = tables + b * table_stride;
+        int rc = d == 64    ? attend_64(qb, ob, k, v, dtype, tb, lo, n, hk, h0, h1, d, bs, g, scale)
+                 : d == 128 ? attend_128(qb, ob, k, v, dtype, tb, lo, n, hk, h0, h1, d, bs, g, scale)
+                            : attend_generic(qb, ob, k, v, dtype, tb, lo, n, hk, h0, h1, d, bs, g, scale);
         if (rc != 0) {
 #pragma omp atomic write
             status = rc;

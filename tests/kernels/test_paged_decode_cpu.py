@@ -116,3 +116,19 @@ def test_a_folder_others_can_write_is_refused(fresh_builder, caplog) -> None:
         assert native.load("paged_decode_cpu") is None
     assert "writable by group or others" in caplog.text
     assert not list(fresh_builder.glob("*.so"))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize(("b", "hq", "hk"), [(1, 8, 8), (1, 6, 3), (2, 10, 5), (7, 4, 4)])
+def test_head_chunks_cover_every_head(threads: int, b: int, hq: int, hk: int) -> None:
+    """Few requests split their KV heads into chunks (one task each): every head, once."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        lens = [33 + 7 * i for i in range(b)]
+        q, k, v, tables, seq_lens = _case(b, hq, hk, 16, 4, lens, torch.float32, seed=b)
+        got = paged_decode_cpu.paged_decode_attention_cpu(q, k, v, tables, seq_lens, 0.25)
+    finally:
+        torch.set_num_threads(before)
+    want = paged_decode_attention_torch(q, k, v, tables, seq_lens, 0.25)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
