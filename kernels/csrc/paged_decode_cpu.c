@@ -62,6 +62,16 @@ static inline float exp_nonpositive(float x) {
     return p * scale2;
 }
 
+/* Heads [h0, h0 + nh) of cached slot `p` of one request as float32: in place for a float32 cache,
+ * converted into `row` for bfloat16. */
+static inline const float *slot_row(const void *cache, int dtype, const int32_t *table, int64_t p,
+                                    int64_t bs, int64_t hk, int64_t h0, int64_t d, int64_t nh, float *row) {
+    const int64_t off = (((int64_t)table[p / bs] * bs + p % bs) * hk + h0) * d;
+    if (dtype == 0) return (const float *)cache + off;
+    load_row(cache, dtype, off, nh * d, row);
+    return row;
+}
+
 /* One request, KV heads [h0, h1), each with its GQA group of `g` query heads, against positions
  * [lo, n). A task covers several heads so it walks each cached slot's Hk * D row contiguously
  * (every cache line and page it touches is used whole, where one head per task read 1/Hk of
@@ -82,12 +92,7 @@ static inline float exp_nonpositive(float x) {
         for (int64_t j = 0; j < nq; j++) mx[j] = -INFINITY;                                         \
         const float *qh = q + h0 * g * dd;                                                          \
         for (int64_t p = lo; p < n; p++) {                                                          \
-            int64_t off = (((int64_t)table[p / bs] * bs + p % bs) * hk + h0) * dd;                  \
-            const float *kr = (const float *)k + off;                                               \
-            if (dtype != 0) {                                                                       \
-                load_row(k, dtype, off, nh * dd, row);                                              \
-                kr = row;                                                                           \
-            }                                                                                       \
+            const float *kr = slot_row(k, dtype, table, p, bs, hk, h0, dd, nh, row);                \
             for (int64_t j = 0; j < nq; j++) {                                                      \
                 const float *qj = qh + j * dd, *kj = kr + (j / g) * dd;                             \
                 float s = 0.0f;                                                                     \
@@ -110,12 +115,7 @@ static inline float exp_nonpositive(float x) {
         }                                                                                           \
         memset(oh, 0, (size_t)(nq * dd) * sizeof(float));                                          \
         for (int64_t p = lo; p < n; p++) {                                                          \
-            int64_t off = (((int64_t)table[p / bs] * bs + p % bs) * hk + h0) * dd;                  \
-            const float *vr = (const float *)v + off;                                               \
-            if (dtype != 0) {                                                                       \
-                load_row(v, dtype, off, nh * dd, row);                                              \
-                vr = row;                                                                           \
-            }                                                                                       \
+            const float *vr = slot_row(v, dtype, table, p, bs, hk, h0, dd, nh, row);                \
             for (int64_t j = 0; j < nq; j++) {                                                      \
                 const float w = scores[j * len + (p - lo)];                                         \
                 const float *vj = vr + (j / g) * dd;                                                \
