@@ -127,7 +127,6 @@ def main() -> None:
     full_floor_ms = 1e3 * (full_weights + kv) / (read_gbs * 1e9)
     compiled = type(runner.forward_fn).__name__ == "CompiledForward"
     from pdcluster.models.layers.cpu_gemm import packed_count
-
     from pdcluster.models.layers.cpu_gemv import copy_count
 
     packed, linears = packed_count(runner.model)
