@@ -6,6 +6,9 @@
     cache_write.py       reshape_and_cache_*           (float8 e4m3 quantisation)
     paged_attention.py   paged_decode_attention_*      (GQA, split-KV, float8 KV)
     paged_decode_cpu.py  paged_decode_attention_cpu    (C kernel, csrc/; built by native.py)
+    gemv_bf16_cpu.py     gemv_bf16, gemv_bf16_torch    (C kernel: small-M products over bf16 weights)
+    elementwise_cpu.py   rms_norm_cpu, fused_add_rms_norm_cpu, rotary_embedding_cpu, silu_and_mul_cpu
+                                                       (C kernels, float32; fall back to the refs)
     extend_attention.py  extend_attention_*            (varlen causal over a cached prefix)
     kv_pack.py           pack_kv_blocks_*, unpack_kv_blocks_*, pack_shape (LBHNC / LBNHC buffers)
     moe_router.py        moe_router_*
@@ -28,6 +31,8 @@ _EXPORTS = {
     "cache_write": ("reshape_and_cache_torch", "reshape_and_cache_triton"),
     "paged_attention": ("paged_decode_attention_torch", "paged_decode_attention_triton"),
     "paged_decode_cpu": ("paged_decode_attention_cpu",),
+    "gemv_bf16_cpu": ("gemv_bf16", "gemv_bf16_torch"),
+    "elementwise_cpu": ("rms_norm_cpu", "fused_add_rms_norm_cpu", "rotary_embedding_cpu", "silu_and_mul_cpu"),
     "extend_attention": ("extend_attention_torch", "extend_attention_triton"),
     "kv_pack": ("LAYOUTS", "pack_shape", "pack_kv_blocks_torch", "pack_kv_blocks_triton",
                 "unpack_kv_blocks_torch", "unpack_kv_blocks_triton"),

@@ -33,7 +33,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno")
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno",
+          "-fno-trapping-math")
 BUILD_TIMEOUT_S = 120.0
 
 _lock = threading.Lock()
@@ -89,7 +90,8 @@ def _cpu_flags() -> str:
 
 def _build(name: str) -> Path:
     src = CSRC / f"{name}.c"
-    source = src.read_bytes()
+    # The key covers the shared headers too: a changed helper rebuilds every kernel including it.
+    source = b"\0".join([src.read_bytes(), *(h.read_bytes() for h in sorted(CSRC.glob("*.h")))])
     cc = _compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(b"\0".join([source, cc.encode(), version.encode(), " ".join(CFLAGS).encode(),

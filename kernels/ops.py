@@ -1,6 +1,9 @@
 """Backend dispatch for the element-wise / normalisation ops the model layers call.
 
-`get_ops("torch")` returns the torch references; `get_ops("triton")` the Triton launchers (imported
+`get_ops("torch")` returns the torch path: the references, except that RMSNorm, fused add + RMSNorm,
+rotary and SiLU-and-mul run the C kernels of elementwise_cpu.py on float32 CPU tensors outside a
+trace (one call per op instead of 3-8; each falls back to its reference wherever the kernel does
+not apply); `get_ops("triton")` the Triton launchers (imported
 lazily: importing triton is slow and not needed on the CPU path). Both expose the same functions
 with the same contracts, documented next to each reference in this package. The backends are one
 `Registry` (pdcluster/registry.py) of builders; each builder imports its kernels when called.
@@ -27,15 +30,13 @@ class Ops:
 
 
 def _torch_ops() -> Ops:
-    from .activation import silu_and_mul_torch
     from .cache_write import reshape_and_cache_torch
+    from .elementwise_cpu import fused_add_rms_norm_cpu, rms_norm_cpu, rotary_embedding_cpu, silu_and_mul_cpu
     from .fused_moe import fused_moe_torch
     from .moe_router import moe_router_torch
-    from .norm import fused_add_rms_norm_torch, rms_norm_torch
-    from .rotary import rotary_embedding_torch
 
-    return Ops("torch", rms_norm_torch, fused_add_rms_norm_torch, silu_and_mul_torch,
-               rotary_embedding_torch, reshape_and_cache_torch, moe_router_torch, fused_moe_torch)
+    return Ops("torch", rms_norm_cpu, fused_add_rms_norm_cpu, silu_and_mul_cpu,
+               rotary_embedding_cpu, reshape_and_cache_torch, moe_router_torch, fused_moe_torch)
 
 
 def _triton_ops() -> Ops:

@@ -22,6 +22,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_math.h"
+
 #define MAX_ROW 4096     /* Hk * D of one cached slot, in floats */
 #define MAX_Q_HEADS 256
 
@@ -38,28 +40,6 @@ static inline void load_row(const void *base, int dtype, int64_t off, int64_t d,
             dst[i] = f;
         }
     }
-}
-
-/* e^x for x <= 0 (a score minus its row's maximum), in a form the compiler vectorizes (libm's expf
- * is a scalar call per score: a third of the kernel's time before this). Range reduction
- * x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for e^r (Cephes' coefficients), 2^n through
- * the exponent bits; relative error ~2 float32 ulp. Below -87 the result is clamped to e^-87
- * (~1e-38, a weight that cannot move a float32 sum); a NaN stays NaN. */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float n = floorf(x * 1.44269504088896341f + 0.5f);
-    const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale2;
-    memcpy(&scale2, &bits, sizeof scale2);
-    return p * scale2;
 }
 
 /* Heads [h0, h0 + nh) of cached slot `p` of one request as float32: in place for a float32 cache,

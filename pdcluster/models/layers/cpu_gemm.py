@@ -192,11 +192,13 @@ def prepack_model(model: torch.nn.Module) -> tuple[int, int]:
 
 
 def drop_packed(model: torch.nn.Module) -> None:
-    """Forget every packed copy (before the weights change): the layers use F.linear until
-    `prepack_model` runs again."""
+    """Forget every packed copy and bfloat16 decode copy (cpu_gemv) before the weights change:
+    the layers use F.linear until `prepack_model` runs again."""
     for m in model.modules():
         if getattr(m, "packed_weight", None) is not None:
             m.packed_weight = None
+        if getattr(m, "gemv_weight", None) is not None:
+            m.gemv_weight = None
 
 
 def packed_count(model: torch.nn.Module) -> tuple[int, int]:

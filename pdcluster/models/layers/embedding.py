@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdcluster.models.layers import cpu_gemm
+from pdcluster.models.layers import cpu_gemv
 from pdcluster.models.layers.cpu_gemm import PackedWeight, pack_weight
 from pdcluster.models.layers.weight_slice import Loaded, narrow, shape_of
 
@@ -71,22 +71,26 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight.weight_loader = self._load
         # oneDNN-packed copy of `weight` (a plain attribute: not a parameter, not in state_dict).
         self.packed_weight: PackedWeight | None = None
+        # bfloat16 copy for decode-sized products when `weight` holds bf16 values (cpu_gemv).
+        self.gemv_weight: torch.Tensor | None = None
 
     def _load(self, param: nn.Parameter, loaded: Loaded, shard_id: str | int | None = None) -> None:
-        self.packed_weight = None  # a packed copy of the old values would be stale
+        self.packed_weight = self.gemv_weight = None  # copies of the old values would be stale
         self.weight_loader(param, loaded, shard_id)
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight  # loaded through the embedding's loader, once
-        self.packed_weight = None
+        self.packed_weight = self.gemv_weight = None
 
     def prepack(self) -> bool:
-        """Pack the loaded (or tied) weight for oneDNN where that is exact and available."""
+        """Pack the loaded (or tied) weight for oneDNN where that is exact and available, and keep
+        its bfloat16 decode copy where it holds bf16 values (cpu_gemv)."""
+        self.gemv_weight = cpu_gemv.decode_copy(self.weight)
         self.packed_weight = pack_weight(self.weight)
         return self.packed_weight is not None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = cpu_gemm.linear(self, hidden, None)  # (N, num_local)
+        logits = cpu_gemv.linear(self, hidden, None)  # (N, num_local)
         if self.tp_size > 1:
             if self.tp_group is None:
                 raise RuntimeError("ParallelLMHead with tp_size > 1 needs tp_group set before forward")

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from pdcluster.models.layers import cpu_gemm
+from pdcluster.models.layers import cpu_gemv
 from pdcluster.models.layers.cpu_gemm import PackedWeight, pack_weight
 from pdcluster.models.layers.weight_slice import Loaded, narrow, shape_of, whole
 
@@ -74,11 +74,13 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
         # oneDNN-packed copy of `weight` (a plain attribute: not a parameter, not in state_dict).
         self.packed_weight: PackedWeight | None = None
+        # bfloat16 copy for decode-sized products when `weight` holds bf16 values (cpu_gemv).
+        self.gemv_weight: torch.Tensor | None = None
         # Path inside its decoder layer once compiled_forward traces it packed (cpu_gemm).
         self.compiled_name: str | None = None
 
     def _load(self, param: nn.Parameter, loaded: Loaded, shard_id: str | int | None = None) -> None:
-        self.packed_weight = None  # a packed copy of the old values would be stale
+        self.packed_weight = self.gemv_weight = None  # copies of the old values would be stale
         self.compiled_name = None
         self.weight_loader(param, loaded, shard_id)
 
@@ -86,16 +88,19 @@ class LinearBase(nn.Module):
         raise NotImplementedError
 
     def prepack(self) -> bool:
-        """Pack the loaded weight for oneDNN where that is exact and available (cpu_gemm)."""
+        """Pack the loaded weight for oneDNN where that is exact and available (cpu_gemm), and
+        keep its bfloat16 decode copy where it holds bf16 values (cpu_gemv)."""
+        self.gemv_weight = cpu_gemv.decode_copy(self.weight, self.bias)
         self.packed_weight = pack_weight(self.weight, self.bias)
         return self.packed_weight is not None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x @ weight.T (+ bias): through the packed copy where it serves x's rows, else F.linear."""
+        """x @ weight.T (+ bias): through the bf16 decode copy or the packed copy where one serves
+        x's rows, else F.linear."""
         if torch.compiler.is_dynamo_compiling() and self.compiled_name is not None:  # this thread traces
             # Traced: the opaque op multiplies with the packed weight at run time (cpu_gemm).
             return torch.ops.pdcluster.packed_linear(x, bias, self.compiled_name, self.out_features)
-        return cpu_gemm.linear(self, x, bias)
+        return cpu_gemv.linear(self, x, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)

@@ -1,0 +1,62 @@
+"""Small-batch linear products over bfloat16 weights in float32 arithmetic, through the C kernel
+csrc/gemv_bf16_cpu.c: y = x @ W.T (+ bias), x (..., K) float32, W (N, K) bfloat16, y float32.
+
+The products are exactly those of F.linear(x, W.float()) (a bfloat16 value widens to float32
+without rounding); only the order of the sum differs. `gemv_bf16` returns None where the kernel
+does not apply (no compiler, PDCLUSTER_NATIVE=0, a GPU tensor, other dtypes, a non-contiguous
+weight): the caller then runs its own path, so a missing kernel is slower, never wrong. The
+reference it is tested against is `gemv_bf16_torch`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from . import native
+
+
+@functools.cache
+def _fn() -> ctypes._CFuncPtr | None:
+    lib = native.load("gemv_bf16_cpu")
+    if lib is None:
+        return None
+    f = lib.pd_gemv_bf16
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    f.argtypes = [p, i64, p, p, p, i64, i64, i64, ctypes.c_int]
+    f.restype = ctypes.c_int
+    return f
+
+
+def available() -> bool:
+    return _fn() is not None
+
+
+def gemv_bf16_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
+
+
+def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    if (x.device.type != "cpu" or weight.device.type != "cpu" or x.dtype != torch.float32
+            or weight.dtype != torch.bfloat16 or weight.dim() != 2 or not weight.is_contiguous()
+            or (bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu"))):
+        return None
+    n, k = weight.shape
+    if x.shape[-1] != k or (bias is not None and bias.shape != (n,)):
+        raise ValueError(f"gemv_bf16: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
+                         f"bias {None if bias is None else tuple(bias.shape)} do not agree")
+    fn = _fn()
+    if fn is None:
+        return None
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < k):
+        x2 = x2.contiguous()
+    b = None if bias is None else bias.contiguous()
+    out = torch.empty(x2.shape[0], n, dtype=torch.float32)
+    rc = fn(x2.data_ptr(), max(x2.stride(0), k), weight.data_ptr(), None if b is None else b.data_ptr(),
+            out.data_ptr(), x2.shape[0], n, k, torch.get_num_threads())
+    if rc != 0:
+        return None
+    return out.reshape(*x.shape[:-1], n)

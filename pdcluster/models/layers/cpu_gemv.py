@@ -1,0 +1,93 @@
+"""Decode-step products over a bfloat16 copy of a float32 weight that holds bfloat16 values.
+
+Why: a CPU without BF16 instructions computes in float32 (compute_dtype "auto"), so a bfloat16
+checkpoint's weights are widened to float32 at load and oneDNN's packed GEMV (cpu_gemm) reads 4
+bytes per weight in every decode step, although each weight carries only 2 bytes of information.
+At the few rows of a decode step a linear layer costs the read of its weight, so reading the
+checkpoint's 2 bytes and widening in registers (kernels/csrc/gemv_bf16_cpu.c) halves the step's
+weight traffic. Measured on a 2-core AVX2 EPYC, the 125M bench Llama's 49 products per step: 1.6-1.8x
+oneDNN's packed float32 at M = 1, 1.45x at M = 4, 1.1-1.2x at M = 8-16 (benchmarks/gemv_bf16.py).
+
+Exactness: widening bfloat16 to float32 is exact, so the kernel forms the same float32 products
+as F.linear on the float32 weight and differs only in the order of the sum. That is the float32
+contract cpu_gemm already holds oneDNN's packed copy to (within twice gamma_K * sum|x_i w_i|),
+and the copy is probed against F.linear at load the same way (M = 1 and 3).
+
+When: a float32 weight on the CPU whose every value is a bfloat16 (a bf16 checkpoint computed in
+float32; checked, not assumed), the C kernel built, and PDCLUSTER_CPU_GEMV not "0". Products of up
+to MAX_ROWS rows, outside a dynamo trace, take the copy; larger ones run oneDNN / F.linear as before.
+Cost: the copy is half the float32 weight again (PDCLUSTER_CPU_GEMV=0 trades that memory back).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdcluster.env_flags import env_enabled
+from pdcluster.kernels import gemv_bf16_cpu
+from pdcluster.models.layers import cpu_gemm
+
+ENV = "PDCLUSTER_CPU_GEMV"  # "0" / "false" / "off" / "no": no bfloat16 decode copies
+# Above this many rows oneDNN's float32 GEMM wins or ties: at M = 16 the kernel was 1.08-1.12x,
+# and it re-reads each block of W once per 4 rows, so more rows only add compute.
+MAX_ROWS = 16
+PROBE_ROWS = (1, 3)
+
+
+def enabled() -> bool:
+    return env_enabled(ENV)
+
+
+def skip_reason(weight: torch.Tensor) -> str | None:
+    """Why `weight` gets no bfloat16 decode copy, or None when it may."""
+    if not enabled():
+        return f"{ENV}=0"
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2 or weight.numel() == 0:
+        return "not a 2-D float32 CPU weight"
+    if not gemv_bf16_cpu.available():
+        return "the C kernel is unavailable (kernels/native.py logged why)"
+    return None
+
+
+def decode_copy(weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The bfloat16 copy of `weight` (out, in) for decode products, or None: not applicable
+    (skip_reason), a value that is not a bfloat16 (the copy would round it), or the probe
+    disagreed with F.linear."""
+    if skip_reason(weight) is not None:
+        return None
+    w = weight.detach()
+    copy = w.to(torch.bfloat16).contiguous()
+    if not torch.equal(copy.float(), w):
+        return None
+    b = None if bias is None else bias.detach().float()
+    gen = torch.Generator().manual_seed(0)
+    for rows in PROBE_ROWS:
+        x = torch.randn(rows, w.shape[1], generator=gen)
+        got = gemv_bf16_cpu.gemv_bf16(x, copy, b)
+        if got is None or not cpu_gemm.probe_agrees(got, x, w, b):
+            return None
+    return copy
+
+
+def serves(copy: torch.Tensor | None, x: torch.Tensor) -> bool:
+    """Whether x's product runs on the bfloat16 copy: a float32 input of at most MAX_ROWS rows,
+    outside a dynamo trace (the kernel is a ctypes call the graph cannot hold)."""
+    return (copy is not None and x.dtype == torch.float32 and x.numel() <= MAX_ROWS * x.shape[-1]
+            and not torch.compiler.is_dynamo_compiling())
+
+
+def linear(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ layer.weight.T (+ bias) outside a trace: over the layer's bfloat16 decode copy where it
+    serves x, else cpu_gemm.linear (oneDNN's packed copy or F.linear)."""
+    copy = getattr(layer, "gemv_weight", None)
+    if serves(copy, x):
+        out = gemv_bf16_cpu.gemv_bf16(x, copy, bias)
+        if out is not None:
+            return out
+    return cpu_gemm.linear(layer, x, bias)
+
+
+def copy_count(model: torch.nn.Module) -> tuple[int, int]:
+    """(modules holding a decode copy, bytes of those copies), for logs and benchmarks."""
+    copies = [m.gemv_weight for m in model.modules() if getattr(m, "gemv_weight", None) is not None]
+    return len(copies), sum(c.numel() * c.element_size() for c in copies)

@@ -1,0 +1,123 @@
+"""The bfloat16-weight GEMV kernel (kernels/csrc/gemv_bf16_cpu.c) against F.linear on the widened
+weight, and the decode-copy policy (models/layers/cpu_gemv.py) that routes products to it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdcluster.kernels import gemv_bf16_cpu
+from pdcluster.models.layers import cpu_gemm, cpu_gemv
+from pdcluster.models.layers.linear import ReplicatedLinear
+
+pytestmark = pytest.mark.skipif(not gemv_bf16_cpu.available(), reason="no C compiler on this machine")
+
+
+def _bound(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """Twice the float32 dot-product error bound: any summation order lies within it."""
+    scale = x.abs() @ w.abs().T + (0 if b is None else b.abs())
+    return 2 * (w.shape[1] + 1) * torch.finfo(torch.float32).eps * scale
+
+
+# Every tile shape of the kernel (M = 1, 2, 3, 4 and chunks of 4 with a remainder), features that
+# leave a partial tile and a partial 64-feature block, K with and without a tail below 8.
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 16])
+@pytest.mark.parametrize(("n", "k"), [(8, 8), (13, 21), (64, 768), (130, 40), (1, 3)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_linear_on_the_widened_weight(m: int, n: int, k: int, bias: bool) -> None:
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    x = torch.randn(m, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    got = gemv_bf16_cpu.gemv_bf16(x, w, b)
+    want = gemv_bf16_cpu.gemv_bf16_torch(x, w, b)
+    assert got is not None and got.dtype == torch.float32 and got.shape == (m, n)
+    assert ((got - want).abs() <= _bound(x, w.float(), b)).all()
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_every_thread_count_gives_the_same_result(threads: int) -> None:
+    """Features are split over threads; each output is summed by one thread in one order."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(300, 96, generator=g).to(torch.bfloat16)
+    x = torch.randn(3, 96, generator=g)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = gemv_bf16_cpu.gemv_bf16(x, w)
+        torch.set_num_threads(threads)
+        assert torch.equal(gemv_bf16_cpu.gemv_bf16(x, w), one)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_strided_rows_and_leading_dims() -> None:
+    """x as every other row of a wider buffer, and (B, T, K) inputs: the output keeps x's leading dims."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(40, 24, generator=g).to(torch.bfloat16)
+    wide = torch.randn(3, 48, generator=g)
+    x = wide[:, :24]  # row stride 48
+    got = gemv_bf16_cpu.gemv_bf16(x, w)
+    assert ((got - gemv_bf16_cpu.gemv_bf16_torch(x, w)).abs() <= _bound(x, w.float(), None)).all()
+    x3 = torch.randn(2, 2, 24, generator=g)
+    got3 = gemv_bf16_cpu.gemv_bf16(x3, w)
+    assert got3.shape == (2, 2, 40)
+    torch.testing.assert_close(got3, gemv_bf16_cpu.gemv_bf16_torch(x3, w), atol=1e-5, rtol=1e-5)
+
+
+def test_declines_what_it_does_not_take_and_names_disagreeing_shapes() -> None:
+    w = torch.randn(8, 16).to(torch.bfloat16)
+    assert gemv_bf16_cpu.gemv_bf16(torch.randn(1, 16).double(), w) is None  # float64 input
+    assert gemv_bf16_cpu.gemv_bf16(torch.randn(1, 16), w.float()) is None  # float32 weight
+    assert gemv_bf16_cpu.gemv_bf16(torch.randn(1, 16), w.t().contiguous().t()) is None  # strided weight
+    with pytest.raises(ValueError, match="do not agree"):
+        gemv_bf16_cpu.gemv_bf16(torch.randn(1, 15), w)
+    with pytest.raises(ValueError, match="do not agree"):
+        gemv_bf16_cpu.gemv_bf16(torch.randn(1, 16), w, torch.zeros(7))
+    assert gemv_bf16_cpu.gemv_bf16(torch.randn(0, 16), w).shape == (0, 8)
+
+
+def _layer(values: torch.Tensor, bias: bool = False) -> ReplicatedLinear:
+    layer = ReplicatedLinear(values.shape[1], values.shape[0], bias, torch.float32)
+    layer.weight.data.copy_(values)
+    if bias:
+        layer.bias.data.copy_(torch.randn(values.shape[0]))
+    layer.prepack()
+    return layer
+
+
+def test_a_bf16_valued_layer_gets_a_copy_and_decode_rows_use_it() -> None:
+    values = torch.randn(48, 32).to(torch.bfloat16).float()
+    layer = _layer(values, bias=True)
+    assert layer.gemv_weight is not None and layer.gemv_weight.dtype == torch.bfloat16
+    assert torch.equal(layer.gemv_weight.float(), values)
+    for rows in (1, cpu_gemv.MAX_ROWS, cpu_gemv.MAX_ROWS + 1, 40):
+        x = torch.randn(rows, 32)
+        got = layer(x)
+        want = torch.nn.functional.linear(x, values, layer.bias)
+        assert ((got - want).abs() <= _bound(x, values, layer.bias)).all()
+        # Up to MAX_ROWS the copy serves; above, oneDNN / F.linear runs as before.
+        assert cpu_gemv.serves(layer.gemv_weight, x) == (rows <= cpu_gemv.MAX_ROWS)
+    # The routed product equals the kernel's own on the copy, bit for bit.
+    x = torch.randn(2, 32)
+    assert torch.equal(layer(x), gemv_bf16_cpu.gemv_bf16(x, layer.gemv_weight, layer.bias))
+
+
+def test_no_copy_for_values_bf16_cannot_hold_or_when_switched_off(monkeypatch) -> None:
+    g = torch.Generator().manual_seed(3)
+    full = torch.randn(16, 16, generator=g)  # float32 values with mantissa bits bf16 lacks
+    assert _layer(full).gemv_weight is None
+    one_off = torch.randn(16, 16, generator=g).to(torch.bfloat16).float()
+    one_off[3, 5] += 1e-6  # a single value that is not a bfloat16
+    assert _layer(one_off).gemv_weight is None
+    monkeypatch.setenv(cpu_gemv.ENV, "0")
+    assert cpu_gemv.skip_reason(one_off) == f"{cpu_gemv.ENV}=0"
+    assert _layer(torch.randn(16, 16).to(torch.bfloat16).float()).gemv_weight is None
+    assert cpu_gemv.decode_copy(torch.randn(4, 4).bfloat16()) is None  # bf16 compute: oneDNN's bf16
+
+
+def test_drop_packed_forgets_the_copy() -> None:
+    layer = _layer(torch.randn(16, 16).to(torch.bfloat16).float())
+    assert layer.gemv_weight is not None
+    cpu_gemm.drop_packed(layer)
+    assert layer.gemv_weight is None and layer.packed_weight is None
