@@ -81,11 +81,12 @@ class Loader:
         self._host_id = local_host_id()
         self._executor = ThreadPoolExecutor(max_workers=opts.num_load_threads, thread_name_prefix="p2p-load")
         self._lock = threading.Lock()
+        self._closing = threading.Event()  # ends a release's retries at once
         self._jobs: dict[str, LoadJob] = {}
         self._finished: set[str] = set()
         self._failed: set[int] = set()
         self.counters = {"loads_ok": 0, "loads_failed": 0, "bytes_tcp": 0, "bytes_shm": 0, "failed_blocks": 0,
-                         "open_retries": 0}
+                         "open_retries": 0, "release_retries": 0}
         self.load_seconds = LoadTimes()  # successful pulls, handshake to the producer's "released"
         self.last_errors: dict[str, str] = {}  # request id -> why its load failed (bounded)
 
@@ -122,6 +123,7 @@ class Loader:
                                                                        "p2p_load_seconds": self.load_seconds.snapshot()}
 
     def close(self) -> None:
+        self._closing.set()
         with self._lock:
             jobs = list(self._jobs.values())
         for job in jobs:
@@ -341,8 +343,9 @@ class Loader:
                                  mac_key)
             self._add("bytes_tcp", n)
 
-    def _notify_all(self, producer: Producer, job: LoadJob, ok: bool) -> None:
-        """Tell every producer rank we owe a notice and have not told yet (best effort)."""
+    def _notify_all(self, producer: Producer, job: LoadJob, ok: bool) -> dict[int, str]:
+        """Tell every producer rank we owe a notice and have not told yet (best effort); returns
+        each told rank's answer (_notify_done's)."""
         targets = job.targets
         if not targets:
             try:
@@ -351,9 +354,7 @@ class Loader:
                 targets = {r: prods[r] for r in notify_ranks(lay.total_heads, ptp, lay.tp_size, lay.tp_rank)}
             except (ValueError, LoadError):
                 targets = {0: producer}
-        for r in sorted(targets):
-            if r not in job.notified:
-                self._notify_done(targets[r], job, ok, rank=r)
+        return {r: self._notify_done(targets[r], job, ok, rank=r) for r in sorted(targets) if r not in job.notified}
 
     def _notify_done(self, producer: Producer, job: LoadJob, ok: bool, rank: int = 0) -> str:
         p = job.params
@@ -369,9 +370,22 @@ class Loader:
         return reply.get("status") or ("released" if reply["ok"] else "refused")
 
     def _release(self, request_id: str, params: KVTransferParams) -> None:
+        """A leg that never read (refused, cancelled, all local hits) lets the producer go now.
+        The producer registers its lease one engine step after the params left it, so a release
+        can beat the lease there: "unknown" is retried, as OPEN's is, up to open_retry_s (else the
+        blocks would stay held to lease expiry). Any other answer is final."""
         job = LoadJob(request_id, [], 0, params, threading.Event())
+        deadline = time.monotonic() + self.opts.open_retry_s
+        pause = _OPEN_RETRY_FIRST_S
         try:
-            self._notify_all(resolve_producer(params, self.opts), job, ok=False)
+            producer = resolve_producer(params, self.opts)
+            while True:
+                unknown = [r for r, status in self._notify_all(producer, job, ok=False).items() if status == "unknown"]
+                if not unknown or time.monotonic() > deadline or self._closing.wait(pause):
+                    return
+                job.notified.difference_update(unknown)  # only the ranks that did not know it yet
+                self._add("release_retries", 1)
+                pause = min(pause * 2, _OPEN_RETRY_MAX_S)
         except LoadError as e:
             log.info("p2p release of %s: %s", request_id, e)
 

@@ -42,8 +42,10 @@ def pair(demo_model: str, cluster_keys: Any) -> Iterator[tuple[LLMEngine, AsyncE
         _args(demo_model, "producer", k.options("producer", engine_id="ua-producer", lease_ttl_s=120.0)),
         connector=engine_connector_factory)
     # The consumer serves prompts up to 32 tokens: a longer decode leg is refused by the engine.
-    args = _args(demo_model, "consumer", k.options("consumer", engine_id="ua-consumer", transport="tcp"),
-                 max_model_len=32)
+    # open_retry_s: how long a release retries a lease the producer has not registered yet; long,
+    # so test_a_release_that_beats_the_lease holds on a slow machine.
+    args = _args(demo_model, "consumer", k.options("consumer", engine_id="ua-consumer", transport="tcp",
+                                                   open_retry_s=60.0), max_model_len=32)
     consumer = AsyncEngine(lambda: LLMEngine.from_engine_args(args, connector=engine_connector_factory))
     try:
         yield producer, consumer
@@ -148,6 +150,45 @@ def test_a_completed_leg_is_released_once_and_the_pair_still_serves(pair: tuple[
     stats = consumer.get_stats()["kv_connector"]
     assert stats["p2p_loads_ok"] >= 1 and stats["p2p_loads_failed"] == 0, stats
     assert len(got) == GREEDY.max_tokens - 1
+    _assert_let_go(producer)
+
+
+def test_a_release_that_beats_the_lease_is_retried(pair: tuple[LLMEngine, AsyncEngine]) -> None:
+    """The producer registers a lease one engine step after its params left it. A decode leg that
+    ends at once (here: refused) may tell the producer before that step: its "unknown" answer is
+    not final, the release is retried until the lease exists, and the blocks go at once. The
+    producer is not stepped until the consumer has been told "unknown" at least once, so the
+    order is forced, not left to timing. (Seen in CI: such a release was dropped and the blocks
+    stayed held to the 120 s lease expiry.)"""
+    producer, consumer = pair
+
+    async def retries() -> int:
+        return (await consumer.call(lambda e: e.get_stats()))["kv_connector"]["p2p_release_retries"]
+
+    async def leg(prompt: list[int], pre: Any) -> int:
+        before = await retries()
+        outputs = consumer.generate(prompt, GREEDY, request_id="ua-early-release", kv_transfer_params=decode_leg(pre),
+                                    prefill_output_token_ids=pre.outputs[0].token_ids)
+        with pytest.raises(ValueError, match="max_model_len|32"):
+            await anext(outputs)
+        for _ in range(3000):  # the producer is not stepped: its side channel answers "unknown"
+            if await retries() > before:
+                return before
+            await asyncio.sleep(0.01)
+        raise AssertionError("the consumer never retried the release of a lease the producer did not have yet")
+
+    rng = random.Random(5)
+    prompt = [rng.randrange(3, 500) for _ in range(40)]  # longer than the consumer's 32: refused
+    request, text = producer.prepare_request(prompt, GREEDY.replace(max_tokens=1), "ua-early-release", PREFILL_LEG,
+                                             None)
+    producer.add_prepared(request, text)
+    pre = None
+    while pre is None:  # stop at the step that finished it: its lease is registered on the next one
+        for out in producer.step():
+            if out.finished:
+                pre = producer.get_final(out.request_id)
+    assert producer.get_stats()["kv_connector"]["p2p_leases_active"] == 0, "the lease was registered early"
+    asyncio.run(leg(prompt, pre))
     _assert_let_go(producer)
 
 
