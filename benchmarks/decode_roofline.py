@@ -67,7 +67,7 @@ def bytes_per_step(model, kv_itemsize: int, cfg, seq_len: int) -> tuple[int, int
         copy = getattr(m, "gemv_weight", None)
         if copy is not None:
             full = m.weight.numel() * m.weight.element_size() or getattr(m, "released_weight_bytes", 0)
-            weights += copy.numel() * copy.element_size() - full
+            weights += copy.nbytes - full
     kv = 2 * cfg.num_hidden_layers * seq_len * cfg.num_key_value_heads * cfg.head_dim * kv_itemsize
     return weights, kv, at_compute_dtype
 

@@ -54,7 +54,7 @@ def main() -> None:
     for name, n, k, _ in SHAPES:
         copies = max(2, int(args.cold_mb * 1e6 / (n * k * 4)))
         fp32 = [torch.randn(n, k) * 0.02 for _ in range(copies)]
-        weights[name] = ([cpu_gemm.pack_weight(w).blocked for w in fp32], [w.bfloat16() for w in fp32])
+        weights[name] = ([cpu_gemm.pack_weight(w).blocked for w in fp32], [gemv_bf16_cpu.pack(w.bfloat16()) for w in fp32])
         del fp32
     for m in args.rows:
         step = {"onednn": 0.0, "bf16": 0.0}

@@ -1,21 +1,57 @@
 """Small-batch linear products over bfloat16 weights in float32 arithmetic, through the C kernel
 csrc/gemv_bf16_cpu.c: y = x @ W.T (+ bias), x (..., K) float32, W (N, K) bfloat16, y float32.
 
-The products are exactly those of F.linear(x, W.float()) (a bfloat16 value widens to float32
-without rounding); only the order of the sum differs. `gemv_bf16` returns None where the kernel
-does not apply (no compiler, PDCLUSTER_NATIVE=0, a GPU tensor, other dtypes, a non-contiguous
-weight): the caller then runs its own path, so a missing kernel is slower, never wrong. The
-reference it is tested against is `gemv_bf16_torch`.
+The weight is laid out once for the kernel (`pack`: rows in tiles of 4, each tile one sequential
+run of 64-byte lines; see the C file for why). The products are exactly those of
+F.linear(x, W.float()) (a bfloat16 value widens to float32 without rounding); only the order of
+the sum differs. `gemv_bf16` returns None where the kernel does not apply (no compiler,
+PDCLUSTER_NATIVE=0, a GPU tensor, another input dtype): the caller then runs its own path, so a
+missing kernel is slower, never wrong. The reference it is tested against is `gemv_bf16_torch`.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+from dataclasses import dataclass
 
 import torch
 
 from . import native
+
+TILE_ROWS, CHUNK = 4, 8  # csrc/gemv_bf16_cpu.c's layout
+
+
+@dataclass(frozen=True)
+class Bf16Tiles:
+    """A (n, k) bfloat16 weight in the kernel's layout: `data` is (ceil(n / 4), ceil(k / 8), 4, 8),
+    zero padded at both ends."""
+
+    data: torch.Tensor
+    n: int
+    k: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def unpack(self) -> torch.Tensor:
+        """The (n, k) bfloat16 weight these tiles hold."""
+        t, c = self.data.shape[:2]
+        return self.data.permute(0, 2, 1, 3).reshape(t * TILE_ROWS, c * CHUNK)[: self.n, : self.k].contiguous()
+
+
+def pack(weight: torch.Tensor) -> Bf16Tiles:
+    """`weight` (N, K) bfloat16 on the CPU, any strides, in the kernel's layout (a copy)."""
+    if weight.dim() != 2 or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+        raise ValueError(f"pack: a 2-D bfloat16 CPU weight is needed, got {weight.dtype} "
+                         f"{tuple(weight.shape)} on {weight.device}")
+    n, k = weight.shape
+    tiles, chunks = -(-n // TILE_ROWS), -(-k // CHUNK)
+    padded = torch.zeros(tiles * TILE_ROWS, chunks * CHUNK, dtype=torch.bfloat16)
+    padded[:n, :k] = weight
+    data = padded.view(tiles, TILE_ROWS, chunks, CHUNK).permute(0, 2, 1, 3).contiguous()
+    return Bf16Tiles(data, n, k)
 
 
 @functools.cache
@@ -38,14 +74,13 @@ def gemv_bf16_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
 
 
-def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    if (x.device.type != "cpu" or weight.device.type != "cpu" or x.dtype != torch.float32
-            or weight.dtype != torch.bfloat16 or weight.dim() != 2 or not weight.is_contiguous()
+def gemv_bf16(x: torch.Tensor, tiles: Bf16Tiles, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    if (x.device.type != "cpu" or x.dtype != torch.float32
             or (bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu"))):
         return None
-    n, k = weight.shape
+    n, k = tiles.n, tiles.k
     if x.shape[-1] != k or (bias is not None and bias.shape != (n,)):
-        raise ValueError(f"gemv_bf16: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
+        raise ValueError(f"gemv_bf16: x {tuple(x.shape)}, weight {(n, k)}, "
                          f"bias {None if bias is None else tuple(bias.shape)} do not agree")
     fn = _fn()
     if fn is None:
@@ -55,7 +90,7 @@ def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
         x2 = x2.contiguous()
     b = None if bias is None else bias.contiguous()
     out = torch.empty(x2.shape[0], n, dtype=torch.float32)
-    rc = fn(x2.data_ptr(), max(x2.stride(0), k), weight.data_ptr(), None if b is None else b.data_ptr(),
+    rc = fn(x2.data_ptr(), max(x2.stride(0), k), tiles.data.data_ptr(), None if b is None else b.data_ptr(),
             out.data_ptr(), x2.shape[0], n, k, torch.get_num_threads())
     if rc != 0:
         return None

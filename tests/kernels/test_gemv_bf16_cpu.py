@@ -29,7 +29,7 @@ def test_matches_linear_on_the_widened_weight(m: int, n: int, k: int, bias: bool
     w = torch.randn(n, k, generator=g).to(torch.bfloat16)
     x = torch.randn(m, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
-    got = gemv_bf16_cpu.gemv_bf16(x, w, b)
+    got = gemv_bf16_cpu.gemv_bf16(x, gemv_bf16_cpu.pack(w), b)
     want = gemv_bf16_cpu.gemv_bf16_torch(x, w, b)
     assert got is not None and got.dtype == torch.float32 and got.shape == (m, n)
     assert ((got - want).abs() <= _bound(x, w.float(), b)).all()
@@ -39,7 +39,7 @@ def test_matches_linear_on_the_widened_weight(m: int, n: int, k: int, bias: bool
 def test_every_thread_count_gives_the_same_result(threads: int) -> None:
     """Features are split over threads; each output is summed by one thread in one order."""
     g = torch.Generator().manual_seed(1)
-    w = torch.randn(300, 96, generator=g).to(torch.bfloat16)
+    w = gemv_bf16_cpu.pack(torch.randn(300, 96, generator=g).to(torch.bfloat16))
     x = torch.randn(3, 96, generator=g)
     before = torch.get_num_threads()
     try:
@@ -55,21 +55,38 @@ def test_strided_rows_and_leading_dims() -> None:
     """x as every other row of a wider buffer, and (B, T, K) inputs: the output keeps x's leading dims."""
     g = torch.Generator().manual_seed(2)
     w = torch.randn(40, 24, generator=g).to(torch.bfloat16)
+    tiles = gemv_bf16_cpu.pack(w)
     wide = torch.randn(3, 48, generator=g)
     x = wide[:, :24]  # row stride 48
-    got = gemv_bf16_cpu.gemv_bf16(x, w)
+    got = gemv_bf16_cpu.gemv_bf16(x, tiles)
     assert ((got - gemv_bf16_cpu.gemv_bf16_torch(x, w)).abs() <= _bound(x, w.float(), None)).all()
     x3 = torch.randn(2, 2, 24, generator=g)
-    got3 = gemv_bf16_cpu.gemv_bf16(x3, w)
+    got3 = gemv_bf16_cpu.gemv_bf16(x3, tiles)
     assert got3.shape == (2, 2, 40)
     torch.testing.assert_close(got3, gemv_bf16_cpu.gemv_bf16_torch(x3, w), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(("n", "k"), [(1, 1), (4, 8), (5, 9), (13, 21), (64, 768)])
+def test_the_tiled_layout_holds_the_weight_and_a_tile_is_one_run(n: int, k: int) -> None:
+    w = torch.randn(n, k).to(torch.bfloat16)
+    tiles = gemv_bf16_cpu.pack(w)
+    assert torch.equal(tiles.unpack(), w)
+    t, c = -(-n // 4), -(-k // 8)
+    assert tiles.data.shape == (t, c, 4, 8) and tiles.data.is_contiguous()
+    # Chunk 0 of tile 0: rows 0-3, columns 0-7, one after another (the padding is zeros).
+    padded = torch.zeros(t * 4, c * 8, dtype=torch.bfloat16)
+    padded[:n, :k] = w
+    assert torch.equal(tiles.data[0, 0].reshape(-1), padded[:4, :8].reshape(-1))
+    assert tiles.nbytes == t * c * 32 * 2
+    # Strided sources pack to the same tiles.
+    assert torch.equal(gemv_bf16_cpu.pack(w.t().contiguous().t()).data, tiles.data)
+
+
 def test_declines_what_it_does_not_take_and_names_disagreeing_shapes() -> None:
-    w = torch.randn(8, 16).to(torch.bfloat16)
+    w = gemv_bf16_cpu.pack(torch.randn(8, 16).to(torch.bfloat16))
     assert gemv_bf16_cpu.gemv_bf16(torch.randn(1, 16).double(), w) is None  # float64 input
-    assert gemv_bf16_cpu.gemv_bf16(torch.randn(1, 16), w.float()) is None  # float32 weight
-    assert gemv_bf16_cpu.gemv_bf16(torch.randn(1, 16), w.t().contiguous().t()) is None  # strided weight
+    with pytest.raises(ValueError, match="bfloat16"):
+        gemv_bf16_cpu.pack(torch.randn(8, 16))  # a float32 weight is not packed
     with pytest.raises(ValueError, match="do not agree"):
         gemv_bf16_cpu.gemv_bf16(torch.randn(1, 15), w)
     with pytest.raises(ValueError, match="do not agree"):
@@ -89,8 +106,8 @@ def _layer(values: torch.Tensor, bias: bool = False) -> ReplicatedLinear:
 def test_a_bf16_valued_layer_gets_a_copy_and_decode_rows_use_it() -> None:
     values = torch.randn(48, 32).to(torch.bfloat16).float()
     layer = _layer(values, bias=True)
-    assert layer.gemv_weight is not None and layer.gemv_weight.dtype == torch.bfloat16
-    assert torch.equal(layer.gemv_weight.float(), values)
+    assert layer.gemv_weight is not None and layer.gemv_weight.data.dtype == torch.bfloat16
+    assert torch.equal(layer.gemv_weight.unpack().float(), values)
     for rows in (1, cpu_gemv.MAX_ROWS, cpu_gemv.MAX_ROWS + 1, 40):
         x = torch.randn(rows, 32)
         got = layer(x)

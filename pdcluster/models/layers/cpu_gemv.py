@@ -6,7 +6,8 @@ bytes per weight in every decode step, although each weight carries only 2 bytes
 At the few rows of a decode step a linear layer costs the read of its weight, so reading the
 checkpoint's 2 bytes and widening in registers (kernels/csrc/gemv_bf16_cpu.c) halves the step's
 weight traffic. Measured on a 2-core AVX2 EPYC, the 125M bench Llama's 49 products per step: 1.6-1.8x
-oneDNN's packed float32 at M = 1, 1.45x at M = 4, 1.1-1.2x at M = 8-16 (benchmarks/gemv_bf16.py).
+oneDNN's packed float32 at M = 1, 1.45x at M = 4, 1.1-1.2x at M = 8-16 with W row-major; the tiled
+layout the copy now has (kernels/gemv_bf16_cpu.pack) took M = 1 a further 1.5x (benchmarks/gemv_bf16.py).
 
 Exactness: widening bfloat16 to float32 is exact, so the kernel forms the same float32 products
 as F.linear on the float32 weight and differs only in the order of the sum. That is the float32
@@ -25,6 +26,7 @@ import torch
 
 from pdcluster.env_flags import env_enabled
 from pdcluster.kernels import gemv_bf16_cpu
+from pdcluster.kernels.gemv_bf16_cpu import Bf16Tiles
 from pdcluster.models.layers import cpu_gemm
 
 ENV = "PDCLUSTER_CPU_GEMV"  # "0" / "false" / "off" / "no": no bfloat16 decode copies
@@ -49,16 +51,18 @@ def skip_reason(weight: torch.Tensor) -> str | None:
     return None
 
 
-def decode_copy(weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """The bfloat16 copy of `weight` (out, in) for decode products, or None: not applicable
-    (skip_reason), a value that is not a bfloat16 (the copy would round it), or the probe
-    disagreed with F.linear."""
+def decode_copy(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Bf16Tiles | None:
+    """The bfloat16 copy of `weight` (out, in) for decode products, in the kernel's tiled layout,
+    or None: not applicable (skip_reason), a value that is not a bfloat16 (the copy would round
+    it), or the probe disagreed with F.linear."""
     if skip_reason(weight) is not None:
         return None
     w = weight.detach()
-    copy = w.to(torch.bfloat16).contiguous()
-    if not torch.equal(copy.float(), w):
+    values = w.to(torch.bfloat16)
+    if not torch.equal(values.float(), w):
         return None
+    copy = gemv_bf16_cpu.pack(values)
+    del values
     b = None if bias is None else bias.detach().float()
     gen = torch.Generator().manual_seed(0)
     for rows in PROBE_ROWS:
@@ -69,7 +73,7 @@ def decode_copy(weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch
     return copy
 
 
-def serves(copy: torch.Tensor | None, x: torch.Tensor) -> bool:
+def serves(copy: Bf16Tiles | None, x: torch.Tensor) -> bool:
     """Whether x's product runs on the bfloat16 copy: a float32 input of at most MAX_ROWS rows,
     outside a dynamo trace (the kernel is a ctypes call the graph cannot hold)."""
     return (copy is not None and x.dtype == torch.float32 and x.numel() <= MAX_ROWS * x.shape[-1]
@@ -90,4 +94,4 @@ def linear(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -
 def copy_count(model: torch.nn.Module) -> tuple[int, int]:
     """(modules holding a decode copy, bytes of those copies), for logs and benchmarks."""
     copies = [m.gemv_weight for m in model.modules() if getattr(m, "gemv_weight", None) is not None]
-    return len(copies), sum(c.numel() * c.element_size() for c in copies)
+    return len(copies), sum(c.nbytes for c in copies)

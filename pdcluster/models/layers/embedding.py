@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdcluster.kernels.gemv_bf16_cpu import Bf16Tiles
 from pdcluster.models.layers import cpu_gemv
 from pdcluster.models.layers.cpu_gemm import PackedWeight, pack_weight
 from pdcluster.models.layers.weight_slice import Loaded, narrow, shape_of
@@ -72,7 +73,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         # oneDNN-packed copy of `weight` (a plain attribute: not a parameter, not in state_dict).
         self.packed_weight: PackedWeight | None = None
         # bfloat16 copy for decode-sized products when `weight` holds bf16 values (cpu_gemv).
-        self.gemv_weight: torch.Tensor | None = None
+        self.gemv_weight: Bf16Tiles | None = None
 
     def _load(self, param: nn.Parameter, loaded: Loaded, shard_id: str | int | None = None) -> None:
         self.packed_weight = self.gemv_weight = None  # copies of the old values would be stale

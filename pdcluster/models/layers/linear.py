@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from pdcluster.kernels.gemv_bf16_cpu import Bf16Tiles
 from pdcluster.models.layers import cpu_gemv
 from pdcluster.models.layers.cpu_gemm import PackedWeight, pack_weight
 from pdcluster.models.layers.weight_slice import Loaded, narrow, shape_of, whole
@@ -75,7 +76,7 @@ class LinearBase(nn.Module):
         # oneDNN-packed copy of `weight` (a plain attribute: not a parameter, not in state_dict).
         self.packed_weight: PackedWeight | None = None
         # bfloat16 copy for decode-sized products when `weight` holds bf16 values (cpu_gemv).
-        self.gemv_weight: torch.Tensor | None = None
+        self.gemv_weight: Bf16Tiles | None = None
         # Path inside its decoder layer once compiled_forward traces it packed (cpu_gemm).
         self.compiled_name: str | None = None
 
