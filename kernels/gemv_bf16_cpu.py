@@ -54,20 +54,43 @@ def pack(weight: torch.Tensor) -> Bf16Tiles:
     return Bf16Tiles(data, n, k)
 
 
+def pack_float32(weight: torch.Tensor) -> Bf16Tiles | None:
+    """`weight` (N, K) float32 on the CPU straight into the kernel's layout, in one pass and
+    without a temporary (this runs for every linear weight at load), or None when some value is
+    not a bfloat16 (the copy would round it) or the kernel is unavailable."""
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        raise ValueError(f"pack_float32: a 2-D float32 CPU weight is needed, got {weight.dtype} "
+                         f"{tuple(weight.shape)} on {weight.device}")
+    fns = _fns()
+    if fns is None:
+        return None
+    n, k = weight.shape
+    w = weight if weight.stride(-1) == 1 else weight.contiguous()
+    data = torch.empty(-(-n // TILE_ROWS), -(-k // CHUNK), TILE_ROWS, CHUNK, dtype=torch.bfloat16)
+    rc = fns[1](w.data_ptr(), max(w.stride(0), k), n, k, data.data_ptr(), torch.get_num_threads())
+    if rc < 0:
+        raise ValueError(f"pack_float32: the kernel refused weight {tuple(weight.shape)} (code {rc})")
+    return Bf16Tiles(data, n, k) if rc == 0 else None
+
+
 @functools.cache
-def _fn() -> ctypes._CFuncPtr | None:
+def _fns() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
+    """(the product, the float32 packer) from the built library, or None."""
     lib = native.load("gemv_bf16_cpu")
     if lib is None:
         return None
+    p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     f = lib.pd_gemv_bf16
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    f.argtypes = [p, i64, p, p, p, i64, i64, i64, ctypes.c_int]
-    f.restype = ctypes.c_int
-    return f
+    f.argtypes = [p, i64, p, p, p, i64, i64, i64, c_int]
+    f.restype = c_int
+    g = lib.pd_pack_bf16_from_f32
+    g.argtypes = [p, i64, i64, i64, p, c_int]
+    g.restype = c_int
+    return f, g
 
 
 def available() -> bool:
-    return _fn() is not None
+    return _fns() is not None
 
 
 def gemv_bf16_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -82,15 +105,15 @@ def gemv_bf16(x: torch.Tensor, tiles: Bf16Tiles, bias: torch.Tensor | None = Non
     if x.shape[-1] != k or (bias is not None and bias.shape != (n,)):
         raise ValueError(f"gemv_bf16: x {tuple(x.shape)}, weight {(n, k)}, "
                          f"bias {None if bias is None else tuple(bias.shape)} do not agree")
-    fn = _fn()
-    if fn is None:
+    fns = _fns()
+    if fns is None:
         return None
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < k):
         x2 = x2.contiguous()
     b = None if bias is None else bias.contiguous()
     out = torch.empty(x2.shape[0], n, dtype=torch.float32)
-    rc = fn(x2.data_ptr(), max(x2.stride(0), k), tiles.data.data_ptr(), None if b is None else b.data_ptr(),
+    rc = fns[0](x2.data_ptr(), max(x2.stride(0), k), tiles.data.data_ptr(), None if b is None else b.data_ptr(),
             out.data_ptr(), x2.shape[0], n, k, torch.get_num_threads())
     if rc != 0:
         return None

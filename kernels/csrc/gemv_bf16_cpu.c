@@ -168,3 +168,33 @@ int pd_gemv_bf16(const float *x, int64_t ldx, const uint16_t *wp, const float *b
     }
     return 0;
 }
+
+/* W (N, K) float32, row-major with row stride ldw, into the tiled bfloat16 layout above (`out`:
+ * ceil(N / 4) * 4 * ceil(K / 8) * 8 values, padding written as zeros), in one pass and without a
+ * temporary. Returns 0, or 1 when some value is not a bfloat16 (its low 16 bits are not zero:
+ * the copy would round it, so the caller keeps no copy; `out` is then garbage), or -1 on bad
+ * arguments. Tiles are split over `threads`. */
+int pd_pack_bf16_from_f32(const float *w, int64_t ldw, int64_t N, int64_t K, uint16_t *out, int threads) {
+    if (N < 0 || K < 0 || ldw < K || threads < 1) return -1;
+    const int64_t kchunks = (K + CHUNK - 1) / CHUNK, ntiles = (N + TILE_ROWS - 1) / TILE_ROWS;
+    const int64_t tile_len = TILE_ROWS * CHUNK * kchunks;
+    int inexact = 0;
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(| : inexact)
+    for (int64_t t = 0; t < ntiles; t++) {
+        uint16_t *dst = out + t * tile_len;
+        for (int j = 0; j < TILE_ROWS; j++) {
+            const int64_t row = t * TILE_ROWS + j;
+            for (int64_t c = 0; c < kchunks; c++) {
+                uint16_t *d = dst + (c * TILE_ROWS + j) * CHUNK;
+                for (int e = 0; e < CHUNK; e++) {
+                    const int64_t k = c * CHUNK + e;
+                    uint32_t u = 0;
+                    if (row < N && k < K) memcpy(&u, w + row * ldw + k, sizeof u);
+                    inexact |= (u & 0xFFFFu) != 0;
+                    d[e] = (uint16_t)(u >> 16);
+                }
+            }
+        }
+    }
+    return inexact;
+}

@@ -82,6 +82,21 @@ def test_the_tiled_layout_holds_the_weight_and_a_tile_is_one_run(n: int, k: int)
     assert torch.equal(gemv_bf16_cpu.pack(w.t().contiguous().t()).data, tiles.data)
 
 
+@pytest.mark.parametrize(("n", "k"), [(1, 1), (5, 9), (13, 21), (64, 768)])
+def test_packing_float32_equals_packing_its_bf16_values_and_refuses_other_values(n: int, k: int) -> None:
+    g = torch.Generator().manual_seed(n * 100 + k)
+    values = torch.randn(n, 2 * k, generator=g).to(torch.bfloat16)
+    strided = values.float()[:, :k]  # row stride 2k
+    tiles = gemv_bf16_cpu.pack_float32(strided)
+    assert tiles is not None and torch.equal(tiles.data, gemv_bf16_cpu.pack(values[:, :k]).data)
+    assert torch.equal(tiles.unpack().float(), strided)
+    off = strided.clone()
+    off[n - 1, k - 1] = torch.nextafter(off[n - 1, k - 1], torch.tensor(float("inf")))  # not a bf16
+    assert gemv_bf16_cpu.pack_float32(off) is None
+    with pytest.raises(ValueError, match="float32"):
+        gemv_bf16_cpu.pack_float32(values)
+
+
 def test_declines_what_it_does_not_take_and_names_disagreeing_shapes() -> None:
     w = gemv_bf16_cpu.pack(torch.randn(8, 16).to(torch.bfloat16))
     assert gemv_bf16_cpu.gemv_bf16(torch.randn(1, 16).double(), w) is None  # float64 input
