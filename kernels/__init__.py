@@ -7,6 +7,7 @@
     paged_attention.py   paged_decode_attention_*      (GQA, split-KV, float8 KV)
     paged_decode_cpu.py  paged_decode_attention_cpu    (C kernel, csrc/; built by native.py)
     gemv_bf16_cpu.py     gemv_bf16, gemv_bf16_torch    (C kernel: small-M products over bf16 weights)
+    decode_step_cpu.py   run, ModelDesc, LayerDesc     (C: every layer of a decode step in one call)
     elementwise_cpu.py   rms_norm_cpu, fused_add_rms_norm_cpu, rotary_embedding_cpu, silu_and_mul_cpu
                                                        (C kernels, float32; fall back to the refs)
     extend_attention.py  extend_attention_*            (varlen causal over a cached prefix)

@@ -208,6 +208,9 @@ class CompiledForward:
         is open anywhere in the process a packed linear calls the packed_linear op, which reads it."""
         decoder = self.model.model  # type: ignore[union-attr]
         hidden = decoder.embed_tokens(input_ids)
+        fast = decoder.decode_step.run(decoder, hidden, positions, kv_caches, meta)  # cpu_decode_step.py
+        if fast is not None:
+            return fast
         residual = None
         for i, layer in enumerate(decoder.layers):
             current = CURRENT_LAYER.set(layer)

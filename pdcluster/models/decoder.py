@@ -25,6 +25,7 @@ from torch import nn
 
 from pdcluster.dtypes import torch_dtype
 from pdcluster.kernels.ops import Ops, get_ops
+from pdcluster.models.cpu_decode_step import DecodeStep
 from pdcluster.models.hf_config import ModelConfig
 from pdcluster.models.layers.attention import Attention
 from pdcluster.models.layers.attention_backend import AttentionBackend, AttentionMetadata
@@ -82,10 +83,15 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i, rotary, backend, ops, dtype, o_bias, tp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
+        # Decode steps as one C call where the layers allow it (cpu_decode_step.py); not a module.
+        self.decode_step = DecodeStep()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Any,
                 meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        fast = self.decode_step.run(self, hidden, positions, kv_caches, meta)
+        if fast is not None:
+            return fast
         residual = None
         for i, layer in enumerate(self.layers):
             # kv_caches[i]: (2, num_blocks, block_size, Hk, D), from the runner's one 6-D tensor.

@@ -66,6 +66,8 @@ def test_bf16_checkpoint_computed_in_float32_equals_transformers(tmp_path, arch:
     assert copies == 2 * 4 + 1  # per layer qkv, o, gate_up, down; the LM head
     prompts = _prompts(llm.engine.config.model.vocab_size, [1, 7, 16, 23, 40])
     assert _tokens(llm.generate(prompts, GREEDY)) == _hf_greedy(path, prompts, 32)
+    # The decode steps went through the one-call driver (models/cpu_decode_step.py).
+    assert llm.engine.core.runner.model.model.decode_step.steps > 0
 
 
 @pytest.fixture(scope="module")

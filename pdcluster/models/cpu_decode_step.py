@@ -1,0 +1,189 @@
+"""Decode steps of a dense decoder on the CPU as one C call (kernels/decode_step_cpu.py).
+
+Why: at batch 1 the eager step of the 125M bench Llama spends ~6-7 ms of its ~15-20 ms in Python
+(module calls, tensor checks, views, ctypes argument conversion) around ~100 kernel calls that
+read the weights; on a 2-core CPU that is a third of the step, and no weight layout can win it
+back. The C driver runs the same kernels in the same order on the same arguments, so its output
+(and what it writes into the KV cache) is bit for bit the eager step's; a test holds it to that.
+
+When: a decode-only step (one new token per request) of at most cpu_gemv.MAX_ROWS requests,
+outside a dynamo trace, on a model whose every layer is the plain pre-norm block the driver knows:
+the "torch" ops backend's C kernels, the torch attention backend over a float32 or bfloat16 paged
+cache, a fused qkv projection without per-head q/k norms, rotary or none, a gated MLP (no MoE),
+tensor parallel size 1, and a bf16 decode copy on every linear (cpu_gemv). Anything else, or
+PDCLUSTER_CPU_DECODE_STEP=0, runs the eager layers as before. The plan (the descriptors) is
+built on first use and rebuilt when a weight's decode copy or the KV cache changes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pdcluster.env_flags import env_enabled
+from pdcluster.kernels import decode_step_cpu
+from pdcluster.models.layers import cpu_gemv
+from pdcluster.models.layers.attention_backend import AttentionMetadata
+from pdcluster.models.layers.mlp import MLP
+from pdcluster.models.layers.torch_attention import TorchAttentionBackend
+
+log = logging.getLogger(__name__)
+
+ENV = "PDCLUSTER_CPU_DECODE_STEP"  # "0": eager layers for every decode step
+_CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_MAX_ROW, _MAX_Q_HEADS = 4096, 256  # csrc/paged_decode_cpu.c's limits
+
+
+@dataclass
+class _Plan:
+    key: tuple[Any, ...]  # what the descriptors point into: rebuilt when any of it changes
+    model: decode_step_cpu.ModelDesc
+    layers: ctypes.Array
+    scratch: int  # floats per row
+
+
+def _weights_key(decoder: Any) -> tuple[int, ...]:
+    """Identity of every tensor the descriptors point at: a reload or a dropped copy changes it."""
+    out: list[int] = []
+    for layer in decoder.layers:
+        a, m = layer.self_attn, layer.mlp
+        for lin in (a.qkv_proj, a.o_proj, getattr(m, "gate_up_proj", None), getattr(m, "down_proj", None)):
+            out.append(id(getattr(lin, "gemv_weight", None)))  # a MoE block has neither: refused anyway
+    return tuple(out)
+
+
+def why_not(decoder: Any) -> str | None:
+    """Why this decoder's decode steps cannot take the driver, or None when they can."""
+    if not env_enabled(ENV):
+        return f"{ENV}=0"
+    if not decode_step_cpu.available():
+        return "a C kernel is unavailable (kernels/native.py logged why)"
+    first = decoder.layers[0].self_attn if len(decoder.layers) else None
+    if first is None:
+        return "no layers"
+    for i, layer in enumerate(decoder.layers):
+        a, m = layer.self_attn, layer.mlp
+        if not isinstance(m, MLP):
+            return f"layer {i} is not a dense gated MLP"
+        if a.q_norm is not None:
+            return f"layer {i} has per-head q/k norms"
+        backend = getattr(a.backend, "inner", a.backend)  # compiled_forward wraps it
+        if not isinstance(backend, TorchAttentionBackend):
+            return f"layer {i}'s attention backend is {backend.name!r}, not 'torch'"
+        if getattr(layer.input_layernorm._ops, "name", None) != "torch":
+            return f"layer {i}'s ops backend is not 'torch'"
+        for name, lin in (("qkv_proj", a.qkv_proj), ("o_proj", a.o_proj), ("gate_up_proj", m.gate_up_proj),
+                          ("down_proj", m.down_proj)):
+            if lin.tp_size != 1:
+                return "tensor parallel"
+            if lin.gemv_weight is None:
+                return f"layer {i}'s {name} has no bf16 decode copy ({cpu_gemv.skip_reason(lin.weight) or 'values'})"
+        if (a.num_heads, a.num_kv_heads, a.head_dim) != (first.num_heads, first.num_kv_heads, first.head_dim):
+            return "layers of different attention shapes"
+        if a.num_kv_heads * a.head_dim > _MAX_ROW or a.num_heads > _MAX_Q_HEADS:
+            return "attention shape past the paged kernel's limits"
+        rot = a.rotary_emb
+        if rot is not None and (rot.cos_sin_cache.dtype != torch.float32 or rot.cos_sin_cache.shape[1] > a.head_dim):
+            return "rotary table not float32 or wider than a head"
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            if norm.weight.dtype != torch.float32 or norm.eps != decoder.norm.eps:
+                return "norm weights not float32 or of different eps"
+    if decoder.norm.weight.dtype != torch.float32:
+        return "final norm not float32"
+    if len({id(layer.self_attn.rotary_emb) for layer in decoder.layers if layer.self_attn.rotary_emb}) > 1:
+        return "layers with different rotary tables"
+    return None
+
+
+class DecodeStep:
+    """The driver for one DecoderModel: `run` returns the final hidden states of a decode step, or
+    None when this step (or this model) does not take it."""
+
+    def __init__(self) -> None:
+        self._plan: _Plan | None = None
+        self._refused: tuple[tuple[int, ...], str] | None = None  # (weights key, why) once checked
+        self.steps = 0  # decode steps run by the driver (tests and benchmarks read it)
+
+    def run(self, decoder: Any, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: Any,
+            meta: AttentionMetadata) -> torch.Tensor | None:
+        rows = hidden.shape[0]
+        if (rows == 0 or rows > cpu_gemv.MAX_ROWS or meta.max_query_len != 1 or meta.num_tokens != meta.num_reqs
+                or hidden.dtype != torch.float32 or not hidden.is_cpu or torch.compiler.is_dynamo_compiling()):
+            return None
+        plan = self._get_plan(decoder, kv_caches)
+        if plan is None:
+            return None
+        out = hidden.contiguous().clone()  # the driver overwrites it with the final norm's output
+        pos = positions if positions.dtype == torch.int64 and positions.is_contiguous() else \
+            positions.to(torch.int64).contiguous()
+        slots = meta.slot_mapping.to(torch.int64).contiguous()
+        tables = meta.block_tables.to(torch.int32).contiguous()
+        lens = meta.seq_lens.to(torch.int64).contiguous()
+        bs = plan.model.block_size
+        if meta.max_seq_len > tables.shape[1] * bs:
+            raise ValueError(f"decode step: a seq_len of {meta.max_seq_len} needs more than the "
+                             f"{tables.shape[1]} blocks of {bs} its table holds")
+        scratch = torch.empty(plan.scratch * rows, dtype=torch.float32)
+        rc = decode_step_cpu.run(plan.model, plan.layers, out.data_ptr(), rows, pos.data_ptr(), slots.data_ptr(),
+                                 tables.data_ptr(), tables.stride(0), lens.data_ptr(), scratch.data_ptr(),
+                                 torch.get_num_threads())
+        if rc == -2:  # pd_rotary: a position outside the rope table, checked before any write
+            raise IndexError(f"decode step: a position in {positions.tolist()} is outside the rotary table "
+                             f"of {plan.model.max_pos} positions")
+        if rc != 0:
+            raise RuntimeError(f"decode step: a CPU kernel failed with code {rc}")
+        self.steps += 1
+        return out
+
+    def _get_plan(self, decoder: Any, kv_caches: Any) -> _Plan | None:
+        weights = _weights_key(decoder)
+        if self._refused is not None and self._refused[0] == weights:
+            return None
+        k0 = kv_caches[0]
+        key = (weights, id(kv_caches), k0.data_ptr(), k0.dtype, tuple(k0.shape))
+        if self._plan is not None and self._plan.key == key:
+            return self._plan
+        why = why_not(decoder)
+        if why is None and (k0.dtype not in _CACHE_DTYPES or not all(kv_caches[i].is_contiguous()
+                                                                    for i in range(len(decoder.layers)))):
+            why = f"KV cache of {k0.dtype} (float32 or bfloat16, contiguous, are taken)"
+        if why is not None:
+            log.info("decode steps run the eager layers: %s", why)
+            self._refused, self._plan = (weights, why), None
+            return None
+        self._plan = _build(decoder, kv_caches, key)
+        return self._plan
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _build(decoder: Any, kv_caches: Any, key: tuple[Any, ...]) -> _Plan:
+    a0, m0 = decoder.layers[0].self_attn, decoder.layers[0].mlp
+    rot = next((layer.self_attn.rotary_emb for layer in decoder.layers if layer.self_attn.rotary_emb), None)
+    k0 = kv_caches[0]
+    ptrs = decode_step_cpu.kernel_pointers()
+    assert ptrs is not None
+    model = decode_step_cpu.ModelDesc(
+        hidden=decoder.norm.weight.shape[0], inter=m0.down_proj.in_features, hq=a0.num_heads, hk=a0.num_kv_heads,
+        d=a0.head_dim, n_layers=len(decoder.layers), block_size=k0.shape[2], cache_dtype=_CACHE_DTYPES[k0.dtype],
+        rot=0 if rot is None else rot.cos_sin_cache.shape[1], max_pos=0 if rot is None else rot.cos_sin_cache.shape[0],
+        neox=int(rot is None or rot.is_neox_style), eps=decoder.norm.eps, scale=a0.scale,
+        cos_sin=None if rot is None else rot.cos_sin_cache.data_ptr(), final_ln=decoder.norm.weight.data_ptr(),
+        **ptrs)
+    layers = (decode_step_cpu.LayerDesc * len(decoder.layers))()
+    for i, layer in enumerate(decoder.layers):
+        a, m = layer.self_attn, layer.mlp
+        kv = kv_caches[i]  # (2, num_blocks, block_size, Hk, D)
+        layers[i] = decode_step_cpu.LayerDesc(
+            ln1=layer.input_layernorm.weight.data_ptr(), ln2=layer.post_attention_layernorm.weight.data_ptr(),
+            qkv=a.qkv_proj.gemv_weight.data.data_ptr(), o=a.o_proj.gemv_weight.data.data_ptr(),
+            gate_up=m.gate_up_proj.gemv_weight.data.data_ptr(), down=m.down_proj.gemv_weight.data.data_ptr(),
+            qkv_bias=_ptr(a.qkv_proj.bias), o_bias=_ptr(a.o_proj.bias), k_cache=kv[0].data_ptr(),
+            v_cache=kv[1].data_ptr(), window=int(a.sliding_window or 0), rotary=int(a.rotary_emb is not None))
+    return _Plan(key, model, layers, decode_step_cpu.scratch_floats(model, 1))

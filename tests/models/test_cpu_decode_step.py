@@ -1,0 +1,133 @@
+"""The one-call decode step (models/cpu_decode_step.py, kernels/csrc/decode_step_cpu.c) against
+the eager layers it replaces: the same final hidden states and the same KV cache writes, bit for
+bit, over several steps, batch sizes, caches and layer kinds; and the models and steps it must
+leave to the eager layers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import make_tiny_checkpoint
+
+from pdcluster.config import EngineArgs
+from pdcluster.engine.model_runner import ModelRunner
+from pdcluster.engine.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from pdcluster.kernels import decode_step_cpu
+from pdcluster.models import cpu_decode_step
+from pdcluster.models.layers import cpu_gemv
+from pdcluster.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(not decode_step_cpu.available(), reason="no C compiler on this machine")
+
+BLOCK = 4
+
+
+def _runner(path: str, kv_dtype: str = "auto", num_kv_blocks: int = 96, **overrides) -> ModelRunner:
+    cfg = EngineArgs(model=path, compute_dtype="float32", block_size=BLOCK, num_kv_blocks=num_kv_blocks,
+                     max_model_len=128,
+                     device="cpu", enforce_eager=True, kv_cache_dtype=kv_dtype, **overrides).create_engine_config()
+    return ModelRunner(cfg)
+
+
+def _prefill(runner: ModelRunner, lens: list[int], vocab: int, per: int = 24) -> None:
+    g = torch.Generator().manual_seed(sum(lens))
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    new, sched, first = [], {}, 0
+    for i, n in enumerate(lens):
+        prompt = torch.randint(3, vocab, (n,), generator=g).tolist()
+        blocks = list(range(first, first + per))  # room for the prompt and every decode step
+        first += per
+        new.append(NewRequestData(f"r{i}", prompt, [], params, blocks, 0))
+        sched[f"r{i}"] = n
+    runner.execute(SchedulerOutput(new, [], sched, sum(lens)))
+
+
+def _decode(runner: ModelRunner, ids: list[str]) -> SchedulerOutput:
+    cached = [CachedRequestData(r, [], runner.requests[r].num_computed_tokens) for r in ids]
+    return SchedulerOutput([], cached, {r: 1 for r in ids}, len(ids))
+
+
+def _eager(decoder, monkeypatch, *args) -> torch.Tensor:
+    """The eager layers on the same inputs: a fresh DecodeStep with the switch off refuses."""
+    saved = decoder.decode_step
+    with monkeypatch.context() as m:
+        m.setenv(cpu_decode_step.ENV, "0")
+        decoder.decode_step = cpu_decode_step.DecodeStep()
+        try:
+            return decoder(*args)
+        finally:
+            decoder.decode_step = saved
+
+
+CASES = [
+    ("llama", "auto", {}),  # llama3 rope, GQA
+    ("qwen2", "auto", {}),  # q/k/v bias, tied head
+    ("qwen2", "bfloat16", {}),  # bf16 cache: the driver rounds K/V as .to(bfloat16) does
+    ("mistral", "auto", {"sliding_window": 6}),  # windowed attention
+    ("llama2", "bfloat16", {"attention_bias": True}),  # MHA, o_proj bias too
+]
+
+
+@pytest.mark.parametrize(("arch", "kv_dtype", "cfg"), CASES, ids=[f"{a}-{k}-{len(c)}" for a, k, c in CASES])
+@pytest.mark.parametrize("lens", [[9], [5, 13, 2]], ids=["batch1", "batch3"])
+def test_bit_for_bit_the_eager_step(tmp_path, monkeypatch, arch: str, kv_dtype: str, cfg: dict,
+                                    lens: list[int]) -> None:
+    path = make_tiny_checkpoint(arch, tmp_path / arch, dtype=torch.bfloat16, **cfg)
+    runner = _runner(path, kv_dtype)
+    decoder = runner.model.model
+    assert cpu_decode_step.why_not(decoder) is None
+    _prefill(runner, lens, runner.config.model.vocab_size)
+    ids = [f"r{i}" for i in range(len(lens))]
+    with torch.inference_mode():
+        for _ in range(6):  # crosses block boundaries (BLOCK 4) and the window
+            reqs = [runner.requests[r] for r in ids]
+            input_ids, positions, meta = runner.prepare_inputs(reqs, [1] * len(ids))
+            kv_fast, kv_eager = runner.kv_caches.clone(), runner.kv_caches.clone()
+            before = decoder.decode_step.steps
+            fast = decoder(input_ids, positions, kv_fast, meta)
+            assert decoder.decode_step.steps == before + 1  # the driver ran, not the eager layers
+            eager = _eager(decoder, monkeypatch, input_ids, positions, kv_eager, meta)
+            assert torch.equal(fast, eager)
+            assert torch.equal(kv_fast, kv_eager)
+            assert not torch.equal(kv_fast, runner.kv_caches)  # the step did write the new K/V
+            runner.execute(_decode(runner, ids))  # advance (through the driver)
+
+
+def test_steps_it_does_not_take_run_the_eager_layers(tmp_path) -> None:
+    path = make_tiny_checkpoint("llama", tmp_path / "l", dtype=torch.bfloat16)
+    runner = _runner(path)
+    decoder = runner.model.model
+    _prefill(runner, [7, 3], runner.config.model.vocab_size)  # a prefill step: eager
+    assert decoder.decode_step.steps == 0
+    runner.execute(_decode(runner, ["r0", "r1"]))
+    assert decoder.decode_step.steps == 1
+    # More requests than the decode copies serve rows (cpu_gemv.MAX_ROWS): eager.
+    wide = _runner(path, num_kv_blocks=80, max_num_seqs=32)
+    n = cpu_gemv.MAX_ROWS + 1
+    _prefill(wide, [7] * n, wide.config.model.vocab_size, per=4)
+    wide.execute(_decode(wide, [f"r{i}" for i in range(n)]))
+    assert wide.model.model.decode_step.steps == 0
+    wide.execute(_decode(wide, [f"r{i}" for i in range(cpu_gemv.MAX_ROWS)]))  # at the limit: taken
+    assert wide.model.model.decode_step.steps == 1
+
+
+@pytest.mark.parametrize(("arch", "dtype", "why"), [
+    ("llama", torch.float32, "no bf16 decode copy"),  # float32 values: no bf16 copies to read
+    ("qwen3", torch.bfloat16, "per-head q/k norms"),
+])
+def test_models_it_does_not_know_are_refused_by_name(tmp_path, arch: str, dtype: torch.dtype, why: str) -> None:
+    runner = _runner(make_tiny_checkpoint(arch, tmp_path / arch, dtype=dtype))
+    decoder = runner.model.model
+    assert why in (cpu_decode_step.why_not(decoder) or "")
+    _prefill(runner, [6], runner.config.model.vocab_size)
+    runner.execute(_decode(runner, ["r0"]))
+    assert decoder.decode_step.steps == 0
+
+
+def test_the_switch_turns_it_off(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(cpu_decode_step.ENV, "0")
+    runner = _runner(make_tiny_checkpoint("llama", tmp_path / "l", dtype=torch.bfloat16))
+    assert cpu_decode_step.why_not(runner.model.model) == f"{cpu_decode_step.ENV}=0"
+    _prefill(runner, [6], runner.config.model.vocab_size)
+    runner.execute(_decode(runner, ["r0"]))
+    assert runner.model.model.decode_step.steps == 0
