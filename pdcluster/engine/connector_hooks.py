@@ -90,14 +90,19 @@ class ConnectorHooks:
                 layer.register_forward_hook(self._post_hook(i))
             self._per_layer = True
 
+    # Both hooks read neither the layer's inputs nor its output (args_free): the one-call decode
+    # step (models/cpu_decode_step.py) may then run every layer's pre-hook before its call and every
+    # post-hook after it, in layer order; a hook without the mark makes it run the eager layers.
     def _pre_hook(self, i: int) -> Any:
         def hook(_module: Any, _args: Any) -> None:
             self.connector.wait_for_layer_load(i)
+        hook.args_free = True  # type: ignore[attr-defined]
         return hook
 
     def _post_hook(self, i: int) -> Any:
         def hook(_module: Any, _args: Any, _out: Any) -> None:
             self.connector.save_kv_layer(i, self._kv_caches[i], self._meta)
+        hook.args_free = True  # type: ignore[attr-defined]
         return hook
 
     # -- one step --------------------------------------------------------------------------------

@@ -10,7 +10,9 @@ When: a decode-only step (one new token per request) of at most cpu_gemv.MAX_ROW
 outside a dynamo trace, on a model whose every layer is the plain pre-norm block the driver knows:
 the "torch" ops backend's C kernels, the torch attention backend over a float32 or bfloat16 paged
 cache, a fused qkv projection without per-head q/k norms, rotary or none, a gated MLP (no MoE),
-tensor parallel size 1, and a bf16 decode copy on every linear (cpu_gemv). Anything else, or
+tensor parallel size 1, a bf16 decode copy on every linear (cpu_gemv), and no forward hooks on
+the layers but a KV connector's (which read neither inputs nor outputs: run all before the call,
+all after it, in layer order). Anything else, or
 PDCLUSTER_CPU_DECODE_STEP=0, runs the eager layers as before. The plan (the descriptors) is
 built on first use and rebuilt when a weight's decode copy or the KV cache changes.
 """
@@ -114,6 +116,9 @@ class DecodeStep:
         if (rows == 0 or rows > cpu_gemv.MAX_ROWS or meta.max_query_len != 1 or meta.num_tokens != meta.num_reqs
                 or hidden.dtype != torch.float32 or not hidden.is_cpu or torch.compiler.is_dynamo_compiling()):
             return None
+        hooks = layer_hooks(decoder)
+        if hooks is None:
+            return None
         plan = self._get_plan(decoder, kv_caches)
         if plan is None:
             return None
@@ -128,6 +133,9 @@ class DecodeStep:
             raise ValueError(f"decode step: a seq_len of {meta.max_seq_len} needs more than the "
                              f"{tables.shape[1]} blocks of {bs} its table holds")
         scratch = torch.empty(plan.scratch * rows, dtype=torch.float32)
+        pre, post = hooks
+        for layer, hook in pre:  # a KV connector's wait_for_layer_load, every layer before the call
+            hook(layer, ())
         rc = decode_step_cpu.run(plan.model, plan.layers, out.data_ptr(), rows, pos.data_ptr(), slots.data_ptr(),
                                  tables.data_ptr(), tables.stride(0), lens.data_ptr(), scratch.data_ptr(),
                                  torch.get_num_threads())
@@ -136,6 +144,8 @@ class DecodeStep:
                              f"of {plan.model.max_pos} positions")
         if rc != 0:
             raise RuntimeError(f"decode step: a CPU kernel failed with code {rc}")
+        for layer, hook in post:  # its save_kv_layer: each layer's cache is final once the call returns
+            hook(layer, (), None)
         self.steps += 1
         return out
 
@@ -157,6 +167,29 @@ class DecodeStep:
             return None
         self._plan = _build(decoder, kv_caches, key)
         return self._plan
+
+
+_Hook = tuple[torch.nn.Module, Any]
+
+
+def layer_hooks(decoder: Any) -> tuple[list[_Hook], list[_Hook]] | None:
+    """The layers' forward pre-hooks and hooks, in layer order, when every one is marked
+    `args_free` (reads neither the layer's inputs nor its output: engine/connector_hooks.py's) and
+    no global module hook is set; else None (the eager layers must run for the hooks to see their
+    arguments)."""
+    from torch.nn.modules import module as nn_module
+
+    if nn_module._global_forward_pre_hooks or nn_module._global_forward_hooks:
+        return None
+    pre: list[_Hook] = []
+    post: list[_Hook] = []
+    for layer in decoder.layers:
+        for hooks, into in ((layer._forward_pre_hooks, pre), (layer._forward_hooks, post)):
+            for hook in hooks.values():
+                if not getattr(hook, "args_free", False):
+                    return None
+                into.append((layer, hook))
+    return pre, post
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
