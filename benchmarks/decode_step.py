@@ -59,7 +59,7 @@ def main() -> None:
     runner.execute(SchedulerOutput(new, [], {r: args.context for r in ids}, args.context * args.batch))
     base = {r: list(runner.requests[r].token_ids) for r in ids}
     on, off = decoder.decode_step, cpu_decode_step.DecodeStep()
-    off._refused = (cpu_decode_step._weights_key(decoder), "benchmark: eager side")
+    off._refused = (cpu_decode_step._weights_key(cpu_decode_step._linears(decoder)), "benchmark: eager side")
 
     def steps() -> float:
         for r in ids:

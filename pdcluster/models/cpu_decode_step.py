@@ -48,14 +48,20 @@ class _Plan:
     scratch: int  # floats per row
 
 
-def _weights_key(decoder: Any) -> tuple[int, ...]:
-    """Identity of every tensor the descriptors point at: a reload or a dropped copy changes it."""
-    out: list[int] = []
+def _linears(decoder: Any) -> list[Any]:
+    """Every linear the descriptors read, in layer order (a MoE block has no gate_up/down: its
+    layer is refused anyway, and None stands in)."""
+    out: list[Any] = []
     for layer in decoder.layers:
         a, m = layer.self_attn, layer.mlp
-        for lin in (a.qkv_proj, a.o_proj, getattr(m, "gate_up_proj", None), getattr(m, "down_proj", None)):
-            out.append(id(getattr(lin, "gemv_weight", None)))  # a MoE block has neither: refused anyway
-    return tuple(out)
+        out += [a.qkv_proj, a.o_proj, getattr(m, "gate_up_proj", None), getattr(m, "down_proj", None)]
+    return out
+
+
+def _weights_key(linears: list[Any]) -> tuple[int, ...]:
+    """Identity of every decode copy the descriptors point at: a reload or a dropped copy changes
+    it. (Plain instance attributes: no nn.Module __getattr__ on this per-step path.)"""
+    return tuple(id(getattr(lin, "gemv_weight", None)) for lin in linears)
 
 
 def why_not(decoder: Any) -> str | None:
@@ -108,6 +114,7 @@ class DecodeStep:
     def __init__(self) -> None:
         self._plan: _Plan | None = None
         self._refused: tuple[tuple[int, ...], str] | None = None  # (weights key, why) once checked
+        self._linears: list[Any] | None = None  # the decoder's linears, found once (layers are fixed)
         self.steps = 0  # decode steps run by the driver (tests and benchmarks read it)
 
     def run(self, decoder: Any, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: Any,
@@ -150,7 +157,9 @@ class DecodeStep:
         return out
 
     def _get_plan(self, decoder: Any, kv_caches: Any) -> _Plan | None:
-        weights = _weights_key(decoder)
+        if self._linears is None:
+            self._linears = _linears(decoder)
+        weights = _weights_key(self._linears)
         if self._refused is not None and self._refused[0] == weights:
             return None
         k0 = kv_caches[0]
