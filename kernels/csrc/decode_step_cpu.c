@@ -10,7 +10,8 @@
  * each kernel keeps exactly one definition.
  *
  * Scope (the caller checks it, models/cpu_decode_step.py): dense pre-norm layers with
- * RMSNorm, a fused qkv projection (optional bias), rotary or none, paged attention over a float32
+ * RMSNorm, a fused qkv projection (optional bias), per-head q/k RMSNorm or none (Qwen3), rotary
+ * or none, paged attention over a float32
  * or bfloat16 cache, o_proj (optional bias), SiLU-gated MLP; every linear weight a bf16 decode
  * copy; one query token per request. Returns 0, or the first failing kernel's code (the caller then
  * raises: by then the cache may have been written, so there is no silent fallback).
@@ -32,6 +33,7 @@ typedef struct {
     const float *ln1, *ln2;                      /* input / post-attention RMSNorm weights (H) */
     const uint16_t *qkv, *o, *gate_up, *down;    /* bf16 tiles (gemv_bf16_cpu.c layout) */
     const float *qkv_bias, *o_bias;              /* or NULL */
+    const float *q_norm, *k_norm;                /* per-head RMSNorm weights (D), Qwen3; or NULL */
     void *k_cache, *v_cache;                     /* (num_blocks, block_size, Hk, D) */
     int64_t window;                              /* 0: full attention */
     int64_t rotary;                              /* 1: rotate q and k */
@@ -58,13 +60,14 @@ static inline uint16_t to_bf16(float f) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* The new tokens' K and V rows into their cache slots (slot < 0: not written). */
-static void write_cache(const pd_model *m, const pd_layer *l, const float *qkv, int64_t ldq, int64_t M,
-                        const int64_t *slots) {
-    const int64_t row = m->hk * m->d, koff = m->hq * m->d, voff = koff + row;
+/* The new tokens' K and V rows into their cache slots (slot < 0: not written): K from k (row
+ * stride ldk), V from v (row stride ldv). */
+static void write_cache(const pd_model *m, const pd_layer *l, const float *kbase, int64_t ldk, const float *vbase,
+                        int64_t ldv, int64_t M, const int64_t *slots) {
+    const int64_t row = m->hk * m->d;
     for (int64_t t = 0; t < M; t++) {
         if (slots[t] < 0) continue;
-        const float *k = qkv + t * ldq + koff, *v = qkv + t * ldq + voff;
+        const float *k = kbase + t * ldk, *v = vbase + t * ldv;
         if (m->cache_dtype == 0) {
             memcpy((float *)l->k_cache + slots[t] * row, k, (size_t)row * sizeof(float));
             memcpy((float *)l->v_cache + slots[t] * row, v, (size_t)row * sizeof(float));
@@ -82,7 +85,7 @@ static void write_cache(const pd_model *m, const pd_layer *l, const float *qkv, 
  * pd_decode_scratch_floats(m, M) floats. */
 int64_t pd_decode_scratch_floats(const pd_model *m, int64_t M) {
     const int64_t qkv = (m->hq + 2 * m->hk) * m->d;
-    return M * (3 * m->hidden + qkv + 2 * m->hq * m->d + 3 * m->inter);
+    return M * (3 * m->hidden + qkv + 2 * m->hq * m->d + m->hk * m->d + 3 * m->inter);
 }
 
 int pd_decode_layers(const pd_model *m, const pd_layer *layers, float *hidden, int64_t M, const int64_t *positions,
@@ -90,7 +93,7 @@ int pd_decode_layers(const pd_model *m, const pd_layer *layers, float *hidden, i
                      float *scratch, int threads) {
     const int64_t H = m->hidden, I = m->inter, qd = m->hq * m->d, kvd = m->hk * m->d, nqkv = qd + 2 * kvd;
     float *residual = scratch, *x = residual + M * H, *y = x + M * H, *qkv = y + M * H;
-    float *q = qkv + M * nqkv, *attn = q + M * qd, *gu = attn + M * qd, *act = gu + M * 2 * I;
+    float *q = qkv + M * nqkv, *attn = q + M * qd, *kn = attn + M * qd, *gu = kn + M * kvd, *act = gu + M * 2 * I;
     int rc;
     for (int64_t i = 0; i < m->n_layers; i++) {
         const pd_layer *l = layers + i;
@@ -104,12 +107,35 @@ int pd_decode_layers(const pd_model *m, const pd_layer *layers, float *hidden, i
         }
         if (rc) return rc;
         if ((rc = m->gemv(x, H, l->qkv, l->qkv_bias, qkv, M, nqkv, H, threads))) return rc;
-        if (l->rotary &&
-            (rc = m->rotary(positions, qkv, nqkv, m->d, M, m->hq + m->hk, m->rot, m->cos_sin, m->max_pos,
-                            (int)m->neox, threads)))
-            return rc;
-        write_cache(m, l, qkv, nqkv, M, slots);
-        for (int64_t t = 0; t < M; t++) memcpy(q + t * qd, qkv + t * nqkv, (size_t)qd * sizeof(float));
+        const float *k = qkv + qd; /* row stride nqkv, or kvd once normed into kn */
+        int64_t ldk = nqkv;
+        if (l->q_norm != NULL) {
+            /* Qwen3: RMSNorm over each head's D values (the eager layer's rows of D), into q and kn;
+             * then q and k rotated apart (eager rotates the two copies in two calls). */
+            for (int64_t t = 0; t < M; t++) {
+                if ((rc = m->rms(qkv + t * nqkv, m->d, NULL, 0, l->q_norm, q + t * qd, m->d, NULL, 0, m->hq, m->d,
+                                 m->eps, threads)) ||
+                    (rc = m->rms(qkv + t * nqkv + qd, m->d, NULL, 0, l->k_norm, kn + t * kvd, m->d, NULL, 0, m->hk,
+                                 m->d, m->eps, threads)))
+                    return rc;
+            }
+            if (l->rotary &&
+                ((rc = m->rotary(positions, q, qd, m->d, M, m->hq, m->rot, m->cos_sin, m->max_pos, (int)m->neox,
+                                 threads)) ||
+                 (rc = m->rotary(positions, kn, kvd, m->d, M, m->hk, m->rot, m->cos_sin, m->max_pos, (int)m->neox,
+                                 threads))))
+                return rc;
+            k = kn;
+            ldk = kvd;
+        } else {
+            /* q and k side by side in the projection's output, rotated in place as one call */
+            if (l->rotary &&
+                (rc = m->rotary(positions, qkv, nqkv, m->d, M, m->hq + m->hk, m->rot, m->cos_sin, m->max_pos,
+                                (int)m->neox, threads)))
+                return rc;
+            for (int64_t t = 0; t < M; t++) memcpy(q + t * qd, qkv + t * nqkv, (size_t)qd * sizeof(float));
+        }
+        write_cache(m, l, k, ldk, qkv + qd + kvd, nqkv, M, slots);
         if ((rc = m->paged(q, attn, l->k_cache, l->v_cache, (int)m->cache_dtype, tables, table_stride, seq_lens, M,
                            m->hq, m->hk, m->d, m->block_size, l->window, m->scale, threads)))
             return rc;

@@ -9,7 +9,7 @@ back. The C driver runs the same kernels in the same order on the same arguments
 When: a decode-only step (one new token per request) of at most cpu_gemv.MAX_ROWS requests,
 outside a dynamo trace, on a model whose every layer is the plain pre-norm block the driver knows:
 the "torch" ops backend's C kernels, the torch attention backend over a float32 or bfloat16 paged
-cache, a fused qkv projection without per-head q/k norms, rotary or none, a gated MLP (no MoE),
+cache, a fused qkv projection with or without per-head q/k norms (Qwen3), rotary or none, a gated MLP (no MoE),
 tensor parallel size 1, a bf16 decode copy on every linear (cpu_gemv), and no forward hooks on
 the layers but a KV connector's (which read neither inputs nor outputs: run all before the call,
 all after it, in layer order). Anything else, or
@@ -77,8 +77,9 @@ def why_not(decoder: Any) -> str | None:
         a, m = layer.self_attn, layer.mlp
         if not isinstance(m, MLP):
             return f"layer {i} is not a dense gated MLP"
-        if a.q_norm is not None:
-            return f"layer {i} has per-head q/k norms"
+        if a.q_norm is not None and (a.q_norm.weight.dtype != torch.float32 or a.k_norm.weight.dtype != torch.float32
+                                     or a.q_norm.eps != decoder.norm.eps or a.k_norm.eps != decoder.norm.eps):
+            return f"layer {i}'s per-head q/k norms are not float32 or of another eps"
         backend = getattr(a.backend, "inner", a.backend)  # compiled_forward wraps it
         if not isinstance(backend, TorchAttentionBackend):
             return f"layer {i}'s attention backend is {backend.name!r}, not 'torch'"
@@ -226,6 +227,8 @@ def _build(decoder: Any, kv_caches: Any, key: tuple[Any, ...]) -> _Plan:
             ln1=layer.input_layernorm.weight.data_ptr(), ln2=layer.post_attention_layernorm.weight.data_ptr(),
             qkv=a.qkv_proj.gemv_weight.data.data_ptr(), o=a.o_proj.gemv_weight.data.data_ptr(),
             gate_up=m.gate_up_proj.gemv_weight.data.data_ptr(), down=m.down_proj.gemv_weight.data.data_ptr(),
-            qkv_bias=_ptr(a.qkv_proj.bias), o_bias=_ptr(a.o_proj.bias), k_cache=kv[0].data_ptr(),
+            qkv_bias=_ptr(a.qkv_proj.bias), o_bias=_ptr(a.o_proj.bias),
+            q_norm=None if a.q_norm is None else a.q_norm.weight.data_ptr(),
+            k_norm=None if a.k_norm is None else a.k_norm.weight.data_ptr(), k_cache=kv[0].data_ptr(),
             v_cache=kv[1].data_ptr(), window=int(a.sliding_window or 0), rotary=int(a.rotary_emb is not None))
     return _Plan(key, model, layers, decode_step_cpu.scratch_floats(model, 1))

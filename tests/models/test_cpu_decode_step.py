@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models.tiny_archs import make_checkpoint
 from tiny_models import make_tiny_checkpoint
 
 from pdcluster.config import EngineArgs
@@ -65,6 +66,9 @@ CASES = [
     ("qwen2", "bfloat16", {}),  # bf16 cache: the driver rounds K/V as .to(bfloat16) does
     ("mistral", "auto", {"sliding_window": 6}),  # windowed attention
     ("llama2", "bfloat16", {"attention_bias": True}),  # MHA, o_proj bias too
+    ("smollm3", "auto", {}),  # NoPE every other layer: those rotate nothing
+    ("qwen3", "auto", {}),  # per-head q/k RMSNorm, head_dim 32 != hidden / heads
+    ("qwen3", "bfloat16", {"sliding_window": 5, "use_sliding_window": True, "max_window_layers": 1}),
 ]
 
 
@@ -72,9 +76,16 @@ CASES = [
 @pytest.mark.parametrize("lens", [[9], [5, 13, 2]], ids=["batch1", "batch3"])
 def test_bit_for_bit_the_eager_step(tmp_path, monkeypatch, arch: str, kv_dtype: str, cfg: dict,
                                     lens: list[int]) -> None:
-    path = make_tiny_checkpoint(arch, tmp_path / arch, dtype=torch.bfloat16, **cfg)
+    make = make_checkpoint if arch == "smollm3" else make_tiny_checkpoint
+    path = make(arch, tmp_path / arch, dtype=torch.bfloat16, **cfg)
     runner = _runner(path, kv_dtype)
     decoder = runner.model.model
+    # transformers initialises every RMSNorm weight to ones: distinct weights, so a norm applied
+    # with another's weight (input vs post-attention, q vs k) cannot pass unseen.
+    g = torch.Generator().manual_seed(5)
+    for name, p in decoder.named_parameters():
+        if "norm" in name:
+            p.data.copy_(1 + 0.5 * torch.randn(p.shape, generator=g))
     assert cpu_decode_step.why_not(decoder) is None
     _prefill(runner, lens, runner.config.model.vocab_size)
     ids = [f"r{i}" for i in range(len(lens))]
@@ -113,10 +124,11 @@ def test_steps_it_does_not_take_run_the_eager_layers(tmp_path) -> None:
 
 @pytest.mark.parametrize(("arch", "dtype", "why"), [
     ("llama", torch.float32, "no bf16 decode copy"),  # float32 values: no bf16 copies to read
-    ("qwen3", torch.bfloat16, "per-head q/k norms"),
+    ("mixtral", torch.bfloat16, "not a dense gated MLP"),  # MoE
 ])
 def test_models_it_does_not_know_are_refused_by_name(tmp_path, arch: str, dtype: torch.dtype, why: str) -> None:
-    runner = _runner(make_tiny_checkpoint(arch, tmp_path / arch, dtype=dtype))
+    make = make_checkpoint if arch == "mixtral" else make_tiny_checkpoint
+    runner = _runner(make(arch, tmp_path / arch, dtype=dtype))
     decoder = runner.model.model
     assert why in (cpu_decode_step.why_not(decoder) or "")
     _prefill(runner, [6], runner.config.model.vocab_size)

@@ -39,7 +39,8 @@ def _classes(arch: str) -> tuple[type, type]:
     }[arch]
 
 
-def make_checkpoint(arch: str, path: str | os.PathLike, seed: int = 0, **overrides: Any) -> str:
+def make_checkpoint(arch: str, path: str | os.PathLike, seed: int = 0, dtype: torch.dtype = torch.float32,
+                    **overrides: Any) -> str:
     config_cls, model_cls = _classes(arch)
     config = config_cls(**{**TINY_COMMON, **ARCHS[arch], **overrides})
     torch.manual_seed(seed)
@@ -50,6 +51,6 @@ def make_checkpoint(arch: str, path: str | os.PathLike, seed: int = 0, **overrid
             for name, param in model.named_parameters():
                 if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
                     param.normal_(0.0, 0.5)
-    model.save_pretrained(str(path))
+    model.to(dtype).save_pretrained(str(path))
     write_wordlevel_tokenizer(path, model.config.vocab_size)
     return str(path)
