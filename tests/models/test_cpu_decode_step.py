@@ -143,3 +143,19 @@ def test_the_switch_turns_it_off(tmp_path, monkeypatch) -> None:
     _prefill(runner, [6], runner.config.model.vocab_size)
     runner.execute(_decode(runner, ["r0"]))
     assert runner.model.model.decode_step.steps == 0
+
+
+def test_a_kernel_refusal_hands_the_step_to_the_eager_layers(tmp_path) -> None:
+    """A position past the rope table: the driver's rotary call refuses (before it writes) and the
+    eager layers take the step, raising the IndexError they always raised."""
+    runner = _runner(make_tiny_checkpoint("llama", tmp_path / "l", dtype=torch.bfloat16))
+    decoder = runner.model.model
+    _prefill(runner, [6], runner.config.model.vocab_size)
+    reqs = [runner.requests["r0"]]
+    with torch.inference_mode():
+        input_ids, positions, meta = runner.prepare_inputs(reqs, [1])
+        with pytest.raises(IndexError):
+            decoder(input_ids, positions + 10_000, runner.kv_caches, meta)
+        assert decoder.decode_step.steps == 0
+        decoder(input_ids, positions, runner.kv_caches, meta)  # and the next good step takes it
+    assert decoder.decode_step.steps == 1
