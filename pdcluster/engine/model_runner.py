@@ -306,7 +306,7 @@ class ModelRunner:
             token t of request i: position = context_lens[i] + (t - query_start_loc[i])
             slot_mapping[t] = block_tables[i, position // block_size] * block_size + position % block_size
         """
-        dev, block_size = self.device, self.block_size
+        block_size = self.block_size
         context_lens = [r.num_computed_tokens for r in reqs]
         seq_lens = [c + n for c, n in zip(context_lens, query_lens)]
         ids: list[int] = []
@@ -318,6 +318,13 @@ class ModelRunner:
         num_blocks = -(-max(seq_lens) // block_size)  # block-table columns needed this step
         table = [r.block_ids[:num_blocks] + [0] * (num_blocks - len(r.block_ids[:num_blocks])) for r in reqs]
         block_tables = torch.tensor(table, dtype=torch.int32)  # (B, num_blocks)
+        if all(n == 1 for n in query_lens):  # decode only: the same index math on a few Python ints
+            positions = torch.tensor(context_lens, dtype=torch.int64)
+            slot_mapping = torch.tensor([r.block_ids[c // block_size] * block_size + c % block_size
+                                         for r, c in zip(reqs, context_lens)], dtype=torch.int64)
+            query_start_loc = torch.arange(len(reqs) + 1, dtype=torch.int64)
+            return self._inputs(ids, positions, slot_mapping, query_start_loc, block_tables, query_lens, seq_lens,
+                                context_lens)
         q_lens = torch.tensor(query_lens, dtype=torch.int64)
         query_start_loc = torch.zeros(len(reqs) + 1, dtype=torch.int64)
         torch.cumsum(q_lens, 0, out=query_start_loc[1:])
@@ -326,8 +333,17 @@ class ModelRunner:
                      + torch.tensor(context_lens, dtype=torch.int64)[req_of_token])  # (T,)
         slot_mapping = (block_tables[req_of_token, positions // block_size].long() * block_size
                         + positions % block_size)  # (T,)
+        return self._inputs(ids, positions, slot_mapping, query_start_loc, block_tables, query_lens, seq_lens,
+                            context_lens)
+
+    def _inputs(self, ids: list[int], positions: torch.Tensor, slot_mapping: torch.Tensor,
+                query_start_loc: torch.Tensor, block_tables: torch.Tensor, query_lens: list[int],
+                seq_lens: list[int], context_lens: list[int]
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """prepare_inputs' result on the runner's device."""
+        dev = self.device
         meta = AttentionMetadata(
-            num_reqs=len(reqs),
+            num_reqs=len(query_lens),
             num_tokens=len(ids),
             query_start_loc=query_start_loc.to(dev, torch.int32),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
