@@ -31,7 +31,6 @@ from pdcluster.kernels import decode_step_cpu
 from pdcluster.models.layers import cpu_gemv
 from pdcluster.models.layers.attention_backend import AttentionMetadata
 from pdcluster.models.layers.mlp import MLP
-from pdcluster.models.layers.torch_attention import TorchAttentionBackend
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +79,10 @@ def why_not(decoder: Any) -> str | None:
         if a.q_norm is not None and (a.q_norm.weight.dtype != torch.float32 or a.k_norm.weight.dtype != torch.float32
                                      or a.q_norm.eps != decoder.norm.eps or a.k_norm.eps != decoder.norm.eps):
             return f"layer {i}'s per-head q/k norms are not float32 or of another eps"
-        backend = getattr(a.backend, "inner", a.backend)  # compiled_forward wraps it
-        if not isinstance(backend, TorchAttentionBackend):
-            return f"layer {i}'s attention backend is {backend.name!r}, not 'torch'"
+        # By its registry name, not its class: importing torch_attention here would close an import
+        # circle (torch_attention -> kv_quant -> loader -> decoder -> this module).
+        if a.backend.name != "torch":  # compiled_forward's wrapper carries its inner backend's name
+            return f"layer {i}'s attention backend is {a.backend.name!r}, not 'torch'"
         if getattr(layer.input_layernorm._ops, "name", None) != "torch":
             return f"layer {i}'s ops backend is not 'torch'"
         for name, lin in (("qkv_proj", a.qkv_proj), ("o_proj", a.o_proj), ("gate_up_proj", m.gate_up_proj),
@@ -124,15 +124,12 @@ class DecodeStep:
         if (rows == 0 or rows > cpu_gemv.MAX_ROWS or meta.max_query_len != 1 or meta.num_tokens != meta.num_reqs
                 or hidden.dtype != torch.float32 or not hidden.is_cpu or torch.compiler.is_dynamo_compiling()):
             return None
-        hooks = layer_hooks(decoder)
-        if hooks is None:
-            return None
-        plan = self._get_plan(decoder, kv_caches)
-        if plan is None:
+        plan = self._get_plan(decoder, kv_caches)  # a refused model stops here, on a cached answer
+        hooks = None if plan is None else layer_hooks(decoder)
+        if plan is None or hooks is None:
             return None
         out = hidden.contiguous().clone()  # the driver overwrites it with the final norm's output
-        pos = positions if positions.dtype == torch.int64 and positions.is_contiguous() else \
-            positions.to(torch.int64).contiguous()
+        pos = positions.to(torch.int64).contiguous()  # no copy when it already is
         slots = meta.slot_mapping.to(torch.int64).contiguous()
         tables = meta.block_tables.to(torch.int32).contiguous()
         lens = meta.seq_lens.to(torch.int64).contiguous()
