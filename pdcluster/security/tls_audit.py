@@ -131,6 +131,11 @@ class HandshakeAudit:
         self._reconcile = tables_readable()
         self._recent: deque[float] = deque()    # start times of the last GRACE_S (the rest: older)
         self._lock = threading.Lock()
+        # One sweep at a time: the audit thread and each /metrics scrape both sweep. Two sweeps
+        # that overlap apply their reads out of order: one that read a connection open before its
+        # RPC, applied after one that saw it close and settled it, makes it pending again, and
+        # the next read counts that authenticated connection as refused.
+        self._sweep_lock = threading.Lock()
         self._pending: set[Peer] = set()        # open, no RPC seen yet (in or after a handshake)
         self._authed: set[Peer] = set()         # open connections that made an RPC
         self._raw: dict[str, Peer] = {}         # gRPC peer strings of those: the per-RPC fast path
@@ -189,6 +194,11 @@ class HandshakeAudit:
         closed is settled, as refused when it never made an RPC."""
         if self.port is None:
             return
+        with self._sweep_lock:
+            self._sweep_once()
+
+    def _sweep_once(self) -> None:
+        assert self.port is not None
         read_at = time.monotonic()  # before the read: a start older than this - GRACE_S has a row in it
         rows = self._connections(self.port)
         now = time.monotonic()

@@ -27,6 +27,37 @@ def test_parse_grpc_peer() -> None:
     assert parse_grpc_peer("unix:/tmp/x") is None
 
 
+def test_overlapping_sweeps_never_count_an_authenticated_connection_refused() -> None:
+    """The audit thread and a /metrics scrape sweep at once. Sweep A reads the table while the
+    connection is open and before its RPC; the RPC happens and the connection closes; sweep B
+    reads it closed and settles it. A's stale read must not make it pending again (the next
+    sweep would then count it refused): sweeps run one at a time."""
+    import threading
+
+    peer = ("127.0.0.1", 40000)
+    a_reading, release_a = threading.Event(), threading.Event()
+    reads = iter([
+        lambda: (a_reading.set(), release_a.wait(30), {peer: True})[-1],  # A: open, before the RPC
+        lambda: {peer: False},                                           # B: closed (TIME_WAIT)
+        lambda: {},                                                      # later: the row is gone
+    ])
+    audit = HandshakeAudit("worker", connections=lambda port: next(reads)())
+    audit.port = 1  # no background thread: this test runs the sweeps itself
+    audit.on_handshake()
+    a = threading.Thread(target=audit.sweep)
+    a.start()
+    assert a_reading.wait(30)
+    audit.on_rpc("ipv4:127.0.0.1:40000")
+    b = threading.Thread(target=audit.sweep)
+    b.start()
+    b.join(0.5)  # without one-at-a-time sweeps B is done by now; with it B waits for A
+    release_a.set()
+    a.join(30)
+    b.join(30)
+    audit.sweep()
+    assert dict(audit.counts) == {"started": 1, "authenticated": 1}
+
+
 def test_refused_handshakes_counted_with_peer(tmp_path) -> None:
     ca = init_pki(tmp_path / "pki")
     w, r = ca.issue("worker", "w0"), ca.issue("router", "router")
@@ -42,8 +73,14 @@ def test_refused_handshakes_counted_with_peer(tmp_path) -> None:
         await server.start()
         addr = f"127.0.0.1:{port}"
 
+        # One connection attempt per check: a refused channel would otherwise reconnect after its
+        # ~1 s backoff if closing it is slow (a loaded CI box), and that second refusal is counted.
+        once = [("grpc.initial_reconnect_backoff_ms", 600_000), ("grpc.min_reconnect_backoff_ms", 600_000),
+                ("grpc.max_reconnect_backoff_ms", 600_000), ("grpc.enable_retries", 0)]
+
         async def check(creds) -> bool:
-            ch = grpc.aio.secure_channel(addr, creds) if creds else grpc.aio.insecure_channel(addr)
+            ch = (grpc.aio.secure_channel(addr, creds, options=once) if creds
+                  else grpc.aio.insecure_channel(addr, options=once))
             try:
                 await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
                 return True
