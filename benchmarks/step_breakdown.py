@@ -4,6 +4,7 @@ per-step Python beside the model's kernels is a printed figure, not a guess.
 
     python benchmarks/step_breakdown.py                 # bench Llama 125M, 1 request, 256 in
     python benchmarks/step_breakdown.py --batch 8 --steps 48
+    python benchmarks/step_breakdown.py --batch 32 --kv-cache-dtype bfloat16
     PDCLUSTER_CPU_DECODE_STEP=0 python benchmarks/step_breakdown.py    # the eager layers
 
 Parts (ms per step, medians over the decode-only steps; wall clock, so a part includes what the
@@ -40,6 +41,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--kv-cache-dtype", default="auto", help="as the engine's --kv-cache-dtype")
     args = parser.parse_args()
     import torch
 
@@ -49,7 +51,7 @@ def main() -> None:
     from pdcluster.sampling_params import SamplingParams
 
     model = ensure_bench_model(args.model_dir)
-    engine = LLMEngine.from_engine_args(EngineArgs(model=model, device="cpu"))
+    engine = LLMEngine.from_engine_args(EngineArgs(model=model, device="cpu", kv_cache_dtype=args.kv_cache_dtype))
     core, runner = engine.core, engine.core.runner
     part: dict[str, float] = collections.defaultdict(float)
 
@@ -94,7 +96,7 @@ def main() -> None:
     med = {k: 1e3 * statistics.median(r[k] for r in rows) for k in rows[0]}
     driver = runner.model.model.decode_step.steps
     print(f"batch={args.batch} prompt={args.prompt_len} decode steps={len(rows)} threads={torch.get_num_threads()} "
-          f"decode driver={'on' if driver else 'off'} load={os.getloadavg()[0]:.1f}")
+          f"decode driver={'on' if driver else 'off'} kv={engine.config.cache.kv_cache_dtype} load={os.getloadavg()[0]:.1f}")
     for k, v in med.items():
         share = "" if k == "total" else f"  {100 * v / med['total']:5.1f}%"
         print(f"  {k:12s} {v:7.2f} ms{share}")
