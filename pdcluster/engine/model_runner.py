@@ -94,6 +94,12 @@ class ModelRunner:
             self.connector_hooks.register(self.kv_caches, self.kv_cache_layout(), self.model)
         # The text forward: the model itself, or compiled_forward's torch.compile wrapper of it.
         self.forward_fn = self._build_forward()
+        # Decode steps replayed from CUDA graphs (cuda_graphs.py); None on CPU and where refused.
+        self.cuda_graphs: Any = None
+        if self.device.type == "cuda":
+            from pdcluster.engine import cuda_graphs
+
+            self.cuda_graphs = cuda_graphs.build(config, self.model, self.kv_caches)
         # The tuner changes a process-wide setting step by step: shutdown() puts this one back, so
         # whatever runs next in the process (another engine, a test) does not start from the
         # count of our last step.
@@ -266,11 +272,14 @@ class ModelRunner:
         with torch.inference_mode():
             embeds = None if self.mm is None else self.mm.inputs_embeds(
                 [r.request_id for r in reqs], [r.num_computed_tokens for r in reqs], query_lens, input_ids)
-            if embeds is None:
+            hidden = None
+            if embeds is None and self.cuda_graphs is not None:  # a decode step it captured, else None
+                hidden = self.cuda_graphs.run(input_ids, positions, meta)
+            if hidden is None and embeds is None:
                 # (T, H); `eager` only ever comes with a CompiledForward (_tuned_forward)
                 hidden = (self.forward_fn(input_ids, positions, self.kv_caches, meta, eager=True) if eager
                           else self.forward_fn(input_ids, positions, self.kv_caches, meta))
-            else:  # image features scattered into the placeholders' embeddings
+            elif hidden is None:  # image features scattered into the placeholders' embeddings
                 hidden = self.model(input_ids, positions, self.kv_caches, meta, inputs_embeds=embeds)
             sampled: list[int] = []
             logprobs: list[Any] = []
