@@ -73,12 +73,15 @@ CASES = [
 
 
 @pytest.mark.parametrize(("arch", "kv_dtype", "cfg"), CASES, ids=[f"{a}-{k}-{len(c)}" for a, k, c in CASES])
-@pytest.mark.parametrize("lens", [[9], [5, 13, 2]], ids=["batch1", "batch3"])
+# The last: as many rows as the decode copies serve (cpu_gemv.MAX_ROWS = 32), of ragged lengths.
+@pytest.mark.parametrize("lens", [[9], [5, 13, 2], [2 + (7 * i) % 11 for i in range(32)]],
+                         ids=["batch1", "batch3", "batch32"])
 def test_bit_for_bit_the_eager_step(tmp_path, monkeypatch, arch: str, kv_dtype: str, cfg: dict,
                                     lens: list[int]) -> None:
     make = make_checkpoint if arch == "smollm3" else make_tiny_checkpoint
     path = make(arch, tmp_path / arch, dtype=torch.bfloat16, **cfg)
-    runner = _runner(path, kv_dtype)
+    assert len(lens) <= cpu_gemv.MAX_ROWS
+    runner = _runner(path, kv_dtype, num_kv_blocks=max(96, 6 * len(lens)), max_num_seqs=max(8, len(lens)))
     decoder = runner.model.model
     # transformers initialises every RMSNorm weight to ones: distinct weights, so a norm applied
     # with another's weight (input vs post-attention, q vs k) cannot pass unseen.
@@ -87,7 +90,7 @@ def test_bit_for_bit_the_eager_step(tmp_path, monkeypatch, arch: str, kv_dtype: 
         if "norm" in name:
             p.data.copy_(1 + 0.5 * torch.randn(p.shape, generator=g))
     assert cpu_decode_step.why_not(decoder) is None
-    _prefill(runner, lens, runner.config.model.vocab_size)
+    _prefill(runner, lens, runner.config.model.vocab_size, per=6)  # 6 blocks: <= 12 prompt + 6 decode tokens
     ids = [f"r{i}" for i in range(len(lens))]
     with torch.inference_mode():
         for _ in range(6):  # crosses block boundaries (BLOCK 4) and the window
@@ -113,8 +116,8 @@ def test_steps_it_does_not_take_run_the_eager_layers(tmp_path) -> None:
     runner.execute(_decode(runner, ["r0", "r1"]))
     assert decoder.decode_step.steps == 1
     # More requests than the decode copies serve rows (cpu_gemv.MAX_ROWS): eager.
-    wide = _runner(path, num_kv_blocks=80, max_num_seqs=32)
     n = cpu_gemv.MAX_ROWS + 1
+    wide = _runner(path, num_kv_blocks=5 * n, max_num_seqs=2 * n)
     _prefill(wide, [7] * n, wide.config.model.vocab_size, per=4)
     wide.execute(_decode(wide, [f"r{i}" for i in range(n)]))
     assert wide.model.model.decode_step.steps == 0

@@ -30,9 +30,12 @@ from pdcluster.kernels.gemv_bf16_cpu import Bf16Tiles
 from pdcluster.models.layers import cpu_gemm
 
 ENV = "PDCLUSTER_CPU_GEMV"  # "0" / "false" / "off" / "no": no bfloat16 decode copies
-# Above this many rows oneDNN's float32 GEMM wins or ties: at M = 16 the kernel was 1.08-1.12x,
-# and it re-reads each block of W once per 4 rows, so more rows only add compute.
-MAX_ROWS = 16
+# Up to this many rows the copy serves. Past ~16 rows both it and oneDNN's float32 GEMM are
+# FMA-bound and tie (the 49 products of a step at M = 32: 55.7 vs 56.7 ms on a 2-core AVX2 EPYC),
+# but serving 17-32 rows here lets the one-call decode driver (models/cpu_decode_step.py) take
+# those steps too: batch 24 / 32 decode steps 60.9 -> 53.5 / 73.9 -> 69.0 ms. At 48 rows the
+# driver only ties the eager layers (105.9 vs 105.8 ms): 32 it is (RESULTS.md, session 15).
+MAX_ROWS = 32
 PROBE_ROWS = (1, 3)
 
 
