@@ -78,18 +78,31 @@ class StaticBatch:
         max_blocks = -(-max_model_len // block_size)
         i64 = dict(dtype=torch.int64, device=device)
         i32 = dict(dtype=torch.int32, device=device)
-        seq_lens = torch.ones(size, **i32)
-        context_lens = torch.zeros(size, **i32)
-        block_tables = torch.zeros(size, max_blocks, **i32)
-        slot_mapping = torch.full((size,), -1, **i64)
+        return cls._over(torch.zeros(size, **i64), torch.zeros(size, **i64), torch.full((size,), -1, **i64),
+                         torch.zeros(size, max_blocks, **i32), torch.ones(size, **i32), torch.zeros(size, **i32),
+                         torch.arange(size + 1, **i32), max_model_len)
+
+    def view(self, size: int) -> StaticBatch:
+        """The first `size` rows of these tensors (no copy): every graph size shares the largest
+        one's inputs (a block table of max_model_len / block_size columns per row adds up)."""
+        if not 0 < size <= self.size:
+            raise ValueError(f"a view of {size} rows of a static batch of {self.size}")
+        return self._over(self.input_ids[:size], self.positions[:size], self.slot_mapping[:size],
+                          self.block_tables[:size], self.seq_lens[:size], self.context_lens[:size],
+                          self.meta.query_start_loc[: size + 1], self.meta.max_seq_len)
+
+    @classmethod
+    def _over(cls, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+              block_tables: torch.Tensor, seq_lens: torch.Tensor, context_lens: torch.Tensor,
+              query_start_loc: torch.Tensor, max_model_len: int) -> StaticBatch:
+        size = input_ids.shape[0]
         meta = AttentionMetadata(
-            num_reqs=size, num_tokens=size, query_start_loc=torch.arange(size + 1, **i32), seq_lens=seq_lens,
+            num_reqs=size, num_tokens=size, query_start_loc=query_start_loc, seq_lens=seq_lens,
             context_lens=context_lens, block_tables=block_tables, slot_mapping=slot_mapping, max_query_len=1,
             # Upper bounds: the captured grids serve every step (module docstring).
             max_seq_len=max_model_len, query_lens_cpu=[1] * size, seq_lens_cpu=[max_model_len] * size,
             context_lens_cpu=[max_model_len - 1] * size)
-        return cls(torch.zeros(size, **i64), torch.zeros(size, **i64), slot_mapping, block_tables, seq_lens,
-                   context_lens, meta)
+        return cls(input_ids, positions, slot_mapping, block_tables, seq_lens, context_lens, meta)
 
     @property
     def size(self) -> int:
@@ -218,8 +231,9 @@ class DecodeGraphs:
         gen = torch.Generator().manual_seed(0)
         try:
             with torch.inference_mode():
+                largest = StaticBatch.make(max(sizes), max_model_len, block_size, self.device)
                 for size in sorted(sizes, reverse=True):  # largest first: the pool's blocks fit the rest
-                    batch = StaticBatch.make(size, max_model_len, block_size, self.device)
+                    batch = largest.view(size)
 
                     def forward(b: StaticBatch = batch) -> torch.Tensor:
                         with _no_layer_hooks(decoder):  # a graph holds kernels only (run() calls the hooks)

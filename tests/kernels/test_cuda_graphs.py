@@ -54,6 +54,14 @@ def test_a_step_loads_into_the_static_batch_and_the_rest_is_padding_that_writes_
         batch.load(torch.zeros(5, dtype=torch.int64), torch.zeros(5, dtype=torch.int64), _meta(5, 3))
     with pytest.raises(ValueError, match="17 blocks"):
         batch.load(torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), _meta(1, 17))
+    # Smaller graphs read the first rows of the largest one's tensors: no copy of its block table.
+    small = batch.view(2)
+    assert small.block_tables.data_ptr() == batch.block_tables.data_ptr() and small.meta.num_reqs == 2
+    assert small.meta.query_start_loc.tolist() == [0, 1, 2] and small.meta.max_seq_len == 64
+    small.load(torch.tensor([3]), torch.tensor([9]), _meta(1, 2))
+    assert batch.input_ids.tolist() == [3, 0, 0, 0] and batch.slot_mapping.tolist() == [10, -1, -1, -1]
+    with pytest.raises(ValueError, match="a view of 5 rows"):
+        batch.view(5)
 
 
 def test_refused_where_a_graph_cannot_serve(tmp_path) -> None:
