@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from pdcluster.env_flags import env_enabled
+from pdcluster.models.cpu_decode_step import layer_hooks
 from pdcluster.models.layers.attention_backend import AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,6 @@ class StaticBatch:
     seq_lens: torch.Tensor      # (B,) int32
     context_lens: torch.Tensor  # (B,) int32
     meta: AttentionMetadata
-    out: torch.Tensor | None = None  # (B, H): the forward's output, written by each replay
 
     @classmethod
     def make(cls, size: int, max_model_len: int, block_size: int, device: torch.device) -> StaticBatch:
@@ -167,9 +167,6 @@ def _no_layer_hooks(decoder: Any) -> Iterator[None]:
             layer._forward_pre_hooks, layer._forward_hooks = pre, post
 
 
-Forward = Callable[[torch.Tensor, torch.Tensor, Any, AttentionMetadata], torch.Tensor]
-
-
 class CudaCapture:
     """torch.cuda.CUDAGraph capture and replay (the default; `EagerCapture` is its CPU stand-in
     for tests of everything around it: static tensors, padding, hooks)."""
@@ -207,6 +204,7 @@ class EagerCapture:
 class _Graph:
     batch: StaticBatch
     replay: Callable[[], None]
+    out: torch.Tensor  # (B, H): the forward's output, written by each replay
 
 
 class DecodeGraphs:
@@ -238,19 +236,19 @@ class DecodeGraphs:
                     def forward(b: StaticBatch = batch) -> torch.Tensor:
                         with _no_layer_hooks(decoder):  # a graph holds kernels only (run() calls the hooks)
                             return self.model(b.input_ids, b.positions, self.kv_caches, b.meta)
-                    replay, batch.out = capture.capture(forward)
+                    replay, out = capture.capture(forward)
                     # Random tokens and positions over padding rows (which write nothing): the
                     # replay must equal an eager forward of the same batch bit for bit.
                     batch.input_ids.copy_(torch.randint(0, vocab_size, (size,), generator=gen))
                     batch.positions.copy_(torch.randint(0, max_model_len, (size,), generator=gen))
                     replay()
-                    got = batch.out.clone()
+                    got = out.clone()
                     want = forward()
                     if not torch.equal(got, want):
                         raise RuntimeError(f"the graph of {size} rows replayed other values than the eager "
                                            f"forward (max diff {(got.float() - want.float()).abs().max().item():.3g})")
                     batch.pad(0)
-                    self.graphs[size] = _Graph(batch, replay)
+                    self.graphs[size] = _Graph(batch, replay, out)
         except Exception as e:  # noqa: BLE001 - any capture failure: eager steps, the engine still works
             self.graphs.clear()
             self.error = f"{type(e).__name__}: {e}"
@@ -265,10 +263,7 @@ class DecodeGraphs:
         size = pick_size(self.sizes, meta.num_reqs)
         if size is None:
             return None
-        from pdcluster.models.cpu_decode_step import layer_hooks
-
-        decoder = self.model.model
-        hooks = layer_hooks(decoder)
+        hooks = layer_hooks(self.model.model)
         if hooks is None:  # a hook that reads a layer's inputs: only the eager layers can serve it
             return None
         graph = self.graphs[size]
@@ -280,8 +275,7 @@ class DecodeGraphs:
         for layer, hook in post:  # its save_kv_layer: each layer's cache is final once the replay ran
             hook(layer, (), None)
         self.replays += 1
-        assert graph.batch.out is not None
-        return graph.batch.out[: meta.num_reqs]
+        return graph.out[: meta.num_reqs]
 
     def status(self) -> dict[str, Any]:
         return {"sizes": list(self.sizes), "replays": self.replays, "error": self.error}

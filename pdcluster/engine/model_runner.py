@@ -272,15 +272,15 @@ class ModelRunner:
         with torch.inference_mode():
             embeds = None if self.mm is None else self.mm.inputs_embeds(
                 [r.request_id for r in reqs], [r.num_computed_tokens for r in reqs], query_lens, input_ids)
-            hidden = None
-            if embeds is None and self.cuda_graphs is not None:  # a decode step it captured, else None
-                hidden = self.cuda_graphs.run(input_ids, positions, meta)
-            if hidden is None and embeds is None:
-                # (T, H); `eager` only ever comes with a CompiledForward (_tuned_forward)
-                hidden = (self.forward_fn(input_ids, positions, self.kv_caches, meta, eager=True) if eager
-                          else self.forward_fn(input_ids, positions, self.kv_caches, meta))
-            elif hidden is None:  # image features scattered into the placeholders' embeddings
+            if embeds is not None:  # image features scattered into the placeholders' embeddings
                 hidden = self.model(input_ids, positions, self.kv_caches, meta, inputs_embeds=embeds)
+            else:
+                # A decode step the CUDA graphs captured (else None), or the forward: (T, H);
+                # `eager` only ever comes with a CompiledForward (_tuned_forward).
+                hidden = None if self.cuda_graphs is None else self.cuda_graphs.run(input_ids, positions, meta)
+                if hidden is None:
+                    hidden = (self.forward_fn(input_ids, positions, self.kv_caches, meta, eager=True) if eager
+                              else self.forward_fn(input_ids, positions, self.kv_caches, meta))
             sampled: list[int] = []
             logprobs: list[Any] = []
             if last_token:
