@@ -22,6 +22,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 import tempfile
 import threading
 from typing import Any
@@ -200,7 +201,10 @@ def reap_orphaned_segments() -> list[str]:
             continue  # gone meanwhile, or not ours to open
         try:
             st = os.fstat(fd)
-            if st.st_uid != uid:
+            # Segments are regular files; anything else under the prefix (a 0700 folder of ours,
+            # e.g. cluster/private_dirs.py's pdcluster-tls-*) is not one, and unlinking it would
+            # raise and end the whole reap.
+            if st.st_uid != uid or not stat.S_ISREG(st.st_mode):
                 continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

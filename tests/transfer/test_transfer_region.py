@@ -135,3 +135,32 @@ def test_segments_of_killed_owners_are_reaped_and_live_ones_kept() -> None:
                 p.kill()
             p.wait(10)
     assert not os.path.exists(paths[1]) or names[1] in reap_orphaned_segments()
+
+
+def test_a_folder_under_the_segment_prefix_is_skipped_and_the_reap_goes_on(tmp_path) -> None:
+    """A 0700 folder of ours in the shm directory (serve/up keep key folders there, named
+    pdcluster-tls-*) is not a segment: the reap leaves it and still removes the orphans after it
+    (unlinking it raised IsADirectoryError and ended the whole reap)."""
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+
+    from pdcluster.transfer.region import reap_orphaned_segments
+
+    folder = tempfile.mkdtemp(prefix="pdcluster-aaa-", dir=shm_dir())  # sorts before most segment names
+    code = ("from pdcluster.transfer import alloc_region; r = alloc_region(1 << 12, shared=True); "
+            "print(r.shm_name, flush=True); import time; time.sleep(120)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        name = proc.stdout.readline().strip()  # type: ignore[union-attr]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        gone = reap_orphaned_segments()
+        assert name in gone and not os.path.exists(os.path.join(shm_dir(), name))
+        assert os.path.isdir(folder) and os.path.basename(folder) not in gone
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        os.rmdir(folder)
