@@ -50,6 +50,8 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--launcher", choices=("local", "ray"), default=None,
                    help="local: `pdcluster serve` on this machine (default); ray: `pdcluster up --detach`")
     p.add_argument("--only", default=None, help="comma-separated configuration names to run (default: all)")
+    p.add_argument("--report-only", action="store_true",
+                   help="start nothing: re-plot and re-summarize the result JSONs already in the output folder")
 
 
 def rate_word(rate: float) -> str:
@@ -203,6 +205,8 @@ def run_sweep(args: argparse.Namespace) -> int:
     launcher = args.launcher or sweep.launcher
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out_dir = pathlib.Path(args.output_dir or sweep.output_dir or f"bench-sweep-{stamp}")
+    if args.report_only:
+        return report(out_dir, sweep.baseline, sweep.name)
     out_dir.mkdir(parents=True, exist_ok=True)
     failures: list[str] = []
     for entry in entries:

@@ -8,6 +8,14 @@ throughput.
 With `repeats: K` a (config, rate) point has K result JSONs: a Group. Its value of a metric is the
 median over the repeats (what the tables, ratios and plot lines show), with min, max and the sample
 standard deviation beside it (the plots' error bars span min..max).
+
+Two metrics are derived from the per-request `itls` lists rather than read from a summary field,
+because in a disaggregated run one gap per request is not like the others: the gap from the
+first token (the prefill leg's) to the second (the decode leg's first step) holds the KV hand-off.
+  p50_first_gap_ms       median over requests of that first gap
+  p99_itl_after_first_ms ITL p99 over every later gap (each request's first gap left out)
+With ~64 output tokens per request the first gaps are ~1.6% of all gaps, so they alone can set
+ITL p99; these two say whether a p99 comes from the hand-off or from the decode steps.
 """
 
 from __future__ import annotations
@@ -20,15 +28,40 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 # (result JSON field, label): what is plotted and compared, in this order.
 METRICS = (
     ("median_ttft_ms", "TTFT p50 (ms)"),
     ("p99_ttft_ms", "TTFT p99 (ms)"),
     ("p99_itl_ms", "ITL p99 (ms)"),
+    ("p99_tpot_ms", "TPOT p99 (ms)"),
+    ("p50_first_gap_ms", "first gap p50 (ms)"),
+    ("p99_itl_after_first_ms", "ITL p99 after the first gap (ms)"),
     ("request_goodput", "goodput (req/s)"),
     ("output_throughput", "output tok/s"),
 )
-PLOTS = ("median_ttft_ms", "p99_ttft_ms", "p99_itl_ms", "request_goodput")
+PLOTS = ("median_ttft_ms", "p99_ttft_ms", "p99_itl_ms", "p99_tpot_ms", "p99_itl_after_first_ms", "request_goodput")
+
+
+def first_gap_split(itls: Sequence[Sequence[float]]) -> tuple[list[float], list[float]]:
+    """(each request's first gap, every later gap) from per-request ITL lists, in their unit."""
+    first = [float(x[0]) for x in itls if x]
+    later = [float(v) for x in itls for v in x[1:]]
+    return first, later
+
+
+def _derived(result: dict[str, Any], metric: str) -> float | None:
+    itls = result.get("itls")
+    if not isinstance(itls, list) or not all(isinstance(x, list) for x in itls):
+        return None
+    first, later = first_gap_split(itls)
+    if metric == "p50_first_gap_ms":
+        return float(np.median(first)) * 1e3 if first else None
+    return float(np.percentile(later, 99)) * 1e3 if later else None  # numpy's linear, as vLLM's ITL p99
+
+
+DERIVED = ("p50_first_gap_ms", "p99_itl_after_first_ms")
 
 
 @dataclass(frozen=True)
@@ -42,6 +75,8 @@ class Point:
         return int((self.result.get("sweep") or {}).get("repeat") or 0)
 
     def value(self, metric: str) -> float | None:
+        if metric in DERIVED:
+            return _derived(self.result, metric)
         v = self.result.get(metric)
         return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
@@ -175,7 +210,7 @@ def format_points_table(points: Sequence[Point]) -> str:
 
 def write_plots(points: Sequence[Point], out_dir: str | pathlib.Path, title: str = "") -> list[pathlib.Path]:
     """One PNG per metric (rate on x, one line per configuration: the median over repeats, error
-    bars from min to max) and sweep.png with all four."""
+    bars from min to max) and sweep.png with all of them."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display on a benchmark machine
@@ -217,7 +252,7 @@ def write_plots(points: Sequence[Point], out_dir: str | pathlib.Path, title: str
         paths.append(out / f"{metric}.png")
         fig.savefig(paths[-1], dpi=100)
         plt.close(fig)
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    fig, axes = plt.subplots(2, 3, figsize=(16, 8))
     for ax, metric in zip(axes.flat, PLOTS, strict=True):
         draw(ax, metric)
     fig.suptitle(title or "sweep")

@@ -12,8 +12,10 @@ import pytest
 
 from pdcluster.cluster.bench.sweep_config import SweepError, load_sweep, parse_sweep
 from pdcluster.cluster.bench.sweep_report import (
+    Point,
     Stat,
     aggregate,
+    first_gap_split,
     format_points_table,
     format_ratio_table,
     group_points,
@@ -233,13 +235,35 @@ def test_ratio_rows_and_table(recorded: pathlib.Path) -> None:
 def test_plots_and_summary(recorded: pathlib.Path) -> None:
     points = load_points(recorded)
     paths = write_plots(points, recorded / "plots", "test")
-    assert {p.name for p in paths} == {"median_ttft_ms.png", "p99_ttft_ms.png", "p99_itl_ms.png",
-                                       "request_goodput.png", "sweep.png"}
+    assert {p.name for p in paths} == {"median_ttft_ms.png", "p99_ttft_ms.png", "p99_itl_ms.png", "p99_tpot_ms.png",
+                                       "p99_itl_after_first_ms.png", "request_goodput.png", "sweep.png"}
     for p in paths:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = write_summary(points, "aggregated", recorded / "sweep_summary.json")
     assert json.loads((recorded / "sweep_summary.json").read_text()) == summary
     assert len(summary["points"]) == 5 and summary["ratios"][0]["rate"] == "1"
+
+
+def test_first_gap_is_reported_apart_from_the_later_gaps() -> None:
+    """A disaggregated request's first gap holds the hand-off: one slow first gap per request can
+    set ITL p99 on its own, and the derived metrics tell that apart from slow decode steps."""
+    # 4 requests, first gaps 30-60 ms, 99 later gaps of 10 ms each, one 20 ms straggler.
+    itls = [[0.03 + 0.01 * i] + [0.010] * 99 for i in range(4)]
+    itls[2][50] = 0.020
+    result = _result("disaggregated", 1, 50.0, 40.0, 1.0)
+    result["itls"] = itls
+    point = Point("disaggregated", 1.0, result)
+    first, later = first_gap_split(itls)
+    assert first == pytest.approx([0.03, 0.04, 0.05, 0.06]) and len(later) == 4 * 99
+    assert point.value("p50_first_gap_ms") == pytest.approx(45.0)
+    # numpy's linear percentile of 395 x 10 ms and one 20 ms: still 10 ms at p99.
+    assert point.value("p99_itl_after_first_ms") == pytest.approx(10.0)
+    itls[1][1:] = [0.025] * 99  # slow decode steps throughout one request do show
+    assert point.value("p99_itl_after_first_ms") == pytest.approx(25.0)
+    # Files without per-request lists (or with odd ones) give no value, not a made-up one.
+    assert Point("a", 1.0, {"itls": None}).value("p50_first_gap_ms") is None
+    assert Point("a", 1.0, {"itls": [[], []]}).value("p99_itl_after_first_ms") is None
+    assert Point("a", 1.0, {"itls": [0.1]}).value("p50_first_gap_ms") is None
 
 
 @pytest.fixture
@@ -277,6 +301,23 @@ def test_repeats_are_aggregated(repeated: pathlib.Path) -> None:
     assert p0["files"] == [f"aggregated-1qps-r{i}.json" for i in (1, 2, 3)]
     paths = write_plots(points, repeated, "repeats")  # error bars: min..max
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in paths)
+
+
+def test_report_only_replots_recorded_results_without_starting_anything(
+        recorded: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from pdcluster.cluster.cli import main
+
+    cfg = recorded / "s.yaml"  # a real launch of this would fail: no such model
+    cfg.write_text("model: /nonexistent/model\nrates: [1, 2]\nbaseline: aggregated\n"
+                   "configs: {aggregated: {workers: 2}, disaggregated: {prefill: 1, decode: 1}}\n")
+    assert main(["bench", "sweep", "--config", str(cfg), "--output-dir", str(recorded), "--report-only"]) == 0
+    out = capsys.readouterr().out
+    assert "disaggregated / aggregated" in out and "TPOT p99 (ms)" in out
+    assert json.loads((recorded / "sweep_summary.json").read_text())["baseline"] == "aggregated"
+    assert (recorded / "p99_itl_after_first_ms.png").read_bytes()[:4] == b"\x89PNG"
+    empty = recorded / "empty"
+    assert main(["bench", "sweep", "--config", str(cfg), "--output-dir", str(empty), "--report-only"]) == 1
+    assert "no sweep results" in capsys.readouterr().err and not empty.exists()
 
 
 def test_cli_reports_bad_files_without_starting_anything(tmp_path: pathlib.Path,
