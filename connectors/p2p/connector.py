@@ -13,6 +13,7 @@ from the producer's shared-memory cache on the same host.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from pdcluster.config import EngineConfig
@@ -107,6 +108,9 @@ class P2PConnector(KVConnectorBase):
 
     def get_failed_blocks(self) -> set[int]:
         return self._w().get_failed_blocks()
+
+    def set_wakeup(self, wake: Callable[[], None]) -> None:
+        self._w().set_wakeup(wake)
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -67,6 +67,7 @@ class LeaseTable:
         self._by_transfer: dict[str, set[str]] = {}  # transfer_id -> its active lease ids
         self._finished: set[str] = set()
         self.counts = {"created": 0, "released": 0, "expired": 0, "aborted": 0}
+        self.on_finished: Callable[[], None] = lambda: None  # the engine's wake-up (set_wakeup); never blocks
 
     def add(self, request_id: str, transfer_id: str, lease_id: str, block_ids: list[int]) -> Lease:
         with self._lock:
@@ -204,3 +205,4 @@ class LeaseTable:
             self._ended.popitem(last=False)
         self._finished.add(lease.request_id)
         self.counts[state] += 1
+        self.on_finished()

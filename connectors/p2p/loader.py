@@ -30,6 +30,7 @@ import logging
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +56,10 @@ log = logging.getLogger(__name__)
 
 _OPEN_RETRY_FIRST_S = 0.001  # first pause after "lease unknown"; doubles up to the max
 _OPEN_RETRY_MAX_S = 0.02
+
+
+def _nothing() -> None:
+    return None
 
 
 @dataclass
@@ -89,6 +94,7 @@ class Loader:
                          "open_retries": 0, "release_retries": 0}
         self.load_seconds = LoadTimes()  # successful pulls, handshake to the producer's "released"
         self.last_errors: dict[str, str] = {}  # request id -> why its load failed (bounded)
+        self.on_finished: Callable[[], None] = _nothing  # the engine's wake-up (set_wakeup)
 
     # -- engine thread ---------------------------------------------------------------------------
     def submit(self, request_id: str, local_block_ids: list[int], first_block: int, params: KVTransferParams) -> None:
@@ -165,6 +171,7 @@ class Loader:
                 self.last_errors[job.request_id] = error
                 while len(self.last_errors) > 256:
                     self.last_errors.pop(next(iter(self.last_errors)))
+        self.on_finished()
 
     def _targets(self, job: LoadJob, producer: Producer) -> tuple[dict[int, Producer], dict[int, int], int]:
         """(producer rank -> Producer for every rank this rank may talk to, rank -> epoch, P)."""

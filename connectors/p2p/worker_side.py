@@ -12,6 +12,7 @@ nothing to do, because a producer keeps its blocks under a lease instead of copy
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from pdcluster.config import EngineConfig
@@ -39,6 +40,18 @@ class P2PWorker:
         self.loader: Loader | None = None
         self._orphans: set[str] = set()  # loads this rank cannot run (no consumer role): failed at once
         self._orphan_blocks: set[int] = set()
+        self._wake: Callable[[], None] = lambda: None
+
+    def set_wakeup(self, wake: Callable[[], None]) -> None:
+        """The engine's wake-up, called when a load (consumer) or a lease (producer) ends."""
+        self._wake = wake
+        self._hook()
+
+    def _hook(self) -> None:
+        if self.agent is not None:
+            self.agent.leases.on_finished = self._wake
+        if self.loader is not None:
+            self.loader.on_finished = self._wake
 
     def wants_shared_kv_cache(self) -> bool:
         return self.opts.is_producer and self.opts.transport != "tcp"
@@ -63,6 +76,7 @@ class P2PWorker:
                 raise
         if self.opts.is_consumer:
             self.loader = Loader(self.opts, self.fingerprint, geo, region.view, layout)
+        self._hook()
 
     def handshake_metadata(self) -> dict[str, Any]:
         if self.agent is None or self.side is None:

@@ -18,6 +18,7 @@ Options: options.py. Built by the registry as StoreConnector(role, engine_config
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from pdcluster.config import EngineConfig
@@ -115,6 +116,9 @@ class StoreConnector(KVConnectorBase):
 
     def get_failed_blocks(self) -> set[int]:
         return self._w().get_failed_blocks()
+
+    def set_wakeup(self, wake: Callable[[], None]) -> None:
+        self._w().wake = wake
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -28,6 +28,7 @@ import queue
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +74,7 @@ class StoreWorker:
         self._outstanding: Counter[str] = Counter()  # request -> save batches not yet written
         self._finish_pending: set[str] = set()
         self._done_recving: set[str] = set()
+        self.wake: Callable[[], None] = lambda: None  # the engine's wake-up (set_wakeup); never blocks
         self._cancelled: set[str] = set()
         self._loading: set[str] = set()  # queued or running loads (cancels of others are stale)
         self._failed: set[int] = set()
@@ -225,6 +227,7 @@ class StoreWorker:
                 self._outstanding[request_id] -= 1
                 if self._outstanding[request_id] <= 0:
                     del self._outstanding[request_id]
+        self.wake()
 
     def _load_loop(self) -> None:
         while (spec := self._loads.get()) is not _STOP:
@@ -241,6 +244,7 @@ class StoreWorker:
                 self._done_recving.add(spec.request_id)
                 self._cancelled.discard(spec.request_id)
                 self._loading.discard(spec.request_id)
+            self.wake()
 
     def _load(self, spec: BlockSpec) -> bool:
         """True when every block of the request landed in the cache."""

@@ -190,7 +190,7 @@ class AsyncEngine:
                 request.output_token_ids = check_prior_tokens(prior, request.sampling_params,
                                                               request.num_prompt_tokens, self.engine.config)
                 request.kv_transfer_params = kv
-            self._cmds.put(("add", request, text, stream))
+            self._send(("add", request, text, stream))
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -208,7 +208,7 @@ class AsyncEngine:
             with self._lock:
                 self._streams.pop(request_id, None)
             if not finished:
-                self._cmds.put(("abort", [request_id]))
+                self._send(("abort", [request_id]))
             # After the add (if any): the engine thread knows whether it took the request.
             self.settle_handoff(request_id, request.kv_transfer_params)
 
@@ -247,7 +247,7 @@ class AsyncEngine:
         return await self.call(lambda engine: engine.encode_prepared(request_id, features))
 
     async def abort(self, request_id: str) -> None:
-        self._cmds.put(("abort", [request_id]))
+        self._send(("abort", [request_id]))
 
     def settle_handoff(self, request_id: str, kv_transfer_params: KVTransferParams | None) -> None:
         """A decode leg that was handed a producer's KV (do_remote_prefill) has ended, however it
@@ -257,12 +257,17 @@ class AsyncEngine:
         thread-safe; a no-op for any other params. Call it after the leg's last generate() call."""
         kv = kv_transfer_params
         if kv is not None and kv.do_remote_prefill:
-            self._cmds.put(("settle", request_id or kv.request_id, kv))
+            self._send(("settle", request_id or kv.request_id, kv))
+
+    def _send(self, cmd: tuple) -> None:
+        """Queue a command for the engine thread and end an idle step's wait for it."""
+        self._cmds.put(cmd)
+        self.engine.core.wake()
 
     async def call(self, function: Callable[[LLMEngine], Any]) -> Any:
         """Run function(engine) on the engine thread (for connectors and introspection)."""
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._cmds.put(("call", function, fut))
+        self._send(("call", function, fut))
         return await fut
 
     def get_stats(self) -> dict[str, Any]:
@@ -271,7 +276,7 @@ class AsyncEngine:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()
-        self._cmds.put(("stop",))
+        self._send(("stop",))
         self._thread.join(timeout)
         if not self._thread.is_alive():  # the engine thread no longer touches the connector
             self.engine.shutdown()

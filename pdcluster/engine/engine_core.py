@@ -14,7 +14,7 @@ config and the worker-side connector: a ModelRunner, or pdcluster.distributed's 
 
 from __future__ import annotations
 
-import time
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +26,8 @@ from pdcluster.engine.request import Request, RequestStatus
 
 ConnectorFactory = Callable[[KVConnectorRole, EngineConfig], KVConnectorBase]
 ConnectorArg = KVConnectorBase | ConnectorFactory | None
-# An empty step (only transfers in flight) waits this long so the loop does not spin a core.
+# An empty step (only transfers in flight) waits at most this long for a wake-up (a transfer
+# ended, a command arrived) so the loop does not spin a core.
 _IDLE_STEP_S = 0.001
 
 
@@ -56,6 +57,9 @@ class EngineCore:
         sched_conn, worker_conn = build_connectors(config, connector)
         runner = executor(config, connector=worker_conn)
         self.runner = runner
+        self._wake = threading.Event()
+        if worker_conn is not None:
+            worker_conn.set_wakeup(self.wake)
         self.scheduler = Scheduler(config.scheduler, config.cache, connector=sched_conn,
                                    sliding_window=config.model.kv_window)
         self.connector = sched_conn
@@ -89,14 +93,24 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def wake(self) -> None:
+        """Cut an idle step's wait short (any thread): a transfer ended or a command arrived."""
+        self._wake.set()
+
     def step(self) -> list[EngineCoreOutput]:
+        self._wake.clear()  # a wake-up from here on ends this step's idle wait at once
         scheduler_output = self.scheduler.schedule()
         # The runner runs even on an empty step: it must drop state of finished requests and let a
         # connector make progress on asynchronous transfers.
         runner_output = self.runner.execute(scheduler_output)
         outputs = self.scheduler.update(scheduler_output, runner_output)
-        if scheduler_output.is_empty and not outputs and self.connector is not None:
-            time.sleep(_IDLE_STEP_S)  # only transfers in flight: poll them, do not spin
+        progressed = (runner_output.finished_recving or runner_output.finished_sending
+                      or runner_output.invalid_block_ids)
+        if scheduler_output.is_empty and not outputs and not progressed and self.connector is not None:
+            # Only transfers in flight: wait for one to end (the connector's wake-up) or a
+            # command, at most _IDLE_STEP_S, rather than spin. A step that collected a finished
+            # transfer goes on at once: the request it unblocked is scheduled next step.
+            self._wake.wait(_IDLE_STEP_S)
         return outputs
 
     def get_stats(self) -> dict[str, Any]:

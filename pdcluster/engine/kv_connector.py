@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -278,6 +279,13 @@ class KVConnectorBase(ABC):
         request ids whose blocks the connector no longer reads (producer side: may be freed) and
         whose loads completed, failed or were cancelled (consumer side). Each id is reported once,
         and only after every TP rank finished it."""
+
+    def set_wakeup(self, wake: Callable[[], None]) -> None:
+        """Called once by the engine after the runner registered the cache: call wake() (from any
+        thread; cheap, never blocks) when an asynchronous load or send ends, so an engine that is
+        idle with only transfers in flight collects it from get_finished now, not at its next poll
+        (up to 1 ms later). Default: ignored, the engine polls."""
+        return None
 
     def get_failed_blocks(self) -> set[int]:
         """Block ids whose load failed since the last call (reported once each). The scheduler

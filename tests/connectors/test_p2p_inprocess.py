@@ -121,6 +121,59 @@ def test_the_loaded_kv_is_what_decodes(engines: Any) -> None:
     engines["producer"].core.scheduler.reset_prefix_cache()  # forget the zeroed blocks
 
 
+def test_idle_steps_wake_when_a_transfer_ends(engines: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine with only transfers in flight waits in its idle step until the connector says one
+    ended (the consumer's loader, the producer's lease), and a step that collected one goes on at
+    once. With the idle poll stretched to an hour, a hand-off that relied on the poll would hang
+    here; woken, it runs as before, token for token. Each engine steps on its own thread, as in a
+    worker process."""
+    import threading
+
+    from pdcluster.engine import engine_core
+
+    producer, consumer = engines["producer"], engines["consumer"]
+    prompt = _prompt(37, 11)
+    want = _reference(engines, "ref-woken", prompt)
+    pre = run_requests(producer, [("woken", prompt, GREEDY.replace(max_tokens=1), PREFILL_LEG, None)], [])["woken"]
+    monkeypatch.setattr(engine_core, "_IDLE_STEP_S", 3600.0)
+    woken = {"producer": 0, "consumer": 0}
+
+    def count(name: str) -> Any:
+        core = engines[name].core
+
+        def wake() -> None:
+            woken[name] += 1
+            core.wake()
+        return wake
+    for name in woken:
+        engines[name].core.runner.connector_hooks.connector.set_wakeup(count(name))
+    result: dict[str, Any] = {}
+
+    def run_producer() -> None:  # registers the lease, then waits for its end (the consumer's "done")
+        while producer.has_unfinished_requests():
+            producer.step()
+
+    def run_consumer() -> None:
+        result["out"] = run_requests(consumer, [("woken", prompt, GREEDY, decode_leg(pre), pre.outputs[0].token_ids)],
+                                     [])["woken"]
+    threads = [threading.Thread(target=f, daemon=True) for f in (run_producer, run_consumer)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120.0)
+        assert not any(t.is_alive() for t in threads), "an idle step was not woken when its transfer ended"
+    finally:
+        for name in woken:
+            engines[name].core.runner.connector_hooks.connector.set_wakeup(engines[name].core.wake)
+    out = result["out"]
+    assert out.error is None and pre.outputs[0].token_ids + out.outputs[0].token_ids == want
+    assert woken["consumer"] >= 1 and woken["producer"] >= 1, woken  # the loader's end, the lease's end
+    monkeypatch.undo()
+    for name in ("producer", "consumer"):
+        assert_idle(engines[name], [], name)
+
+
 def test_restarted_producer_is_a_new_epoch(demo_model: str, cluster_keys: Any, engines: Any) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
