@@ -106,10 +106,11 @@ class EngineCore:
         outputs = self.scheduler.update(scheduler_output, runner_output)
         progressed = (runner_output.finished_recving or runner_output.finished_sending
                       or runner_output.invalid_block_ids)
-        if scheduler_output.is_empty and not outputs and not progressed and self.connector is not None:
+        if (scheduler_output.is_empty and not outputs and not progressed and self.connector is not None
+                and self.scheduler.only_waiting()):
             # Only transfers in flight: wait for one to end (the connector's wake-up) or a
             # command, at most _IDLE_STEP_S, rather than spin. A step that collected a finished
-            # transfer goes on at once: the request it unblocked is scheduled next step.
+            # transfer, or left something to deliver, goes on at once.
             self._wake.wait(_IDLE_STEP_S)
         return outputs
 

@@ -305,6 +305,14 @@ class Scheduler:
         return bool(self.requests or self._pending_outputs or self._finished_ids or self.remote.held
                     or self._connector_notice)
 
+    def only_waiting(self) -> bool:
+        """Asked after a step that scheduled nothing: unfinished work is left (requests waiting for
+        a transfer or for blocks one holds, holds of their own) and nothing to deliver (outputs,
+        runner drops, connector notices), so only a transfer ending or a new command can give the
+        next step something to do. The engine then waits for that instead of stepping at once."""
+        return self.has_unfinished_requests() and not (self._pending_outputs or self._finished_ids
+                                                       or self._connector_notice)
+
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
 

@@ -304,6 +304,24 @@ def test_async_load_waits_for_remote_kv_then_runs() -> None:
     assert_no_leaks(s)
 
 
+def test_only_waiting_while_a_transfer_is_all_that_is_left() -> None:
+    """What lets the engine wait for a transfer's wake-up instead of stepping again at once."""
+    conn = ScriptedConnector({"a": [(12, True)]})
+    s = make(connector=conn)
+    assert not s.only_waiting()  # nothing at all
+    s.add_request(req("a", 12))
+    step(s)
+    assert s.requests["a"].status == RequestStatus.WAITING_FOR_REMOTE_KV and s.only_waiting()
+    step(s, finished_recving={"a"})
+    so, _ = step(s)
+    assert so.num_scheduled_tokens == {"a": 1}  # loaded: it runs (a step with tokens never waits)
+    s.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    assert s.has_unfinished_requests() and not s.only_waiting()  # the runner's drop is still to deliver
+    step(s)
+    assert not s.has_unfinished_requests() and not s.only_waiting()
+    assert_no_leaks(s)
+
+
 def test_sync_external_tokens_are_scheduled_at_once() -> None:
     conn = ScriptedConnector({"a": [(8, False)]})
     s = make(connector=conn)

@@ -78,3 +78,40 @@ def test_step_larger_than_staging_is_saved_in_chunks(demo_model: str, kvstore_ma
     finally:
         e.shutdown()
         ref.shutdown()
+
+
+def test_idle_steps_wake_when_a_store_transfer_ends(demo_model: str, kvstore_master: str, stored: Any,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store's load and save threads wake an engine waiting in an idle step: with the idle
+    poll stretched to an hour, a request whose prefix loads from the store (and whose new blocks
+    are saved) still runs to the end, token-exact, and the engine settles."""
+    import threading
+
+    from pdcluster.engine import engine_core
+
+    prompt, want = stored
+    b = make_engine(demo_model, {"master": kvstore_master, "namespace": "failures"})
+    woken = [0]
+
+    def wake() -> None:
+        woken[0] += 1
+        b.core.wake()
+    try:
+        b.core.runner.connector_hooks.connector.set_wakeup(wake)
+        monkeypatch.setattr(engine_core, "_IDLE_STEP_S", 3600.0)
+        result: dict[str, Any] = {}
+
+        def run() -> None:
+            result["out"] = generate(b, {"w": prompt})["w"]
+            settle(b)
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        t.join(120.0)
+        assert not t.is_alive(), "an idle step was not woken when its store transfer ended"
+        monkeypatch.undo()
+        out = result["out"]
+        assert out.error is None and out.outputs[0].token_ids == want
+        assert b.get_stats()["kv_connector"]["store_load_blocks"] == 4 and woken[0] >= 1
+    finally:
+        monkeypatch.undo()
+        b.shutdown()
