@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import pathlib
 from dataclasses import dataclass
 from typing import Any
@@ -35,8 +36,10 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
 # What transformers assumes when a config.json leaves a field out, where it differs from ours.
 _DEFAULT_ROPE_THETA = {"smollm3": 2000000.0, "mixtral": 1000000.0}
 _DEFAULT_TIED = {"smollm3": True}
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+_YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "mscale",
+              "mscale_all_dim", "truncate")
 
 
 @dataclass(frozen=True)
@@ -225,6 +228,10 @@ def _rope(raw: dict[str, Any], max_pos: int, default_theta: float
         raise ValueError(f"unsupported rope type {rope_type!r}; supported: {list(SUPPORTED_ROPE_TYPES)}")
     if rope_type == "default":
         return theta, None, partial
+    if "original_max_position_embeddings" in raw:  # a top-level field (Phi-3 style) wins, as in transformers
+        params["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
+    if rope_type == "yarn":
+        return theta, _yarn_items(params, max_pos), partial
     if rope_type == "llama3":
         params.setdefault("original_max_position_embeddings", max_pos)
         missing = [k for k in _LLAMA3_KEYS if k not in params]
@@ -234,6 +241,25 @@ def _rope(raw: dict[str, Any], max_pos: int, default_theta: float
         raise ValueError(f"{rope_type} rope scaling is missing 'factor'")
     items = {"rope_type": rope_type, **{k: params[k] for k in params if k in _LLAMA3_KEYS}}
     return theta, tuple(sorted(items.items())), partial
+
+
+def _yarn_items(params: dict[str, Any], max_pos: int) -> tuple[tuple[str, Any], ...]:
+    """Checked YaRN parameters (factor required, as transformers requires it)."""
+    old = params.setdefault("original_max_position_embeddings", max_pos)
+    if isinstance(old, bool) or not isinstance(old, int) or old < 1:
+        raise ValueError(f"yarn rope scaling: original_max_position_embeddings must be a positive integer, got {old!r}")
+    if params.get("factor") is None:
+        raise ValueError("yarn rope scaling is missing 'factor'")
+    for key in ("factor", "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"):
+        v = params.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0):
+            raise ValueError(f"yarn rope scaling: {key} must be a positive number, got {v!r}")
+    if params["factor"] < 1:
+        raise ValueError(f"yarn rope scaling: factor must be >= 1, got {params['factor']!r}")
+    if not isinstance(params.get("truncate", True), bool):
+        raise ValueError(f"yarn rope scaling: truncate must be true or false, got {params['truncate']!r}")
+    items = {"rope_type": "yarn", **{k: params[k] for k in _YARN_KEYS if params.get(k) is not None}}
+    return tuple(sorted(items.items()))
 
 
 def _resolve_max_model_len(requested: int | None, max_pos: int) -> int:

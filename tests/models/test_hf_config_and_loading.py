@@ -75,7 +75,7 @@ def test_mistral_sliding_window_does_not_cap_max_model_len(tmp_path: pathlib.Pat
 
 @pytest.mark.parametrize(("fields", "kwargs", "match"), [
     ({"architectures": ["GPT2LMHeadModel"]}, {}, r"GPT2LMHeadModel.*LlamaForCausalLM"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, {}, r"yarn.*llama3"),
+    ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0}}, {}, r"longrope.*llama3.*yarn"),
     ({"rope_parameters": {"rope_type": "llama3", "factor": 4.0}}, {}, r"low_freq_factor"),
     ({}, {"dtype": "float8"}, r"dtype"),
     ({}, {"max_model_len": 129}, r"max_model_len"),
