@@ -127,9 +127,11 @@ def load_model_config(path: str, dtype: str = "auto", max_model_len: int | None 
         raise FileNotFoundError(f"config.json not found in model directory {str(root)!r}")
     raw: dict[str, Any] = json.loads(cfg_file.read_text())
     check_weights_exist(root)
+    _refuse_quantized(raw)
     outer_arch = None
     if is_llava(raw):  # a LLaVA wrapper: the decoder is its text_config (llava_config.py)
         outer_arch, raw = LLAVA_ARCHITECTURE, text_config_of(raw)
+        _refuse_quantized(raw)
     arch = _architecture(raw)
     model_type, force_qkv_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
     num_layers = _required_int(raw, "num_hidden_layers")
@@ -202,6 +204,17 @@ def _architecture(raw: dict[str, Any]) -> str:
         if arch in SUPPORTED_ARCHITECTURES:
             return arch
     raise ValueError(f"unsupported architecture {archs!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+
+
+def _refuse_quantized(raw: dict[str, Any]) -> None:
+    """A quantized checkpoint's weights are codes plus scales: read as plain weights they would give
+    wrong tokens with an OK status, so it is refused by name rather than loaded."""
+    for key in ("quantization_config", "compression_config"):
+        q = raw.get(key)
+        if q:
+            method = (q.get("quant_method") or q.get("format")) if isinstance(q, dict) else None
+            raise ValueError(f"{key} (quant_method={method!r}) is not supported: pdcluster loads unquantized "
+                             f"float32/bfloat16/float16 safetensors; use the unquantized checkpoint")
 
 
 def _resolve_dtype(raw: dict[str, Any], dtype: str) -> str:

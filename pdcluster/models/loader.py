@@ -37,6 +37,9 @@ logger = logging.getLogger(__name__)
 _INDEX_FILE = "model.safetensors.index.json"
 _EMBED, _LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
+# safetensors dtype names a weight may have: anything else (F8_E4M3, I8, U8, I32 ...) is a
+# quantized code, which read as a plain weight would give wrong tokens.
+_WEIGHT_DTYPES = ("F32", "BF16", "F16", "F64")
 ShardId = str | int | tuple[int, int] | None
 
 
@@ -130,6 +133,10 @@ def load_weights(model: nn.Module, path: str | pathlib.Path) -> None:
         if param is None:
             ignored.append(ckpt_name)
             continue
+        stored = tensor.get_dtype()
+        if stored not in _WEIGHT_DTYPES:
+            raise ValueError(f"checkpoint tensor {ckpt_name!r} is stored as {stored}: quantized weights are not "
+                             f"supported (weights must be one of {list(_WEIGHT_DTYPES)})")
         param.weight_loader(param, tensor, shard_id)
         loaded.add((name, shard_id))
     if _LM_HEAD in params and (_LM_HEAD, None) not in loaded:

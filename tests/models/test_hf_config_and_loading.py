@@ -118,6 +118,29 @@ def test_missing_tensor_is_named_and_unknown_tensors_ignored(llama_dir: str, tmp
         load_model(load_model_config(str(broken)), TorchAttentionBackend())
 
 
+def test_quantized_checkpoints_are_refused_by_name(llama_dir: str, tmp_path: pathlib.Path) -> None:
+    """Quantized weights (codes plus scales) read as plain weights would give wrong tokens with an
+    OK status: a quantization_config, or a weight stored as float8/int8 without one, is refused."""
+    config = json.loads((pathlib.Path(llama_dir) / "config.json").read_text())
+    tensors = load_file(str(pathlib.Path(llama_dir) / "model.safetensors"))
+    name = "model.layers.0.mlp.down_proj.weight"
+    tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+    tensors[name.replace(".weight", ".weight_scale_inv")] = torch.ones(1, 1)
+    for case, extra in (("fp8", {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}),
+                        ("ct", {"compression_config": {"format": "float-quantized"}}),
+                        ("bare", {})):
+        d = tmp_path / case
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({**config, **extra}))
+        save_file(tensors, str(d / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"quantization_config \(quant_method='fp8'\) is not supported"):
+        load_model_config(str(tmp_path / "fp8"))
+    with pytest.raises(ValueError, match=r"compression_config \(quant_method='float-quantized'\)"):
+        load_model_config(str(tmp_path / "ct"))
+    with pytest.raises(ValueError, match=rf"{name}' is stored as F8_E4M3: quantized weights are not supported"):
+        load_model(load_model_config(str(tmp_path / "bare")), TorchAttentionBackend())
+
+
 def test_missing_lm_head_is_tied_from_embeddings(llama_dir: str, tmp_path: pathlib.Path) -> None:
     tensors = load_file(str(pathlib.Path(llama_dir) / "model.safetensors"))
     del tensors["lm_head.weight"]
