@@ -21,6 +21,9 @@ class CountingSlice:
     def get_shape(self):
         return self.inner.get_shape()
 
+    def get_dtype(self):
+        return self.inner.get_dtype()
+
     def __getitem__(self, index):
         out = self.inner[index]
         self.counter[self.name] = self.counter.get(self.name, 0) + out.numel()
