@@ -58,10 +58,6 @@ _OPEN_RETRY_FIRST_S = 0.001  # first pause after "lease unknown"; doubles up to 
 _OPEN_RETRY_MAX_S = 0.02
 
 
-def _nothing() -> None:
-    return None
-
-
 @dataclass
 class LoadJob:
     request_id: str
@@ -94,7 +90,7 @@ class Loader:
                          "open_retries": 0, "release_retries": 0}
         self.load_seconds = LoadTimes()  # successful pulls, handshake to the producer's "released"
         self.last_errors: dict[str, str] = {}  # request id -> why its load failed (bounded)
-        self.on_finished: Callable[[], None] = _nothing  # the engine's wake-up (set_wakeup)
+        self.on_finished: Callable[[], None] = lambda: None  # the engine's wake-up (set_wakeup); never blocks
 
     # -- engine thread ---------------------------------------------------------------------------
     def submit(self, request_id: str, local_block_ids: list[int], first_block: int, params: KVTransferParams) -> None:
