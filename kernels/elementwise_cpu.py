@@ -2,9 +2,16 @@
 kernels of csrc/elementwise_cpu.c: one call per op where eager torch makes 3-8 (why: the
 docstring there). Same signatures and contracts as the torch references in norm.py, rotary.py
 and activation.py, which each function falls back to (and is tested against) wherever the kernel
-does not apply: not float32, not on the CPU, a last dimension that is not contiguous, no compiler
-or PDCLUSTER_NATIVE=0, or inside a dynamo trace (the compiled forward fuses these itself, and a
-ctypes call cannot enter a graph). A missing kernel is slower, never different in contract.
+does not apply: not float32 or bfloat16, not on the CPU, a last dimension that is not contiguous,
+no compiler or PDCLUSTER_NATIVE=0, or inside a dynamo trace (the compiled forward fuses these
+itself, and a ctypes call cannot enter a graph). A missing kernel is slower, never different in
+contract.
+
+bfloat16 tensors (a bf16 model on a CPU that computes in bf16) are widened to float32 (exact), run
+through the kernel's bf16 mode, which rounds where the torch reference's bfloat16 ops round, and
+narrowed back (exact: the kernel's results are bfloat16 values). The one-call decode step
+(models/cpu_decode_step.py) runs the same kernels in the same mode, so its bf16 step is bit for bit
+this eager one.
 """
 
 from __future__ import annotations
@@ -27,9 +34,9 @@ def _lib() -> ctypes.CDLL | None:
     lib = native.load("elementwise_cpu")
     if lib is None:
         return None
-    lib.pd_rms_norm.argtypes = [_P, _I64, _P, _I64, _P, _P, _I64, _P, _I64, _I64, _I64, _F, _INT]
-    lib.pd_rotary.argtypes = [_P, _P, _I64, _I64, _I64, _I64, _I64, _P, _I64, _INT, _INT]
-    lib.pd_silu_and_mul.argtypes = [_P, _I64, _P, _I64, _I64, _I64, _INT]
+    lib.pd_rms_norm.argtypes = [_P, _I64, _P, _I64, _P, _P, _I64, _P, _I64, _I64, _I64, _F, _INT, _INT]
+    lib.pd_rotary.argtypes = [_P, _P, _I64, _I64, _I64, _I64, _I64, _P, _I64, _INT, _INT, _INT]
+    lib.pd_silu_and_mul.argtypes = [_P, _I64, _P, _I64, _I64, _I64, _INT, _INT]
     for f in (lib.pd_rms_norm, lib.pd_rotary, lib.pd_silu_and_mul):
         f.restype = ctypes.c_int
     return lib
@@ -42,7 +49,7 @@ def available() -> bool:
 # The checks below are deliberately cheap attribute reads (no device objects, no views, no
 # generator expressions): at decode sizes the kernel runs in ~2 us, and Python around it is
 # what these functions exist to save.
-_F32 = torch.float32
+_F32, _BF16 = torch.float32, torch.bfloat16
 
 
 def _native() -> ctypes.CDLL | None:
@@ -52,25 +59,33 @@ def _native() -> ctypes.CDLL | None:
 
 
 def _rows_ok(x: torch.Tensor) -> bool:
-    """A float32 CPU (rows, last) tensor with a contiguous last dimension."""
-    return x.dtype is _F32 and x.is_cpu and x.dim() == 2 and (x.stride(1) == 1 or x.shape[1] == 1)
+    """A float32 or bfloat16 CPU (rows, last) tensor with a contiguous last dimension."""
+    return (x.dtype is _F32 or x.dtype is _BF16) and x.is_cpu and x.dim() == 2 and (x.stride(1) == 1 or x.shape[1] == 1)
 
 
-def _vector_ok(w: torch.Tensor, n: int) -> bool:
-    return w.dtype is _F32 and w.is_cpu and w.dim() == 1 and w.shape[0] == n and w.is_contiguous()
+def _vector_ok(w: torch.Tensor, x: torch.Tensor) -> bool:
+    """The weight of x's rows: x's own dtype (a float32 weight on bf16 rows promotes in the
+    reference, which the kernel's bf16 mode does not), one value per column."""
+    return w.dtype is x.dtype and w.is_cpu and w.dim() == 1 and w.shape[0] == x.shape[1] and w.is_contiguous()
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """x as float32 (a copy, exact, for bfloat16; x itself otherwise)."""
+    return x if x.dtype is _F32 else x.float()
 
 
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: (T, H), weight: (H,) -> (T, H)."""
     lib = _native()
-    if lib is None or not _rows_ok(x) or not _vector_ok(weight, x.shape[1]):
+    if lib is None or not _rows_ok(x) or not _vector_ok(weight, x):
         return rms_norm_torch(x, weight, eps)
     t, h = x.shape
+    xf, wf, bf16 = _wide(x), _wide(weight), x.dtype is _BF16
     out = torch.empty((t, h), dtype=_F32)
-    if lib.pd_rms_norm(x.data_ptr(), x.stride(0), None, 0, weight.data_ptr(), out.data_ptr(), h, None, 0, t, h, eps,
-                       torch.get_num_threads()):
+    if lib.pd_rms_norm(xf.data_ptr(), xf.stride(0), None, 0, wf.data_ptr(), out.data_ptr(), h, None, 0, t, h, eps,
+                       int(bf16), torch.get_num_threads()):
         return rms_norm_torch(x, weight, eps)
-    return out
+    return out.to(_BF16) if bf16 else out
 
 
 def fused_add_rms_norm_cpu(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
@@ -78,25 +93,32 @@ def fused_add_rms_norm_cpu(x: torch.Tensor, residual: torch.Tensor, weight: torc
     """(rms_norm(x + residual), x + residual)."""
     lib = _native()
     if (lib is None or not _rows_ok(x) or not _rows_ok(residual) or residual.shape != x.shape
-            or not _vector_ok(weight, x.shape[1])):
+            or residual.dtype is not x.dtype or not _vector_ok(weight, x)):
         return fused_add_rms_norm_torch(x, residual, weight, eps)
     t, h = x.shape
+    xf, rf, wf, bf16 = _wide(x), _wide(residual), _wide(weight), x.dtype is _BF16
     out = torch.empty((t, h), dtype=_F32)
     res_out = torch.empty((t, h), dtype=_F32)
-    if lib.pd_rms_norm(x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0), weight.data_ptr(),
-                       out.data_ptr(), h, res_out.data_ptr(), h, t, h, eps, torch.get_num_threads()):
+    if lib.pd_rms_norm(xf.data_ptr(), xf.stride(0), rf.data_ptr(), rf.stride(0), wf.data_ptr(),
+                       out.data_ptr(), h, res_out.data_ptr(), h, t, h, eps, int(bf16), torch.get_num_threads()):
         return fused_add_rms_norm_torch(x, residual, weight, eps)
-    return out, res_out
+    return (out.to(_BF16), res_out.to(_BF16)) if bf16 else (out, res_out)
 
 
 def _rotate_in_place(lib: ctypes.CDLL, positions: torch.Tensor, t: torch.Tensor, cos_sin_cache: torch.Tensor,
                      is_neox: bool) -> bool:
     """Rotate t (T, H, D) in place; False (nothing written) where the kernel does not take it."""
-    if t.dtype is not _F32 or not t.is_cpu or t.dim() != 3 or t.stride(2) != 1:
+    if (t.dtype is not _F32 and t.dtype is not _BF16) or not t.is_cpu or t.dim() != 3 or t.stride(2) != 1:
         return False
-    return lib.pd_rotary(positions.data_ptr(), t.data_ptr(), t.stride(0), t.stride(1), t.shape[0], t.shape[1],
-                         cos_sin_cache.shape[1], cos_sin_cache.data_ptr(), cos_sin_cache.shape[0], int(is_neox),
-                         torch.get_num_threads()) == 0
+    bf16 = t.dtype is _BF16
+    tf = t.float() if bf16 else t  # contiguous when widened
+    if lib.pd_rotary(positions.data_ptr(), tf.data_ptr(), tf.stride(0), tf.stride(1), tf.shape[0], tf.shape[1],
+                     cos_sin_cache.shape[1], cos_sin_cache.data_ptr(), cos_sin_cache.shape[0], int(is_neox), int(bf16),
+                     torch.get_num_threads()) != 0:
+        return False
+    if bf16:
+        t.copy_(tf)  # exact: the kernel rounded every rotated value to a bfloat16
+    return True
 
 
 def rotary_embedding_cpu(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
@@ -124,7 +146,9 @@ def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
     if lib is None or not _rows_ok(x) or x.shape[1] % 2:
         return silu_and_mul_torch(x)
     t, inter = x.shape[0], x.shape[1] // 2
+    xf, bf16 = _wide(x), x.dtype is _BF16
     out = torch.empty((t, inter), dtype=_F32)
-    if lib.pd_silu_and_mul(x.data_ptr(), x.stride(0), out.data_ptr(), inter, t, inter, torch.get_num_threads()):
+    if lib.pd_silu_and_mul(xf.data_ptr(), xf.stride(0), out.data_ptr(), inter, t, inter, int(bf16),
+                           torch.get_num_threads()):
         return silu_and_mul_torch(x)
-    return out
+    return out.to(_BF16) if bf16 else out

@@ -28,4 +28,24 @@ static inline float exp_nonpositive(float x) {
     return p * scale2;
 }
 
+/* float32 -> the nearest bfloat16, as a float32 (round to nearest even; a NaN stays a quiet NaN):
+ * the value torch's .to(torch.bfloat16) keeps. The kernels' bfloat16 mode rounds with it at the
+ * points where torch's bfloat16 ops round, so buffers stay float32 and hold bfloat16 values. */
+static inline uint32_t bf16_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x0040u;
+    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+
+static inline float round_bf16(float f) {
+    const uint32_t u = bf16_bits(f) << 16;
+    float r;
+    memcpy(&r, &u, sizeof r);
+    return r;
+}
+
+/* x = round_bf16(x) when bf16 is set: a kernel output rounded as torch rounds a bfloat16 result. */
+#define BF16_ROUND(bf16, x) ((bf16) ? round_bf16(x) : (x))
+
 #endif

@@ -13,19 +13,27 @@
  * RMSNorm, a fused qkv projection (optional bias), per-head q/k RMSNorm or none (Qwen3), rotary
  * or none, paged attention over a float32
  * or bfloat16 cache, o_proj (optional bias), SiLU-gated MLP; every linear weight a bf16 decode
- * copy; one query token per request. Returns 0, or the first failing kernel's code (the caller then
+ * copy; one query token per request.
+ *
+ * bf16 (a bfloat16 model): the buffers stay float32 and hold bfloat16 values, rounded where the
+ * eager layers' bfloat16 ops round: every product's output (the weights' tiles are the model's own
+ * bfloat16 values, the sum float32, as oneDNN's bf16 GEMM does), the attention's output, and inside
+ * the element-wise kernels their bf16 mode (elementwise_cpu.c). The caller widens the embeddings in
+ * and narrows the result out, both exact. Returns 0, or the first failing kernel's code (the caller then
  * raises: by then the cache may have been written, so there is no silent fallback).
  */
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_math.h"
+
 typedef int (*gemv_fn)(const float *, int64_t, const uint16_t *, const float *, float *, int64_t, int64_t,
                        int64_t, int);
 typedef int (*rms_fn)(const float *, int64_t, const float *, int64_t, const float *, float *, int64_t, float *,
-                      int64_t, int64_t, int64_t, float, int);
+                      int64_t, int64_t, int64_t, float, int, int);
 typedef int (*rotary_fn)(const int64_t *, float *, int64_t, int64_t, int64_t, int64_t, int64_t, const float *,
-                         int64_t, int, int);
-typedef int (*silu_fn)(const float *, int64_t, float *, int64_t, int64_t, int64_t, int);
+                         int64_t, int, int, int);
+typedef int (*silu_fn)(const float *, int64_t, float *, int64_t, int64_t, int64_t, int, int);
 typedef int (*paged_fn)(const float *, float *, const void *, const void *, int, const int32_t *, int64_t,
                         const int64_t *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int);
 
@@ -42,6 +50,7 @@ typedef struct {
 typedef struct {
     int64_t hidden, inter, hq, hk, d, n_layers, block_size, cache_dtype; /* 0 float32, 1 bfloat16 */
     int64_t rot, max_pos, neox;
+    int64_t bf16; /* 1: a bfloat16 model's step (below) */
     float eps, scale;
     const float *cos_sin;
     const float *final_ln;
@@ -52,12 +61,12 @@ typedef struct {
     paged_fn paged;
 } pd_model;
 
-/* float32 -> bfloat16, round to nearest even, NaN kept quiet: what torch's .to(bfloat16) does. */
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x0040u);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+/* bf16 mode: a product's or the attention's n outputs rounded to bfloat16 values, as torch
+ * rounds a bfloat16 linear's (float32-accumulated) result and the attention's .to(q.dtype). */
+static void round_all(const pd_model *m, float *x, int64_t n) {
+    if (!m->bf16) return;
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) x[i] = round_bf16(x[i]);
 }
 
 /* The new tokens' K and V rows into their cache slots (slot < 0: not written): K from k (row
@@ -74,8 +83,8 @@ static void write_cache(const pd_model *m, const pd_layer *l, const float *kbase
         } else {
             uint16_t *kc = (uint16_t *)l->k_cache + slots[t] * row, *vc = (uint16_t *)l->v_cache + slots[t] * row;
             for (int64_t i = 0; i < row; i++) {
-                kc[i] = to_bf16(k[i]);
-                vc[i] = to_bf16(v[i]);
+                kc[i] = (uint16_t)bf16_bits(k[i]);
+                vc[i] = (uint16_t)bf16_bits(v[i]);
             }
         }
     }
@@ -94,6 +103,7 @@ int pd_decode_layers(const pd_model *m, const pd_layer *layers, float *hidden, i
     const int64_t H = m->hidden, I = m->inter, qd = m->hq * m->d, kvd = m->hk * m->d, nqkv = qd + 2 * kvd;
     float *residual = scratch, *x = residual + M * H, *y = x + M * H, *qkv = y + M * H;
     float *q = qkv + M * nqkv, *attn = q + M * qd, *kn = attn + M * qd, *gu = kn + M * kvd, *act = gu + M * 2 * I;
+    const int B = (int)m->bf16;
     int rc;
     for (int64_t i = 0; i < m->n_layers; i++) {
         const pd_layer *l = layers + i;
@@ -101,12 +111,13 @@ int pd_decode_layers(const pd_model *m, const pd_layer *layers, float *hidden, i
          * x, residual = norm(mlp_out + residual), residual + mlp_out */
         if (i == 0) {
             memcpy(residual, hidden, (size_t)(M * H) * sizeof(float));
-            rc = m->rms(hidden, H, NULL, 0, l->ln1, x, H, NULL, 0, M, H, m->eps, threads);
+            rc = m->rms(hidden, H, NULL, 0, l->ln1, x, H, NULL, 0, M, H, m->eps, B, threads);
         } else {
-            rc = m->rms(y, H, residual, H, l->ln1, x, H, residual, H, M, H, m->eps, threads);
+            rc = m->rms(y, H, residual, H, l->ln1, x, H, residual, H, M, H, m->eps, B, threads);
         }
         if (rc) return rc;
         if ((rc = m->gemv(x, H, l->qkv, l->qkv_bias, qkv, M, nqkv, H, threads))) return rc;
+        round_all(m, qkv, M * nqkv);
         const float *k = qkv + qd; /* row stride nqkv, or kvd once normed into kn */
         int64_t ldk = nqkv;
         if (l->q_norm != NULL) {
@@ -114,15 +125,15 @@ int pd_decode_layers(const pd_model *m, const pd_layer *layers, float *hidden, i
              * then q and k rotated apart (eager rotates the two copies in two calls). */
             for (int64_t t = 0; t < M; t++) {
                 if ((rc = m->rms(qkv + t * nqkv, m->d, NULL, 0, l->q_norm, q + t * qd, m->d, NULL, 0, m->hq, m->d,
-                                 m->eps, threads)) ||
+                                 m->eps, B, threads)) ||
                     (rc = m->rms(qkv + t * nqkv + qd, m->d, NULL, 0, l->k_norm, kn + t * kvd, m->d, NULL, 0, m->hk,
-                                 m->d, m->eps, threads)))
+                                 m->d, m->eps, B, threads)))
                     return rc;
             }
             if (l->rotary &&
-                ((rc = m->rotary(positions, q, qd, m->d, M, m->hq, m->rot, m->cos_sin, m->max_pos, (int)m->neox,
+                ((rc = m->rotary(positions, q, qd, m->d, M, m->hq, m->rot, m->cos_sin, m->max_pos, (int)m->neox, B,
                                  threads)) ||
-                 (rc = m->rotary(positions, kn, kvd, m->d, M, m->hk, m->rot, m->cos_sin, m->max_pos, (int)m->neox,
+                 (rc = m->rotary(positions, kn, kvd, m->d, M, m->hk, m->rot, m->cos_sin, m->max_pos, (int)m->neox, B,
                                  threads))))
                 return rc;
             k = kn;
@@ -131,7 +142,7 @@ int pd_decode_layers(const pd_model *m, const pd_layer *layers, float *hidden, i
             /* q and k side by side in the projection's output, rotated in place as one call */
             if (l->rotary &&
                 (rc = m->rotary(positions, qkv, nqkv, m->d, M, m->hq + m->hk, m->rot, m->cos_sin, m->max_pos,
-                                (int)m->neox, threads)))
+                                (int)m->neox, B, threads)))
                 return rc;
             for (int64_t t = 0; t < M; t++) memcpy(q + t * qd, qkv + t * nqkv, (size_t)qd * sizeof(float));
         }
@@ -139,11 +150,15 @@ int pd_decode_layers(const pd_model *m, const pd_layer *layers, float *hidden, i
         if ((rc = m->paged(q, attn, l->k_cache, l->v_cache, (int)m->cache_dtype, tables, table_stride, seq_lens, M,
                            m->hq, m->hk, m->d, m->block_size, l->window, m->scale, threads)))
             return rc;
+        round_all(m, attn, M * qd);
         if ((rc = m->gemv(attn, qd, l->o, l->o_bias, y, M, H, qd, threads))) return rc;
-        if ((rc = m->rms(y, H, residual, H, l->ln2, x, H, residual, H, M, H, m->eps, threads))) return rc;
+        round_all(m, y, M * H);
+        if ((rc = m->rms(y, H, residual, H, l->ln2, x, H, residual, H, M, H, m->eps, B, threads))) return rc;
         if ((rc = m->gemv(x, H, l->gate_up, NULL, gu, M, 2 * I, H, threads))) return rc;
-        if ((rc = m->silu(gu, 2 * I, act, I, M, I, threads))) return rc;
+        round_all(m, gu, M * 2 * I);
+        if ((rc = m->silu(gu, 2 * I, act, I, M, I, B, threads))) return rc;
         if ((rc = m->gemv(act, I, l->down, NULL, y, M, H, I, threads))) return rc;
+        round_all(m, y, M * H);
     }
-    return m->rms(y, H, residual, H, m->final_ln, hidden, H, residual, H, M, H, m->eps, threads);
+    return m->rms(y, H, residual, H, m->final_ln, hidden, H, residual, H, M, H, m->eps, B, threads);
 }

@@ -6,7 +6,7 @@ read the weights; on a 2-core CPU that is a third of the step, and no weight lay
 back. The C driver runs the same kernels in the same order on the same arguments, so its output
 (and what it writes into the KV cache) is bit for bit the eager step's; a test holds it to that.
 
-When: a decode-only step (one new token per request) of at most cpu_gemv.MAX_ROWS requests,
+When: a decode-only step (one new token per request) of at most cpu_gemv.max_rows requests,
 outside a dynamo trace, on a model whose every layer is the plain pre-norm block the driver knows:
 the "torch" ops backend's C kernels, the torch attention backend over a float32 or bfloat16 paged
 cache, a fused qkv projection with or without per-head q/k norms (Qwen3), rotary or none, a gated MLP (no MoE),
@@ -15,6 +15,12 @@ the layers but a KV connector's (which read neither inputs nor outputs: run all 
 all after it, in layer order). Anything else, or
 PDCLUSTER_CPU_DECODE_STEP=0, runs the eager layers as before. The plan (the descriptors) is
 built on first use and rebuilt when a weight's decode copy or the KV cache changes.
+
+A bfloat16 model (a CPU that computes in bf16) runs the same call in the kernels' bf16 mode:
+float32 buffers that hold bfloat16 values, rounded where the eager layers' bf16 ops round
+(csrc/decode_step_cpu.c), over tiles of the model's own bf16 weights; its norm weights and biases
+are widened once into the plan (exact). A weight load renews every linear's decode copy, which
+rebuilds the plan, so the widened copies follow a reload too.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ log = logging.getLogger(__name__)
 
 ENV = "PDCLUSTER_CPU_DECODE_STEP"  # "0": eager layers for every decode step
 _CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_ACT_DTYPES = (torch.float32, torch.bfloat16)  # the model's compute dtype: its norm weights' dtype
 _MAX_ROW, _MAX_Q_HEADS = 4096, 256  # csrc/paged_decode_cpu.c's limits
 
 
@@ -45,6 +52,8 @@ class _Plan:
     model: decode_step_cpu.ModelDesc
     layers: ctypes.Array
     scratch: int  # floats per row
+    dtype: torch.dtype  # the hidden states' dtype the plan takes (the model's compute dtype)
+    keep: list[torch.Tensor]  # float32 copies of a bf16 model's norm weights and biases: what `layers` points at
 
 
 def _linears(decoder: Any) -> list[Any]:
@@ -72,13 +81,16 @@ def why_not(decoder: Any) -> str | None:
     first = decoder.layers[0].self_attn if len(decoder.layers) else None
     if first is None:
         return "no layers"
+    act = decoder.norm.weight.dtype
+    if act not in _ACT_DTYPES:
+        return f"a {act} model (float32 and bfloat16 are taken)"
     for i, layer in enumerate(decoder.layers):
         a, m = layer.self_attn, layer.mlp
         if not isinstance(m, MLP):
             return f"layer {i} is not a dense gated MLP"
-        if a.q_norm is not None and (a.q_norm.weight.dtype != torch.float32 or a.k_norm.weight.dtype != torch.float32
+        if a.q_norm is not None and (a.q_norm.weight.dtype != act or a.k_norm.weight.dtype != act
                                      or a.q_norm.eps != decoder.norm.eps or a.k_norm.eps != decoder.norm.eps):
-            return f"layer {i}'s per-head q/k norms are not float32 or of another eps"
+            return f"layer {i}'s per-head q/k norms are not {act} or of another eps"
         # By its registry name, not its class: importing torch_attention here would close an import
         # circle (torch_attention -> kv_quant -> loader -> decoder -> this module).
         if a.backend.name != "torch":  # compiled_forward's wrapper carries its inner backend's name
@@ -91,6 +103,8 @@ def why_not(decoder: Any) -> str | None:
                 return "tensor parallel"
             if lin.gemv_weight is None:
                 return f"layer {i}'s {name} has no bf16 decode copy ({cpu_gemv.skip_reason(lin.weight) or 'values'})"
+            if lin.weight.dtype != act or (lin.bias is not None and lin.bias.dtype != act):
+                return f"layer {i}'s {name} is not {act} like the norms"
         if (a.num_heads, a.num_kv_heads, a.head_dim) != (first.num_heads, first.num_kv_heads, first.head_dim):
             return "layers of different attention shapes"
         if a.num_kv_heads * a.head_dim > _MAX_ROW or a.num_heads > _MAX_Q_HEADS:
@@ -99,10 +113,8 @@ def why_not(decoder: Any) -> str | None:
         if rot is not None and (rot.cos_sin_cache.dtype != torch.float32 or rot.cos_sin_cache.shape[1] > a.head_dim):
             return "rotary table not float32 or wider than a head"
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            if norm.weight.dtype != torch.float32 or norm.eps != decoder.norm.eps:
-                return "norm weights not float32 or of different eps"
-    if decoder.norm.weight.dtype != torch.float32:
-        return "final norm not float32"
+            if norm.weight.dtype != act or norm.eps != decoder.norm.eps:
+                return f"norm weights not all {act} or of different eps"
     if len({id(layer.self_attn.rotary_emb) for layer in decoder.layers if layer.self_attn.rotary_emb}) > 1:
         return "layers with different rotary tables"
     return None
@@ -121,14 +133,16 @@ class DecodeStep:
     def run(self, decoder: Any, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: Any,
             meta: AttentionMetadata) -> torch.Tensor | None:
         rows = hidden.shape[0]
-        if (rows == 0 or rows > cpu_gemv.MAX_ROWS or meta.max_query_len != 1 or meta.num_tokens != meta.num_reqs
-                or hidden.dtype != torch.float32 or not hidden.is_cpu or torch.compiler.is_dynamo_compiling()):
+        if (rows == 0 or rows > cpu_gemv.max_rows(hidden.dtype) or meta.max_query_len != 1
+                or meta.num_tokens != meta.num_reqs
+                or not hidden.is_cpu or torch.compiler.is_dynamo_compiling()):
             return None
         plan = self._get_plan(decoder, kv_caches)  # a refused model stops here, on a cached answer
-        hooks = None if plan is None else layer_hooks(decoder)
+        hooks = None if plan is None or plan.dtype != hidden.dtype else layer_hooks(decoder)
         if plan is None or hooks is None:
             return None
-        out = hidden.contiguous().clone()  # the driver overwrites it with the final norm's output
+        # The driver overwrites it with the final norm's output; a bf16 step's, widened (exact).
+        out = hidden.contiguous().clone() if hidden.dtype == torch.float32 else hidden.float()
         pos = positions.to(torch.int64).contiguous()  # no copy when it already is
         slots = meta.slot_mapping.to(torch.int64).contiguous()
         tables = meta.block_tables.to(torch.int32).contiguous()
@@ -153,7 +167,7 @@ class DecodeStep:
         for layer, hook in post:  # its save_kv_layer: each layer's cache is final once the call returns
             hook(layer, (), None)
         self.steps += 1
-        return out
+        return out if plan.dtype == torch.float32 else out.to(plan.dtype)  # exact: bf16 values
 
     def _get_plan(self, decoder: Any, kv_caches: Any) -> _Plan | None:
         if self._linears is None:
@@ -200,8 +214,14 @@ def layer_hooks(decoder: Any) -> tuple[list[_Hook], list[_Hook]] | None:
     return pre, post
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
+def _ptr(t: torch.Tensor | None, keep: list[torch.Tensor]) -> int | None:
+    """t's float32 data: t's own, or (a bf16 model) a widened copy the plan keeps alive."""
+    if t is None:
+        return None
+    if t.dtype != torch.float32:
+        t = t.float()
+        keep.append(t)
+    return t.data_ptr()
 
 
 def _build(decoder: Any, kv_caches: Any, key: tuple[Any, ...]) -> _Plan:
@@ -210,23 +230,25 @@ def _build(decoder: Any, kv_caches: Any, key: tuple[Any, ...]) -> _Plan:
     k0 = kv_caches[0]
     ptrs = decode_step_cpu.kernel_pointers()
     assert ptrs is not None
+    dtype = decoder.norm.weight.dtype
+    keep: list[torch.Tensor] = []
     model = decode_step_cpu.ModelDesc(
         hidden=decoder.norm.weight.shape[0], inter=m0.down_proj.in_features, hq=a0.num_heads, hk=a0.num_kv_heads,
         d=a0.head_dim, n_layers=len(decoder.layers), block_size=k0.shape[2], cache_dtype=_CACHE_DTYPES[k0.dtype],
         rot=0 if rot is None else rot.cos_sin_cache.shape[1], max_pos=0 if rot is None else rot.cos_sin_cache.shape[0],
-        neox=int(rot is None or rot.is_neox_style), eps=decoder.norm.eps, scale=a0.scale,
-        cos_sin=None if rot is None else rot.cos_sin_cache.data_ptr(), final_ln=decoder.norm.weight.data_ptr(),
-        **ptrs)
+        neox=int(rot is None or rot.is_neox_style), bf16=int(dtype == torch.bfloat16), eps=decoder.norm.eps,
+        scale=a0.scale, cos_sin=None if rot is None else rot.cos_sin_cache.data_ptr(),
+        final_ln=_ptr(decoder.norm.weight, keep), **ptrs)
     layers = (decode_step_cpu.LayerDesc * len(decoder.layers))()
     for i, layer in enumerate(decoder.layers):
         a, m = layer.self_attn, layer.mlp
         kv = kv_caches[i]  # (2, num_blocks, block_size, Hk, D)
         layers[i] = decode_step_cpu.LayerDesc(
-            ln1=layer.input_layernorm.weight.data_ptr(), ln2=layer.post_attention_layernorm.weight.data_ptr(),
+            ln1=_ptr(layer.input_layernorm.weight, keep), ln2=_ptr(layer.post_attention_layernorm.weight, keep),
             qkv=a.qkv_proj.gemv_weight.data.data_ptr(), o=a.o_proj.gemv_weight.data.data_ptr(),
             gate_up=m.gate_up_proj.gemv_weight.data.data_ptr(), down=m.down_proj.gemv_weight.data.data_ptr(),
-            qkv_bias=_ptr(a.qkv_proj.bias), o_bias=_ptr(a.o_proj.bias),
-            q_norm=None if a.q_norm is None else a.q_norm.weight.data_ptr(),
-            k_norm=None if a.k_norm is None else a.k_norm.weight.data_ptr(), k_cache=kv[0].data_ptr(),
+            qkv_bias=_ptr(a.qkv_proj.bias, keep), o_bias=_ptr(a.o_proj.bias, keep),
+            q_norm=None if a.q_norm is None else _ptr(a.q_norm.weight, keep),
+            k_norm=None if a.k_norm is None else _ptr(a.k_norm.weight, keep), k_cache=kv[0].data_ptr(),
             v_cache=kv[1].data_ptr(), window=int(a.sliding_window or 0), rotary=int(a.rotary_emb is not None))
-    return _Plan(key, model, layers, decode_step_cpu.scratch_floats(model, 1))
+    return _Plan(key, model, layers, decode_step_cpu.scratch_floats(model, 1), dtype, keep)

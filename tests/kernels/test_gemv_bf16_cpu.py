@@ -135,6 +135,30 @@ def test_a_bf16_valued_layer_gets_a_copy_and_decode_rows_use_it() -> None:
     assert torch.equal(layer(x), gemv_bf16_cpu.gemv_bf16(x, layer.gemv_weight, layer.bias))
 
 
+def test_bfloat16_rows_served_up_to_this_cpus_limit(monkeypatch) -> None:
+    """A bf16 layer (a CPU that computes in bf16): its decode rows run the kernel, widened in and
+    rounded once on the way out, up to max_rows(bfloat16), which is MAX_ROWS_NATIVE_BF16 on a CPU
+    with bf16 dot products (oneDNN's own bf16 GEMM above) and MAX_ROWS elsewhere."""
+    values = torch.randn(48, 32).to(torch.bfloat16)
+    layer = ReplicatedLinear(32, 48, True, torch.bfloat16)
+    layer.weight.data.copy_(values)
+    layer.bias.data.copy_(torch.randn(48).bfloat16())
+    layer.prepack()
+    assert layer.gemv_weight is not None
+    x = torch.randn(3, 32).bfloat16()
+    got = layer(x)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, gemv_bf16_cpu.gemv_bf16(x.float(), layer.gemv_weight, layer.bias.float()).bfloat16())
+    for native, limit in ((False, cpu_gemv.MAX_ROWS), (True, cpu_gemv.MAX_ROWS_NATIVE_BF16)):
+        monkeypatch.setattr(cpu_gemv, "_BF16_ROWS", limit if native else cpu_gemv.MAX_ROWS)
+        assert cpu_gemv.max_rows(torch.bfloat16) == limit
+        assert cpu_gemv.max_rows(torch.float32) == cpu_gemv.MAX_ROWS  # float32 inputs never change
+        for rows in (1, limit, limit + 1):
+            assert cpu_gemv.serves(layer.gemv_weight, torch.randn(rows, 32).bfloat16()) == (rows <= limit)
+    assert cpu_gemv.max_rows(torch.float16) == 0  # nothing else is served
+    assert not cpu_gemv.serves(layer.gemv_weight, torch.randn(1, 32).half())
+
+
 def test_no_copy_for_values_bf16_cannot_hold_or_when_switched_off(monkeypatch) -> None:
     g = torch.Generator().manual_seed(3)
     full = torch.randn(16, 16, generator=g)  # float32 values with mantissa bits bf16 lacks

@@ -23,8 +23,9 @@ pytestmark = pytest.mark.skipif(not decode_step_cpu.available(), reason="no C co
 BLOCK = 4
 
 
-def _runner(path: str, kv_dtype: str = "auto", num_kv_blocks: int = 96, **overrides) -> ModelRunner:
-    cfg = EngineArgs(model=path, compute_dtype="float32", block_size=BLOCK, num_kv_blocks=num_kv_blocks,
+def _runner(path: str, kv_dtype: str = "auto", num_kv_blocks: int = 96, compute: str = "float32",
+            **overrides) -> ModelRunner:
+    cfg = EngineArgs(model=path, compute_dtype=compute, block_size=BLOCK, num_kv_blocks=num_kv_blocks,
                      max_model_len=128,
                      device="cpu", enforce_eager=True, kv_cache_dtype=kv_dtype, **overrides).create_engine_config()
     return ModelRunner(cfg)
@@ -78,10 +79,39 @@ CASES = [
                          ids=["batch1", "batch3", "batch32"])
 def test_bit_for_bit_the_eager_step(tmp_path, monkeypatch, arch: str, kv_dtype: str, cfg: dict,
                                     lens: list[int]) -> None:
+    _bit_for_bit(tmp_path, monkeypatch, arch, kv_dtype, cfg, lens, "float32")
+
+
+# A bfloat16 model (what compute_dtype "auto" runs on a CPU with BF16 instructions; bf16
+# arithmetic works on any CPU): the driver's bf16 mode against the eager bf16 layers.
+CASES_BF16 = [
+    ("llama", {}),
+    ("qwen2", {}),  # q/k/v bias (widened into the plan)
+    ("llama2", {"attention_bias": True}),  # o_proj bias too
+    ("mistral", {"sliding_window": 6}),
+    ("smollm3", {}),
+    ("qwen3", {}),  # per-head q/k RMSNorm in bf16
+]
+
+
+_BF16_ROWS = cpu_gemv.max_rows(torch.bfloat16)  # 32, or 8 on a CPU with bf16 dot products
+
+
+@pytest.mark.parametrize(("arch", "cfg"), CASES_BF16, ids=[f"{a}-{len(c)}" for a, c in CASES_BF16])
+@pytest.mark.parametrize("lens", [[9], [5, 13, 2], [2 + (7 * i) % 11 for i in range(_BF16_ROWS)]],
+                         ids=["batch1", "batch3", "batch-max"])
+def test_bit_for_bit_the_eager_bfloat16_step(tmp_path, monkeypatch, arch: str, cfg: dict, lens: list[int]) -> None:
+    _bit_for_bit(tmp_path, monkeypatch, arch, "auto", cfg, lens, "bfloat16")
+
+
+def _bit_for_bit(tmp_path, monkeypatch, arch: str, kv_dtype: str, cfg: dict, lens: list[int], compute: str) -> None:
     make = make_checkpoint if arch == "smollm3" else make_tiny_checkpoint
     path = make(arch, tmp_path / arch, dtype=torch.bfloat16, **cfg)
-    assert len(lens) <= cpu_gemv.MAX_ROWS
-    runner = _runner(path, kv_dtype, num_kv_blocks=max(96, 6 * len(lens)), max_num_seqs=max(8, len(lens)))
+    assert len(lens) <= cpu_gemv.max_rows(getattr(torch, compute))
+    runner = _runner(path, kv_dtype, num_kv_blocks=max(96, 6 * len(lens)), max_num_seqs=max(8, len(lens)),
+                     compute=compute)
+    assert runner.kv_caches.dtype == (torch.float32 if compute == "float32" and kv_dtype == "auto"
+                                      else torch.bfloat16)
     decoder = runner.model.model
     # transformers initialises every RMSNorm weight to ones: distinct weights, so a norm applied
     # with another's weight (input vs post-attention, q vs k) cannot pass unseen.
@@ -100,6 +130,7 @@ def test_bit_for_bit_the_eager_step(tmp_path, monkeypatch, arch: str, kv_dtype: 
             before = decoder.decode_step.steps
             fast = decoder(input_ids, positions, kv_fast, meta)
             assert decoder.decode_step.steps == before + 1  # the driver ran, not the eager layers
+            assert fast.dtype == getattr(torch, compute)
             eager = _eager(decoder, monkeypatch, input_ids, positions, kv_eager, meta)
             assert torch.equal(fast, eager)
             assert torch.equal(kv_fast, kv_eager)
@@ -123,6 +154,20 @@ def test_steps_it_does_not_take_run_the_eager_layers(tmp_path) -> None:
     assert wide.model.model.decode_step.steps == 0
     wide.execute(_decode(wide, [f"r{i}" for i in range(cpu_gemv.MAX_ROWS)]))  # at the limit: taken
     assert wide.model.model.decode_step.steps == 1
+
+
+def test_a_native_bf16_cpu_takes_bfloat16_steps_only_up_to_its_limit(tmp_path, monkeypatch) -> None:
+    """Where oneDNN has bf16 dot products (cpu_gemv.MAX_ROWS_NATIVE_BF16), a bigger bf16 decode
+    step runs the eager layers (oneDNN's products), a step at the limit the driver."""
+    monkeypatch.setattr(cpu_gemv, "_BF16_ROWS", cpu_gemv.MAX_ROWS_NATIVE_BF16)
+    n = cpu_gemv.MAX_ROWS_NATIVE_BF16 + 1
+    path = make_tiny_checkpoint("llama", tmp_path / "l", dtype=torch.bfloat16)
+    runner = _runner(path, num_kv_blocks=5 * n, max_num_seqs=2 * n, compute="bfloat16")
+    _prefill(runner, [7] * n, runner.config.model.vocab_size, per=4)
+    runner.execute(_decode(runner, [f"r{i}" for i in range(n)]))
+    assert runner.model.model.decode_step.steps == 0
+    runner.execute(_decode(runner, [f"r{i}" for i in range(n - 1)]))  # at the limit: taken
+    assert runner.model.model.decode_step.steps == 1
 
 
 @pytest.mark.parametrize(("arch", "dtype", "why"), [

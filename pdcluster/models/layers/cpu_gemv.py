@@ -18,12 +18,23 @@ When: a float32 weight on the CPU whose every value is a bfloat16 (a bf16 checkp
 float32; checked, not assumed), the C kernel built, and PDCLUSTER_CPU_GEMV not "0". Products of up
 to MAX_ROWS rows, outside a dynamo trace, take the copy; larger ones run oneDNN / F.linear as before.
 Cost: the copy is half the float32 weight again (PDCLUSTER_CPU_GEMV=0 trades that memory back).
+
+A bfloat16 weight (a CPU that computes in bf16) gets a tiled copy too: there the point is not the
+bytes (oneDNN reads bf16 already) but the one-call decode step (models/cpu_decode_step.py), which
+reads every product from these tiles; so that its step is bit for bit the eager one, the eager
+layers' decode-sized bf16 products run on the same kernel (x widened exactly, the float32 result
+rounded to bfloat16 once, as oneDNN's bf16 GEMM rounds its float32 sum). Cost: a second copy of
+the linear weights (the oneDNN-packed one serves prefill); PDCLUSTER_CPU_GEMV=0 trades it back.
+On a CPU with bf16 dot-product instructions (AVX512-BF16, AMX) oneDNN's bf16 GEMM does two or more
+times the multiply-adds per instruction that this kernel's widen-and-FMA does, so there the copy
+serves fewer rows (max_rows): only where both are bound by the weight read, not by arithmetic.
 """
 
 from __future__ import annotations
 
 import torch
 
+from pdcluster.config import cpu_has_fast_half_precision
 from pdcluster.env_flags import env_enabled
 from pdcluster.kernels import gemv_bf16_cpu
 from pdcluster.kernels.gemv_bf16_cpu import Bf16Tiles
@@ -36,6 +47,14 @@ ENV = "PDCLUSTER_CPU_GEMV"  # "0" / "false" / "off" / "no": no bfloat16 decode c
 # those steps too: batch 24 / 32 decode steps 60.9 -> 53.5 / 73.9 -> 69.0 ms. At 48 rows the
 # driver only ties the eager layers (105.9 vs 105.8 ms): 32 it is (RESULTS.md, session 15).
 MAX_ROWS = 32
+# bfloat16 inputs on a CPU with bf16 dot products. This kernel does one FMA per weight per row;
+# on a 2-core AVX2 EPYC its products are bound by the weight read up to ~8 rows (1.95x oneDNN's
+# float32 at M = 4, 1.26x at 16, a tie at 32: RESULTS.md, session 12), the region where oneDNN's
+# native bf16 products are bound by the same read; past it oneDNN's dot-product instructions
+# (2x the multiply-adds per instruction, far more with AMX) out-compute it. A reasoned limit, not
+# yet measured on such a CPU. Without bf16 instructions oneDNN emulates bf16 and MAX_ROWS holds.
+MAX_ROWS_NATIVE_BF16 = 8
+_BF16_ROWS = MAX_ROWS_NATIVE_BF16 if cpu_has_fast_half_precision() else MAX_ROWS  # a fact of this CPU
 PROBE_ROWS = (1, 3)
 
 
@@ -47,8 +66,9 @@ def skip_reason(weight: torch.Tensor) -> str | None:
     """Why `weight` gets no bfloat16 decode copy, or None when it may."""
     if not enabled():
         return f"{ENV}=0"
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2 or weight.numel() == 0:
-        return "not a 2-D float32 CPU weight"
+    if (weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16) or weight.dim() != 2
+            or weight.numel() == 0):
+        return "not a 2-D float32 or bfloat16 CPU weight"
     if not gemv_bf16_cpu.available():
         return "the C kernel is unavailable (kernels/native.py logged why)"
     return None
@@ -61,7 +81,11 @@ def decode_copy(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Bf16T
     if skip_reason(weight) is not None:
         return None
     w = weight.detach()
-    copy = gemv_bf16_cpu.pack_float32(w)  # None: some value is not a bfloat16
+    if w.dtype == torch.bfloat16:
+        copy: Bf16Tiles | None = gemv_bf16_cpu.pack(w)
+        w = w.float()  # the probe's float32 reference: the same products, exactly
+    else:
+        copy = gemv_bf16_cpu.pack_float32(w)  # None: some value is not a bfloat16
     if copy is None:
         return None
     b = None if bias is None else bias.detach().float()
@@ -77,10 +101,19 @@ def decode_copy(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Bf16T
     return copy if cpu_gemm.probe_agrees(torch.cat(parts), x, w, b) else None
 
 
+def max_rows(dtype: torch.dtype) -> int:
+    """The most rows of a `dtype` input the copies serve (0: none): MAX_ROWS for float32 inputs,
+    and for bfloat16 ones too unless this CPU has bf16 dot products (then MAX_ROWS_NATIVE_BF16)."""
+    if dtype == torch.float32:
+        return MAX_ROWS
+    return _BF16_ROWS if dtype == torch.bfloat16 else 0
+
+
 def serves(copy: Bf16Tiles | None, x: torch.Tensor) -> bool:
-    """Whether x's product runs on the bfloat16 copy: a float32 input of at most MAX_ROWS rows,
-    outside a dynamo trace (the kernel is a ctypes call the graph cannot hold)."""
-    return (copy is not None and x.dtype == torch.float32 and x.numel() <= MAX_ROWS * x.shape[-1]
+    """Whether x's product runs on the bfloat16 copy: a float32 or bfloat16 input of at most
+    max_rows(x.dtype) rows, outside a dynamo trace (the kernel is a ctypes call the graph cannot
+    hold)."""
+    return (copy is not None and x.numel() <= max_rows(x.dtype) * x.shape[-1]
             and not torch.compiler.is_dynamo_compiling())
 
 
@@ -89,7 +122,11 @@ def linear(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -
     serves x, else cpu_gemm.linear (oneDNN's packed copy or F.linear)."""
     copy = getattr(layer, "gemv_weight", None)
     if serves(copy, x):
-        out = gemv_bf16_cpu.gemv_bf16(x, copy, bias)
+        if x.dtype == torch.float32:
+            out = gemv_bf16_cpu.gemv_bf16(x, copy, bias)
+        else:  # bfloat16: widened in (exact), the float32 sum rounded once on the way out
+            out = gemv_bf16_cpu.gemv_bf16(x.float(), copy, None if bias is None else bias.float())
+            out = None if out is None else out.to(torch.bfloat16)
         if out is not None:
             return out
     return cpu_gemm.linear(layer, x, bias)
