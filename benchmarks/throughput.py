@@ -29,6 +29,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_model import ensure_bench_model  # noqa: E402
+from vllm_env import preload_libraries, vllm_env  # noqa: E402
 
 # Steady-state speed: the engine compiles before it serves, not on its background thread
 # (engine/compiled_forward.py); child processes (servers, workers) inherit it.
@@ -129,7 +130,7 @@ def run_vllm(python: str, model: str, prompts, outs, repeats: int, dtype: str = 
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({"prompts": prompts, "max_tokens": outs, "repeats": repeats, "dtype": dtype}, f)
     script = pathlib.Path(__file__).resolve().parent / "_vllm_throughput.py"
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_LOGGING_LEVEL="WARNING", HF_HUB_OFFLINE="1")
+    env = dict(vllm_env(python), VLLM_CPU_KVCACHE_SPACE="2", VLLM_LOGGING_LEVEL="WARNING", HF_HUB_OFFLINE="1")
     # -P: keep benchmarks/ off sys.path (vLLM imports a top-level `kernels` module of its own).
     proc = subprocess.run([python, "-P", str(script), model, f.name], capture_output=True, text=True, env=env)
     os.unlink(f.name)
@@ -195,6 +196,8 @@ def main() -> None:
     print(f"workload={args.workload} requests={len(prompts)} prompt_tokens={sum(map(len, prompts))} "
           f"generated={gen} cpus={os.cpu_count()}")
     print(cpu_path())
+    if any(n.startswith("vllm") for n in results):
+        print(f"vllm LD_PRELOAD: {':'.join(preload_libraries(args.vllm_python)) or 'none'}")
     if args.also_bf16_compute:
         print("pdcluster-bf16: " + cpu_path("bfloat16"))
     print(f"{'engine':<20}{'median s':>10}{'gen tok/s':>12}{'total tok/s':>13}{'median CPU s':>14}")
