@@ -70,10 +70,21 @@ def make_tiny_checkpoint(arch: str, path: str | os.PathLike, dtype: torch.dtype 
     kwargs = {**TINY_COMMON, **TINY_ARCHS[arch], **config_overrides}
     config = config_cls(**kwargs)
     torch.manual_seed(seed)
-    model = model_cls(config).to(dtype).eval()
+    model = randomize_biases(model_cls(config), seed).to(dtype).eval()
     model.save_pretrained(str(path), max_shard_size="40KB" if shard else "2GB")
     write_wordlevel_tokenizer(path, model.config.vocab_size)
     return str(path)
+
+
+def randomize_biases(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Give every bias random values: transformers initialises biases to zeros, so a checkpoint
+    straight from it cannot tell a bias that is added from one that is dropped or misplaced."""
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.copy_(0.1 * torch.randn(param.shape, generator=g))
+    return model
 
 
 def write_wordlevel_tokenizer(path: str | os.PathLike, vocab_size: int) -> None:

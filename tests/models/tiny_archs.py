@@ -10,7 +10,7 @@ import os
 from typing import Any
 
 import torch
-from tiny_models import TINY_COMMON, write_wordlevel_tokenizer
+from tiny_models import TINY_COMMON, randomize_biases, write_wordlevel_tokenizer
 
 # Each arch's defaults; tests override sizes, expert counts, top-k, windows and NoPE patterns.
 ARCHS: dict[str, dict[str, Any]] = {
@@ -44,7 +44,7 @@ def make_checkpoint(arch: str, path: str | os.PathLike, seed: int = 0, dtype: to
     config_cls, model_cls = _classes(arch)
     config = config_cls(**{**TINY_COMMON, **ARCHS[arch], **overrides})
     torch.manual_seed(seed)
-    model = model_cls(config).eval()
+    model = randomize_biases(model_cls(config), seed).eval()
     if arch in ("qwen2_moe", "qwen3_moe", "mixtral"):
         # transformers initialises the router to zeros (Qwen) or tiny values; random routers route.
         with torch.no_grad():
