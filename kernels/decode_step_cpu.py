@@ -21,8 +21,8 @@ class LayerDesc(ctypes.Structure):
     """pd_layer: one decoder layer's weights (pointers into tensors the model keeps alive)."""
 
     _fields_ = [("ln1", _P), ("ln2", _P), ("qkv", _P), ("o", _P), ("gate_up", _P), ("down", _P),
-                ("qkv_bias", _P), ("o_bias", _P), ("q_norm", _P), ("k_norm", _P), ("k_cache", _P), ("v_cache", _P), ("window", _I64),
-                ("rotary", _I64)]
+                ("qkv_bias", _P), ("o_bias", _P), ("gate_up_bias", _P), ("down_bias", _P), ("q_norm", _P),
+                ("k_norm", _P), ("k_cache", _P), ("v_cache", _P), ("window", _I64), ("rotary", _I64)]
 
 
 class ModelDesc(ctypes.Structure):

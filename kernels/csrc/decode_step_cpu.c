@@ -41,6 +41,7 @@ typedef struct {
     const float *ln1, *ln2;                      /* input / post-attention RMSNorm weights (H) */
     const uint16_t *qkv, *o, *gate_up, *down;    /* bf16 tiles (gemv_bf16_cpu.c layout) */
     const float *qkv_bias, *o_bias;              /* or NULL */
+    const float *gate_up_bias, *down_bias;       /* or NULL (Llama's mlp_bias) */
     const float *q_norm, *k_norm;                /* per-head RMSNorm weights (D), Qwen3; or NULL */
     void *k_cache, *v_cache;                     /* (num_blocks, block_size, Hk, D) */
     int64_t window;                              /* 0: full attention */
@@ -154,10 +155,10 @@ int pd_decode_layers(const pd_model *m, const pd_layer *layers, float *hidden, i
         if ((rc = m->gemv(attn, qd, l->o, l->o_bias, y, M, H, qd, threads))) return rc;
         round_all(m, y, M * H);
         if ((rc = m->rms(y, H, residual, H, l->ln2, x, H, residual, H, M, H, m->eps, B, threads))) return rc;
-        if ((rc = m->gemv(x, H, l->gate_up, NULL, gu, M, 2 * I, H, threads))) return rc;
+        if ((rc = m->gemv(x, H, l->gate_up, l->gate_up_bias, gu, M, 2 * I, H, threads))) return rc;
         round_all(m, gu, M * 2 * I);
         if ((rc = m->silu(gu, 2 * I, act, I, M, I, B, threads))) return rc;
-        if ((rc = m->gemv(act, I, l->down, NULL, y, M, H, I, threads))) return rc;
+        if ((rc = m->gemv(act, I, l->down, l->down_bias, y, M, H, I, threads))) return rc;
         round_all(m, y, M * H);
     }
     return m->rms(y, H, residual, H, m->final_ln, hidden, H, residual, H, M, H, m->eps, B, threads);

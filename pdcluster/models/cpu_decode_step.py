@@ -248,6 +248,7 @@ def _build(decoder: Any, kv_caches: Any, key: tuple[Any, ...]) -> _Plan:
             qkv=a.qkv_proj.gemv_weight.data.data_ptr(), o=a.o_proj.gemv_weight.data.data_ptr(),
             gate_up=m.gate_up_proj.gemv_weight.data.data_ptr(), down=m.down_proj.gemv_weight.data.data_ptr(),
             qkv_bias=_ptr(a.qkv_proj.bias, keep), o_bias=_ptr(a.o_proj.bias, keep),
+            gate_up_bias=_ptr(m.gate_up_proj.bias, keep), down_bias=_ptr(m.down_proj.bias, keep),
             q_norm=None if a.q_norm is None else _ptr(a.q_norm.weight, keep),
             k_norm=None if a.k_norm is None else _ptr(a.k_norm.weight, keep), k_cache=kv[0].data_ptr(),
             v_cache=kv[1].data_ptr(), window=int(a.sliding_window or 0), rotary=int(a.rotary_emb is not None))

@@ -55,7 +55,7 @@ class DecoderLayer(nn.Module):
             o_bias=o_bias, qk_norm_eps=cfg.rms_norm_eps if cfg.qk_norm else None, sliding_window=cfg.window(index),
             **tp)
         self.mlp: nn.Module = (SparseMoeBlock(cfg, dtype, ops, tp) if cfg.is_moe(index)
-                               else MLP(cfg.hidden_size, cfg.intermediate_size, dtype, ops, tp))
+                               else MLP(cfg.hidden_size, cfg.intermediate_size, dtype, ops, tp, cfg.mlp_bias))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
 

@@ -36,7 +36,10 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
 # What transformers assumes when a config.json leaves a field out, where it differs from ours.
 _DEFAULT_ROPE_THETA = {"smollm3": 2000000.0, "mixtral": 1000000.0}
 _DEFAULT_TIED = {"smollm3": True}
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# The model types whose transformers MLP reads `mlp_bias` (the others build bias-free MLPs whatever
+# config.json says, so a stray `mlp_bias` there means nothing to transformers and nothing here).
+_MLP_BIAS_TYPES = ("llama", "smollm3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 _YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "mscale",
               "mscale_all_dim", "truncate")
@@ -63,6 +66,7 @@ class ModelConfig:
     max_model_len: int
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    mlp_bias: bool = False  # Llama / SmolLM3 `mlp_bias`: bias on gate, up and down projections
     qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
     rope_scaling: tuple[tuple[str, Any], ...] | None = None  # frozen items of the HF dict
     partial_rotary_factor: float = 1.0
@@ -135,8 +139,7 @@ def load_model_config(path: str, dtype: str = "auto", max_model_len: int | None 
     arch = _architecture(raw)
     model_type, force_qkv_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
     num_layers = _required_int(raw, "num_hidden_layers")
-    if raw.get("mlp_bias"):
-        raise ValueError(f"{arch} with mlp_bias=true is not supported")
+    mlp_bias = model_type in _MLP_BIAS_TYPES and bool(raw.get("mlp_bias"))
     hidden_act = raw.get("hidden_act", "silu")
     if hidden_act != "silu":
         raise ValueError(f"hidden_act {hidden_act!r} is not supported; supported: ['silu']")
@@ -166,6 +169,7 @@ def load_model_config(path: str, dtype: str = "auto", max_model_len: int | None 
         max_model_len=_resolve_max_model_len(max_model_len, max_pos),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", _DEFAULT_TIED.get(model_type, False))),
         attention_bias=force_qkv_bias or qkv_bias,
+        mlp_bias=mlp_bias,
         qk_norm=qk_norm,
         rope_scaling=rope_scaling,
         partial_rotary_factor=partial,
@@ -240,6 +244,14 @@ def _rope(raw: dict[str, Any], max_pos: int, default_theta: float
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported rope type {rope_type!r}; supported: {list(SUPPORTED_ROPE_TYPES)}")
     if rope_type == "default":
+        return theta, None, partial
+    if rope_type == "dynamic":
+        # Dynamic NTK (transformers' dynamic_rope_update) rescales the base only once a sequence
+        # outgrows max_position_embeddings, and max_model_len never exceeds that here
+        # (_resolve_max_model_len), so every position rotates as plain rope does, exactly.
+        factor = params.get("factor")
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor < 1:
+            raise ValueError(f"dynamic rope scaling: factor must be a number >= 1, got {factor!r}")
         return theta, None, partial
     if "original_max_position_embeddings" in raw:  # a top-level field (Phi-3 style) wins, as in transformers
         params["original_max_position_embeddings"] = raw["original_max_position_embeddings"]

@@ -31,7 +31,7 @@ _ARCHITECTURE_PATHS: dict[str, str] = {
 # Every one also runs: TP (MoE experts split, or partitioned with enable_expert_parallel), an fp8
 # KV cache, prefix caching, every KV connector; sliding windows free blocks only when every layer slides.
 ARCHITECTURE_NOTES = MappingProxyType({
-    "LlamaForCausalLM": "rope default/linear/llama3/yarn, optional attention_bias",
+    "LlamaForCausalLM": "rope default/linear/llama3/yarn/dynamic, optional attention_bias and mlp_bias",
     "MistralForCausalLM": "sliding_window on every layer (blocks behind the window are freed)",
     "Qwen2ForCausalLM": "q/k/v bias; use_sliding_window slides layers >= max_window_layers (mixed: nothing freed)",
     "Qwen3ForCausalLM": "q/k RMSNorm per head, explicit head_dim; Qwen2's window rule",

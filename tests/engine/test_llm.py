@@ -48,8 +48,12 @@ def test_greedy_batch_equals_transformers(tiny_ckpts, arch: str) -> None:
     assert llm.engine.get_stats()["num_running"] == 0
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: biased q/k/v, a tied LM head
-def test_bf16_checkpoint_computed_in_float32_equals_transformers(tmp_path, arch: str) -> None:
+@pytest.mark.parametrize(("arch", "cfg"), [
+    ("llama", {}),
+    ("qwen2", {}),  # biased q/k/v, a tied LM head
+    ("llama", {"mlp_bias": True, "attention_bias": True}),  # biases on every projection
+], ids=["llama", "qwen2", "llama-biases"])
+def test_bf16_checkpoint_computed_in_float32_equals_transformers(tmp_path, arch: str, cfg: dict) -> None:
     """A bfloat16 checkpoint run in float32: decode steps read the bf16 decode copies
     (models/layers/cpu_gemv.py), prefill the float32 weights; greedy equals transformers in
     float32 on the same checkpoint, token for token."""
@@ -60,8 +64,9 @@ def test_bf16_checkpoint_computed_in_float32_equals_transformers(tmp_path, arch:
 
     if not gemv_bf16_cpu.available():
         pytest.skip("no C compiler on this machine")
-    path = make_tiny_checkpoint(arch, tmp_path / arch, dtype=torch.bfloat16)
+    path = make_tiny_checkpoint(arch, tmp_path / arch, dtype=torch.bfloat16, **cfg)
     llm = LLM(path, dtype="float32")
+    assert llm.engine.config.model.mlp_bias == bool(cfg.get("mlp_bias"))
     copies, _ = copy_count(llm.engine.core.runner.model)
     assert copies == 2 * 4 + 1  # per layer qkv, o, gate_up, down; the LM head
     prompts = _prompts(llm.engine.config.model.vocab_size, [1, 7, 16, 23, 40])

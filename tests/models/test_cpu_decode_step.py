@@ -67,6 +67,7 @@ CASES = [
     ("qwen2", "bfloat16", {}),  # bf16 cache: the driver rounds K/V as .to(bfloat16) does
     ("mistral", "auto", {"sliding_window": 6}),  # windowed attention
     ("llama2", "bfloat16", {"attention_bias": True}),  # MHA, o_proj bias too
+    ("llama", "auto", {"mlp_bias": True}),  # gate/up and down biases
     ("smollm3", "auto", {}),  # NoPE every other layer: those rotate nothing
     ("qwen3", "auto", {}),  # per-head q/k RMSNorm, head_dim 32 != hidden / heads
     ("qwen3", "bfloat16", {"sliding_window": 5, "use_sliding_window": True, "max_window_layers": 1}),
@@ -88,6 +89,7 @@ CASES_BF16 = [
     ("llama", {}),
     ("qwen2", {}),  # q/k/v bias (widened into the plan)
     ("llama2", {"attention_bias": True}),  # o_proj bias too
+    ("llama", {"mlp_bias": True}),  # gate/up and down biases (widened into the plan)
     ("mistral", {"sliding_window": 6}),
     ("smollm3", {}),
     ("qwen3", {}),  # per-head q/k RMSNorm in bf16

@@ -52,6 +52,15 @@ def test_qwen_flags(tmp_path: pathlib.Path) -> None:
     assert q3.qk_norm and not q3.attention_bias and q3.head_dim == 32
 
 
+def test_mlp_bias_is_read_where_transformers_reads_it(tmp_path: pathlib.Path) -> None:
+    """Llama (and SmolLM3) MLPs take `mlp_bias`; transformers' Qwen2/Mistral/... MLPs never have
+    biases whatever config.json says, so neither do ours."""
+    assert load_model_config(write_config(tmp_path / "l", mlp_bias=True)).mlp_bias
+    assert not load_model_config(write_config(tmp_path / "l0")).mlp_bias
+    q2 = load_model_config(write_config(tmp_path / "q2", architectures=["Qwen2ForCausalLM"], mlp_bias=True))
+    assert not q2.mlp_bias
+
+
 def test_legacy_rope_spelling_and_eos_lists(tmp_path: pathlib.Path) -> None:
     path = write_config(tmp_path / "m", rope_theta=1234.0, eos_token_id=[5, 6], torch_dtype="bfloat16",
                         rope_scaling={"type": "llama3", "factor": 2.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0})

@@ -50,28 +50,46 @@ def test_table_equals_transformers(variant: str, tmp_path: pathlib.Path) -> None
     assert not torch.allclose(plain.cos_sin_cache, ours, atol=1e-3)  # the scaling is really applied
 
 
-def test_greedy_equals_transformers(tmp_path: pathlib.Path) -> None:
+def _greedy_ours_and_transformers(path: str, lens: tuple[int, ...], new: int) -> tuple[list, list]:
     from pdcluster import LLM, SamplingParams
 
-    path = make_tiny_checkpoint("qwen3", tmp_path / "q3", rope_parameters={**YARN, "rope_theta": 1000000.0})
     rng = random.Random(0)
-    prompts = [[rng.randrange(3, 384) for _ in range(n)] for n in (9, 40)]
+    prompts = [[rng.randrange(3, 384) for _ in range(n)] for n in lens]
     model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
     model.generation_config.eos_token_id = None
     want = []
     for p in prompts:
         with torch.no_grad():
             out = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                 max_new_tokens=16, do_sample=False, pad_token_id=0)
+                                 max_new_tokens=new, do_sample=False, pad_token_id=0)
         want.append(out[0, len(p):].tolist())
     llm = LLM(model=path, device="cpu")
     try:
         got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                                            SamplingParams(temperature=0, max_tokens=16,
+                                                            SamplingParams(temperature=0, max_tokens=new,
                                                                            ignore_eos=True))]
     finally:
         llm.shutdown()
+    return got, want
+
+
+def test_greedy_equals_transformers(tmp_path: pathlib.Path) -> None:
+    path = make_tiny_checkpoint("qwen3", tmp_path / "q3", rope_parameters={**YARN, "rope_theta": 1000000.0})
+    got, want = _greedy_ours_and_transformers(path, (9, 40), 16)
     assert got == want
+
+
+def test_dynamic_ntk_equals_transformers_up_to_max_position_embeddings(tmp_path: pathlib.Path) -> None:
+    """transformers' dynamic NTK rescales the base only past max_position_embeddings, which
+    max_model_len never exceeds: greedy output to the very last position equals transformers'."""
+    rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}
+    path = make_tiny_checkpoint("llama2", tmp_path / "dyn", rope_parameters=rope, max_position_embeddings=64)
+    cfg = load_model_config(path)
+    assert cfg.rope_scaling is None and cfg.max_model_len == 64
+    got, want = _greedy_ours_and_transformers(path, (5, 40), 24)  # 40 + 24 = the 64th position
+    assert got == want
+    with pytest.raises(ValueError, match=r"max_model_len \(65\) exceeds the model's max_position_embeddings \(64\)"):
+        load_model_config(path, max_model_len=65)
 
 
 def _config_dir(path: pathlib.Path, rope: dict[str, Any], **top: Any) -> str:
@@ -103,5 +121,8 @@ def test_parameters_parsed_and_checked(tmp_path: pathlib.Path) -> None:
     for i, (fields, message) in enumerate(bad):
         with pytest.raises(ValueError, match=message):
             load_model_config(_config_dir(tmp_path / f"bad{i}", {"rope_type": "yarn", **fields}))
-    with pytest.raises(ValueError, match=r"unsupported rope type 'dynamic'; supported: .*'yarn'"):
-        load_model_config(_config_dir(tmp_path / "dyn", {"rope_type": "dynamic", "factor": 2.0}))
+    with pytest.raises(ValueError, match=r"unsupported rope type 'longrope'; supported: .*'dynamic'"):
+        load_model_config(_config_dir(tmp_path / "long", {"rope_type": "longrope", "factor": 2.0}))
+    for i, factor in enumerate((None, 0.5, "2", float("inf"), True)):
+        with pytest.raises(ValueError, match="dynamic rope scaling: factor must be a number >= 1"):
+            load_model_config(_config_dir(tmp_path / f"dyn{i}", {"rope_type": "dynamic", "factor": factor}))

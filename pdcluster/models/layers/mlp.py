@@ -18,10 +18,12 @@ from pdcluster.models.layers.linear import MergedColumnParallelLinear, RowParall
 
 class MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, ops: Ops,
-                 tp: dict[str, Any]) -> None:
+                 tp: dict[str, Any], bias: bool = False) -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, False, dtype, **tp)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, False, dtype, **tp)
+        # bias (Llama's mlp_bias): gate and up biases fused like their weights; down's added once
+        # after the TP reduce (RowParallelLinear).
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias, dtype, **tp)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, dtype, **tp)
         self.act_fn = SiluAndMul(ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
