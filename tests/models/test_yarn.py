@@ -1,6 +1,6 @@
 """YaRN rope scaling (Qwen2.5/Qwen3 long-context configs): the cos/sin table equals transformers'
 rotary embedding bit for bit, greedy output equals transformers', and bad parameters are refused
-by name."""
+by name. Dynamic NTK too: plain rope up to max_position_embeddings, as in transformers."""
 
 from __future__ import annotations
 
