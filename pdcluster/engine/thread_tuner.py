@@ -11,11 +11,15 @@ No fixed count is right for both a quiet and a shared machine, so the engine mea
 Policy (pure, deterministic, no clock of its own): steps are keyed by their shape (decode-only:
 batch size rounded up to a power of two; with prefill tokens: token count, likewise). Thread
 counts form a ladder max, max/2, ..., 1. Each key keeps an exponentially weighted mean step time
-per count it tried, starts at max, and at its second step and every `explore_every` steps after
+per count it tried, starts at max, and at its third step and every `explore_every` steps after
 tries one neighbour of its current best on the ladder (the next smaller and larger count, in
 turn), so a change of the machine's load is noticed within a few dozen steps while a quiet
 machine pays one probe step in `explore_every` (a neighbour clearly slower than the best is
-probed four times less often).
+probed four times less often). A key's first step is not measured: it carries the shape's
+one-time costs (the decode driver's plan, first touches of new buffers), and as the only sample
+of max it lost to the one-thread probe after it, so a quiet 2-core machine ran the next ~20-30
+batch-1 decode steps on one thread at 1.5x their time (benchmarks/decode_roofline.py's first
+block: first step 11.7 ms at 2 threads, probe 11.6 at 1, then 7.6 at 2 once warm).
 
 Thread counts do not change results: the products split their output, not their reduction
 (checked bit for bit at 1 and 2 threads, tests/engine/test_thread_tuner.py), so greedy outputs
@@ -35,6 +39,7 @@ from dataclasses import dataclass, field
 
 ALPHA = 0.25  # weight of a new sample in a count's mean step time
 EXPLORE_EVERY = 32  # steps of one key between two probes of a neighbouring count
+FIRST_PROBE_STEP = 3  # a key's first probe: after one measured step of max (its first is not measured)
 CLEARLY_SLOWER = 1.5  # a neighbour this much slower than the best is probed 4x less often
 
 
@@ -87,9 +92,9 @@ class ThreadTuner:
         state = self._keys.setdefault(key, _KeyState())
         state.steps += 1
         best = self.best(key)
-        # The first probe comes at a key's second step: a key may see few steps (under a busy
-        # neighbour a step can take a second, and each shape has its own key).
-        if len(self.counts) == 1 or (state.steps != 2 and state.steps % self.explore_every):
+        # The first probe comes early, at a key's third step: a key may see few steps (under a
+        # busy neighbour a step can take a second, and each shape has its own key).
+        if len(self.counts) == 1 or (state.steps != FIRST_PROBE_STEP and state.steps % self.explore_every):
             return best
         i = self.counts.index(best)
         neighbours = [self.counts[j] for j in (i + 1, i - 1) if 0 <= j < len(self.counts)]
@@ -104,9 +109,13 @@ class ThreadTuner:
     def record(self, key: int, threads: int, seconds: float) -> None:
         """A step of this shape took `seconds` with `threads` threads. The count in use averages
         its samples; a probe replaces its count's mean (that mean is as old as the last probe,
-        and the load it measured may be gone: after contention ends, one probe brings max back)."""
+        and the load it measured may be gone: after contention ends, one probe brings max back).
+        The key's first step is left out (module docstring: its one-time costs)."""
+        state = self._keys.setdefault(key, _KeyState())
+        if state.steps <= 1:
+            return
         best = self.best(key)
-        means = self._keys.setdefault(key, _KeyState()).means
+        means = state.means
         old = means.get(threads)
         means[threads] = seconds if old is None or threads != best else old + self.alpha * (seconds - old)
 
