@@ -10,6 +10,7 @@
     decode_step_cpu.py   run, ModelDesc, LayerDesc     (C: every layer of a decode step in one call)
     elementwise_cpu.py   rms_norm_cpu, fused_add_rms_norm_cpu, rotary_embedding_cpu, silu_and_mul_cpu
                                                        (C kernels, float32; fall back to the refs)
+    argmax_cpu.py        argmax_rows                   (C: greedy sampling's argmax over logits)
     extend_attention.py  extend_attention_*            (varlen causal over a cached prefix)
     kv_pack.py           pack_kv_blocks_*, unpack_kv_blocks_*, pack_shape (LBHNC / LBNHC buffers)
     moe_router.py        moe_router_*
@@ -34,6 +35,7 @@ _EXPORTS = {
     "paged_decode_cpu": ("paged_decode_attention_cpu",),
     "gemv_bf16_cpu": ("gemv_bf16", "gemv_bf16_torch"),
     "elementwise_cpu": ("rms_norm_cpu", "fused_add_rms_norm_cpu", "rotary_embedding_cpu", "silu_and_mul_cpu"),
+    "argmax_cpu": ("argmax_rows",),
     "extend_attention": ("extend_attention_torch", "extend_attention_triton"),
     "kv_pack": ("LAYOUTS", "pack_shape", "pack_kv_blocks_torch", "pack_kv_blocks_triton",
                 "unpack_kv_blocks_torch", "unpack_kv_blocks_triton"),
