@@ -14,7 +14,9 @@ machine stole from it):
   layers       the decoder layers: the one-call driver's C call (kernels/decode_step_cpu.run), or
                the whole forward (embedding, eager layers, final norm) when it is off
   lm_head      compute_logits (the LM head product and the float32 logits)
-  runner_rest  the rest of ModelRunner.execute: embedding, sampling, runner bookkeeping
+  sample       the Sampler call (greedy here: the argmax over the vocabulary; PDCLUSTER_CPU_ARGMAX=0
+               for torch.argmax instead of kernels/argmax_cpu.py)
+  runner_rest  the rest of ModelRunner.execute: embedding, runner bookkeeping
   update       Scheduler.update (appending tokens, stop checks, freeing)
   output       OutputProcessor.process (detokenization, RequestOutputs)
 """
@@ -74,6 +76,15 @@ def main() -> None:
     timed(engine.output_processor, "process", "output")
     timed(decode_step_cpu, "run", "layers_driver")
     timed(runner, "forward_fn", "forward")  # embedding + layers + final norm (the eager layers' time)
+    sampler = runner._get_sampler()
+
+    def sample(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return sampler(*a, **k)
+        finally:
+            part["sample"] += time.perf_counter() - t0
+    runner._get_sampler = lambda: sample
 
     params = SamplingParams(temperature=0.0, max_tokens=args.steps + 2, ignore_eos=True)
     for j in range(args.batch):
@@ -89,8 +100,8 @@ def main() -> None:
         if decode and len(runner.requests) == args.batch:
             layers = part["layers_driver"] or part["forward"]
             rows.append({"total": total, "schedule": part["schedule"], "inputs": part["inputs"], "layers": layers,
-                         "lm_head": part["lm_head"],
-                         "runner_rest": part["runner"] - part["inputs"] - layers - part["lm_head"],
+                         "lm_head": part["lm_head"], "sample": part["sample"],
+                         "runner_rest": part["runner"] - part["inputs"] - layers - part["lm_head"] - part["sample"],
                          "update": part["update"], "output": part["output"]})
     rows = rows[2:] or rows
     med = {k: 1e3 * statistics.median(r[k] for r in rows) for k in rows[0]}

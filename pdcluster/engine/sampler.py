@@ -30,8 +30,11 @@ from typing import Any
 import torch
 
 from pdcluster.engine.outputs import Logprob, SampleLogprobs
+from pdcluster.env_flags import env_enabled
 from pdcluster.kernels.argmax_cpu import argmax_rows
 from pdcluster.sampling_params import SamplingParams
+
+ARGMAX_ENV = "PDCLUSTER_CPU_ARGMAX"  # "0": torch.argmax for greedy rows (the same indices, slower)
 
 # Temperatures below this are treated as greedy: dividing logits by them gains nothing over argmax
 # and risks overflow to inf (vLLM uses the same cut-off).
@@ -77,13 +80,6 @@ class SamplingState:
         return p.stop_token_ids + self.eos_token_ids
 
 
-def _argmax(x: torch.Tensor) -> torch.Tensor:
-    """x.argmax(dim=-1), through the C kernel where it applies (float32 CPU logits: a fraction
-    of torch's time at vocabulary sizes, kernels/argmax_cpu.py), the same indices either way."""
-    picked = argmax_rows(x)
-    return x.argmax(dim=-1) if picked is None else picked
-
-
 def seeded_uniform_bits(seed: int, position: int) -> int:
     """32 random bits for (request seed, output position), the same on every process and platform
     (a cryptographic hash, never Python's salted hash)."""
@@ -99,6 +95,7 @@ class Sampler:
             raise ValueError(f"vocab_size must be positive, got {vocab_size}")
         self.vocab_size = vocab_size
         self.device = torch.device(device)
+        self._c_argmax = env_enabled(ARGMAX_ENV)
         # Engine-level generator for unseeded requests; seeded from the OS unless a seed is given
         # (tests, or tensor-parallel ranks that must draw the same noise).
         self._generator = torch.Generator(device=self.device)
@@ -123,7 +120,7 @@ class Sampler:
         biased = any(s.params.logit_bias for s in states)
         plain = all(s.is_greedy and not s.has_penalties and s.params.logprobs is None for s in states)
         if plain and not any(banned) and not constrained and not biased:
-            return _argmax(logits).tolist(), [None] * len(states)
+            return self._argmax(logits).tolist(), [None] * len(states)
 
         raw = logits.float()
         # Masks, biases, penalties and bans edit in place: copy only then (raw stays intact for
@@ -142,7 +139,7 @@ class Sampler:
         greedy = [i for i, s in enumerate(states) if s.is_greedy]
         random = [i for i, s in enumerate(states) if not s.is_greedy]
         if not random:
-            token_ids = _argmax(x)
+            token_ids = self._argmax(x)
         elif not greedy:
             token_ids = self._sample_random(x, states)
         else:
@@ -157,6 +154,12 @@ class Sampler:
         return chosen, self._logprobs(raw, token_ids, states)
 
     # -- stages -------------------------------------------------------------------------------
+    def _argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """x.argmax(dim=-1), through the C kernel where it applies (float32 CPU logits: a fraction
+        of torch's time at vocabulary sizes, kernels/argmax_cpu.py), the same indices either way."""
+        picked = argmax_rows(x) if self._c_argmax else None
+        return x.argmax(dim=-1) if picked is None else picked
+
     def _index(self, rows: list[int]) -> torch.Tensor:
         return torch.tensor(rows, dtype=torch.long, device=self.device)
 

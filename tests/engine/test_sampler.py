@@ -38,6 +38,29 @@ def test_greedy_slow_path_matches_fast_path() -> None:
     assert tokens == logits[:, :V].argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("c_argmax", ["1", "0"])
+def test_greedy_rows_take_the_c_argmax_unless_switched_off(c_argmax: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy rows (both paths) go through kernels/argmax_cpu.py where it is built, torch.argmax
+    with PDCLUSTER_CPU_ARGMAX=0: the same tokens either way (the padding never wins)."""
+    from pdcluster.engine import sampler as sampler_mod
+    from pdcluster.kernels import argmax_cpu
+
+    calls = []
+
+    def counted(x: torch.Tensor) -> torch.Tensor | None:
+        calls.append(x.shape)
+        return argmax_cpu.argmax_rows(x)
+
+    monkeypatch.setattr(sampler_mod, "argmax_rows", counted)
+    monkeypatch.setenv("PDCLUSTER_CPU_ARGMAX", c_argmax)
+    logits = padded_logits(5, seed=2)
+    logits[1, 3] = logits[1, 9] = 100.0  # a tie: the first index
+    fast, _ = Sampler(V)(logits, [state(temperature=0.0) for _ in range(5)])
+    slow, _ = Sampler(V)(logits, [state(temperature=0.0, logprobs=1) for _ in range(5)])
+    assert fast == slow == logits[:, :V].argmax(-1).tolist() and fast[1] == 3
+    assert len(calls) == (2 if c_argmax == "1" else 0)
+
+
 def test_top_k_one_equals_greedy() -> None:
     logits = padded_logits(8, seed=2)
     sampler = Sampler(V, seed=0)
