@@ -25,25 +25,21 @@ import time
 
 import torch
 
-from pdcluster.kernels import native
+from pdcluster.kernels import native, paged_decode_cpu
 
 SRC = "kernels/csrc/paged_decode_cpu.c"
 CASES = ((1, 256), (1, 2048), (8, 512), (16, 1024), (32, 300))
 
 
-def build(source: str, header: str, out_dir: pathlib.Path, name: str) -> ctypes.CDLL:
+def build(source: str, header: str, out_dir: pathlib.Path, name: str) -> ctypes._CFuncPtr:
+    """pd_paged_decode from `source` (with `header` as cpu_math.h), built with native.py's flags."""
     d = out_dir / name
     d.mkdir()
     (d / "paged_decode_cpu.c").write_text(source)
     (d / "cpu_math.h").write_text(header)
     lib = d / "lib.so"
     subprocess.run([native._compiler(), *native.CFLAGS, "-o", str(lib), str(d / "paged_decode_cpu.c")], check=True)
-    cdll = ctypes.CDLL(str(lib))
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    cdll.pd_paged_decode.argtypes = [p, p, p, p, ctypes.c_int, p, i64, p, i64, i64, i64, i64, i64, i64,
-                                     ctypes.c_float, ctypes.c_int]
-    cdll.pd_paged_decode.restype = ctypes.c_int
-    return cdll
+    return paged_decode_cpu.declare(ctypes.CDLL(str(lib)))
 
 
 def git_show(rev: str, path: str) -> str:
@@ -77,11 +73,11 @@ def main() -> None:
             outs = {name: torch.empty(batch, hq, d) for name in libs}
             times: dict[str, list[float]] = {name: [] for name in libs}
             for _ in range(args.calls):
-                for name, lib in libs.items():
+                for name, fn in libs.items():
                     t0 = time.perf_counter()
-                    rc = lib.pd_paged_decode(q.data_ptr(), outs[name].data_ptr(), k.data_ptr(), v.data_ptr(), 0,
-                                             tables.data_ptr(), nb, lens.data_ptr(), batch, hq, hk, d, bs, 0,
-                                             d ** -0.5, args.threads)
+                    rc = fn(q.data_ptr(), outs[name].data_ptr(), k.data_ptr(), v.data_ptr(), 0,
+                            tables.data_ptr(), nb, lens.data_ptr(), batch, hq, hk, d, bs, 0, d ** -0.5,
+                            args.threads)
                     times[name].append(time.perf_counter() - t0)
                     assert rc == 0, rc
             torch.testing.assert_close(outs["now"], outs[args.rev], atol=2e-6, rtol=2e-6)

@@ -20,17 +20,21 @@ from . import native
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
-@functools.cache
-def _fn() -> ctypes._CFuncPtr | None:
-    lib = native.load("paged_decode_cpu")
-    if lib is None:
-        return None
+def declare(lib: ctypes.CDLL) -> ctypes._CFuncPtr:
+    """`pd_paged_decode` of a library built from csrc/paged_decode_cpu.c, its signature declared
+    (also for benchmarks/paged_decode_ab.py's builds of other revisions)."""
     f = lib.pd_paged_decode
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     f.argtypes = [p, p, p, p, ctypes.c_int, p, i64, p, i64, i64, i64, i64, i64, i64, ctypes.c_float,
                   ctypes.c_int]
     f.restype = ctypes.c_int
     return f
+
+
+@functools.cache
+def _fn() -> ctypes._CFuncPtr | None:
+    lib = native.load("paged_decode_cpu")
+    return None if lib is None else declare(lib)
 
 
 def available() -> bool:
