@@ -240,7 +240,32 @@ async def _read_json(request: web.Request, limit: int, max_depth: int) -> Any:
     # No body can nest deeper than it has brackets: most are checked by two C-speed counts.
     if raw.count(b"[") + raw.count(b"{") > max_depth and _depth(body, max_depth) > max_depth:
         raise _too_deep(max_depth)
+    # JSON may escape half a surrogate pair ("\ud800"): a str no tokenizer, protobuf field or
+    # UTF-8 writer takes. Only such an escape can make one, so most bodies skip the walk.
+    if (b"\\ud" in raw or b"\\uD" in raw) and isinstance(body, dict):
+        for key, value in body.items():
+            if _has_lone_surrogate(key) or _has_lone_surrogate(value):
+                raise invalid(str(key).encode("utf-8", "replace").decode(),
+                              "contains an unpaired UTF-16 surrogate escape (\\ud800-\\udfff): not valid text")
     return body
+
+
+def _has_lone_surrogate(obj: Any) -> bool:
+    """Whether any string in parsed JSON (keys too) holds a lone surrogate; iterative."""
+    stack = [obj]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            try:
+                node.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return False
 
 
 def _too_deep(max_depth: int) -> RouterError:

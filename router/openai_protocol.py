@@ -56,6 +56,7 @@ _MAX_TOKEN_ID = 0xFFFFFFFF
 # Lists are counted before anything walks them (the finer limits are checked later, once, for
 # both frontends: the configured stop_token_ids bound and the vocabulary in the Preprocessor).
 MAX_MESSAGES = 4096
+MAX_USER_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -173,8 +174,11 @@ def parse_chat(body: Any, default_model: str, image_limits: ImageLimits | None =
         logprobs = top or 0
     elif body.get("top_logprobs") is not None:
         raise invalid("top_logprobs", "requires logprobs=true")
-    if body.get("max_completion_tokens") is not None:
-        body = {**body, "max_tokens": body["max_completion_tokens"]}
+    limit = body.get("max_completion_tokens")
+    if limit is not None:  # OpenAI's newer name for max_tokens; it wins when both are sent
+        if not _is_int(limit) or limit < 1:
+            raise invalid("max_completion_tokens", f"must be an integer >= 1, got {limit!r}")
+        body = {**body, "max_tokens": limit}
     opts = _common(body, req, default_model, chat=True, logprobs=logprobs)
     tools = parse_tools(body, req.chat, req.sampling_params, opts.structured_field)
     if tools is not None:
@@ -194,6 +198,11 @@ def _common(body: dict, req: router_pb2.GenerateRequest, default_model: str, *, 
     if model is not None and not isinstance(model, str):
         raise invalid("model", "must be a string")
     req.model = model or ""
+    user = body.get("user")  # an opaque end-user id: nothing to honour, but it must be one
+    if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_CHARS):
+        raise invalid("user", f"must be a string of at most {MAX_USER_CHARS} characters")
+    if chat:
+        _bool(body, "parallel_tool_calls", True)
     for name, ok in _UNSUPPORTED.items():
         if chat and name in ("tools", "tool_choice"):
             continue  # chat serves them (openai_tools.py)

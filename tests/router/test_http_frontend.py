@@ -317,6 +317,35 @@ def test_deep_json_is_400(cluster):
     assert good(c) == 200
 
 
+def test_unpaired_surrogate_escapes_are_400(cluster):
+    """JSON can escape half a UTF-16 pair; such a string is not text (no tokenizer, protobuf
+    field or UTF-8 writer takes it): refused naming the top-level field, never a 500."""
+    c = cluster(1)
+    msgs = [{"role": "user", "content": "x"}]
+    for path, raw, param in [
+        ("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 1}', "prompt"),
+        ("/v1/completions", b'{"prompt": "a", "max_tokens": 1, "stop": ["\\uDFFF"]}', "stop"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udbff"}], "max_tokens": 1}', "messages"),
+    ]:
+        code, err = post(c, path, raw)
+        assert code == 400 and err["error"]["param"] == param and "surrogate" in err["error"]["message"], err
+    # A whole escaped pair is one character: served.
+    assert post(c, "/v1/completions", b'{"prompt": "\\ud83d\\ude00", "max_tokens": 1}')[0] == 200
+    assert post(c, "/v1/chat/completions", {"messages": msgs, "max_tokens": 1})[0] == 200
+
+
+def test_opaque_fields_are_type_checked(cluster):
+    c = cluster(1)
+    msgs = [{"role": "user", "content": "x"}]
+    code, err = post(c, "/v1/completions", {"prompt": "x", "max_tokens": 1, "user": 5})
+    assert code == 400 and err["error"]["param"] == "user" and "256" in err["error"]["message"], err
+    code, err = post(c, "/v1/chat/completions", {"messages": msgs, "max_tokens": 1, "parallel_tool_calls": "x"})
+    assert code == 400 and err["error"]["param"] == "parallel_tool_calls", err
+    code, err = post(c, "/v1/chat/completions", {"messages": msgs, "max_completion_tokens": 0})
+    assert code == 400 and err["error"]["param"] == "max_completion_tokens", err
+    assert post(c, "/v1/completions", {"prompt": "x", "max_tokens": 1, "user": "alice"})[0] == 200
+
+
 def test_params_cache_is_bounded_by_bytes(cluster):
     c = cluster(1, params_cache_bytes=64 << 10)
     for i in range(200):  # distinct parameter sets, each at the stop_token_ids limit
