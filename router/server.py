@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from pdcluster._proto import common_pb2, router_pb2, router_pb2_grpc
+from pdcluster.grpc_decode import add_servicer
 from pdcluster.security.rotation import dynamic_server_credentials
 from pdcluster.security.tls_audit import HandshakeAudit
 from pdcluster.worker.tls import server_credentials
@@ -146,7 +147,7 @@ def build_grpc_server(config: RouterConfig, servicer: RouterServicer, health: Ro
         # silently. A port in use must be an error.
         ("grpc.so_reuseport", 0),
     ])
-    router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
+    add_servicer(router_pb2_grpc.add_RouterServicer_to_server, servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
     address = f"[{config.host}]:{config.grpc_port}" if ":" in config.host else f"{config.host}:{config.grpc_port}"
     try:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from pdcluster._proto import worker_pb2_grpc
+from pdcluster.grpc_decode import add_servicer
 from pdcluster.security.grpc_authz import AioRoleInterceptor, RolePolicy
 from pdcluster.security.rotation import dynamic_server_credentials
 from pdcluster.security.tls_audit import HandshakeAudit
@@ -160,7 +161,7 @@ async def start_worker_server(
         servicer = WorkerServicer(engine, handler, worker_id=worker_id, epoch=epoch, kv_events=publisher)
         health = EngineHealth(engine)
         servicer.health = health
-        worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+        add_servicer(worker_pb2_grpc.add_WorkerServicer_to_server, servicer, server)
         from grpc_health.v1 import health_pb2_grpc
 
         health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)

@@ -208,3 +208,21 @@ def test_an_answer_from_a_lower_epoch_is_refused_with_two_masters() -> None:
         assert not rpc.accept_epoch(4)  # a fenced old primary's answer
     finally:
         rpc.close()
+
+
+def test_undecodable_master_requests_are_invalid_argument(cluster: MasterServer) -> None:
+    """The master (a sync grpc.server) answers bytes that are no request message with
+    INVALID_ARGUMENT naming the type (pdcluster/grpc_decode.py), and keeps serving."""
+    import grpc
+
+    with grpc.insecure_channel(cluster.address) as ch:
+        exists = ch.unary_unary("/pdcluster.v1.KVStoreMaster/Exists", request_serializer=lambda b: b,
+                                response_deserializer=lambda b: b)
+        for junk in (b"\x0a\x02\xff\xfe", b"\xff" * 32):
+            with pytest.raises(grpc.RpcError) as e:
+                exists(junk, timeout=30)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
+            assert "pdcluster.v1.KVExistsRequest" in e.value.details()
+    keys, src = ["after"], _objects(1, 100)
+    with KVStoreClient(cluster.address, object_key=KEY) as c:
+        assert c.batch_put(keys, src) == [Status.OK]

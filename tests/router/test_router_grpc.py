@@ -236,6 +236,25 @@ def test_oversize_message_and_garbage_bytes(cluster):
     assert_good(c.stub)
 
 
+def test_undecodable_protobuf_is_invalid_argument(cluster):
+    """Bytes that are no GenerateRequest / AbortRequest (corrupt, truncated, a string field that is
+    not UTF-8) get INVALID_ARGUMENT naming the message type (pdcluster/grpc_decode.py), not UNKNOWN."""
+    c = cluster(1)
+    generate = c.channel.unary_stream("/pdcluster.v1.Router/Generate", request_serializer=lambda b: b,
+                                      response_deserializer=lambda b: b)
+    abort = c.channel.unary_unary("/pdcluster.v1.Router/Abort", request_serializer=lambda b: b,
+                                  response_deserializer=lambda b: b)
+    for junk in (b"\x0a\x02\xff\xfe", b"\x0a\x10ab", b"\xff" * 64):
+        with pytest.raises(grpc.RpcError) as e:
+            list(generate(junk, timeout=30))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
+        assert "pdcluster.v1.GenerateRequest" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            abort(junk, timeout=30)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "AbortRequest" in e.value.details()
+    assert_good(c.stub)
+
+
 def test_admission_control_answers_resource_exhausted(cluster):
     c = cluster(1, max_inflight=2)
     streams = [long_stream(c.stub) for _ in range(2)]

@@ -39,6 +39,25 @@ def assert_good_request_works(stub) -> None:
     assert out[-1].finished and sum(len(r.token_ids) for r in out) == 2
 
 
+def test_undecodable_requests_are_invalid_argument(worker, stub) -> None:
+    """Bytes that are no WorkerGenerateRequest / GetInfoRequest: INVALID_ARGUMENT naming the type
+    (pdcluster/grpc_decode.py); the worker serves on."""
+    with grpc.insecure_channel(worker.address) as ch:
+        generate = ch.unary_stream("/pdcluster.v1.Worker/Generate", request_serializer=lambda b: b,
+                                   response_deserializer=lambda b: b)
+        info = ch.unary_unary("/pdcluster.v1.Worker/GetInfo", request_serializer=lambda b: b,
+                              response_deserializer=lambda b: b)
+        for junk in (b"\x0a\x02\xff\xfe", b"\xff" * 32):
+            with pytest.raises(grpc.RpcError) as e:
+                list(generate(junk, timeout=30))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "pdcluster.v1.WorkerGenerateRequest" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            info(b"\xff" * 32, timeout=30)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "GetInfoRequest" in e.value.details()
+    assert_good_request_works(stub)
+
+
 def test_health_serving(worker) -> None:
     with grpc.insecure_channel(worker.address) as ch:
         h = health_pb2_grpc.HealthStub(ch)
