@@ -12,6 +12,8 @@ except q/k/v, fused into `qkv_proj` by the loader's STACKED_PARAMS like the deco
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -47,10 +49,20 @@ class LayerNorm(nn.Module):
 
 
 def activation(name: str, x: torch.Tensor) -> torch.Tensor:
+    """transformers' ACT2FN entries a CLIP tower or LLaVA projector names (llava_config.ACTIVATIONS),
+    each computed as transformers computes it."""
     if name == "quick_gelu":
         return x * torch.sigmoid(1.702 * x)
     if name == "gelu":
         return F.gelu(x)
+    if name == "gelu_pytorch_tanh":
+        return F.gelu(x, approximate="tanh")
+    if name == "gelu_new":  # transformers' NewGELUActivation: the tanh form, written out
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+    if name in ("silu", "swish"):
+        return F.silu(x)
+    if name == "relu":
+        return F.relu(x)
     raise ValueError(f"activation {name!r} is not supported")
 
 

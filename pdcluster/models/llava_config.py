@@ -18,8 +18,10 @@ LLAVA_ARCHITECTURE = "LlavaForConditionalGeneration"
 # text_config.model_type -> the decoder architecture that serves it
 _TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 SELECT_STRATEGIES = ("default", "full")
-SUPPORTED_VISION_ACTS = ("quick_gelu", "gelu")
-SUPPORTED_PROJECTOR_ACTS = ("gelu",)
+# transformers' ACT2FN names clip_vision.activation computes (the tower's and the projector's)
+ACTIVATIONS = ("quick_gelu", "gelu", "gelu_pytorch_tanh", "gelu_new", "silu", "swish", "relu")
+SUPPORTED_VISION_ACTS = ACTIVATIONS
+SUPPORTED_PROJECTOR_ACTS = ACTIVATIONS
 _FINGERPRINT_VERSION = "pdcluster.llava.encoder.v1"
 
 

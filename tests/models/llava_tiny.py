@@ -33,7 +33,8 @@ def write_tokenizer(path: str) -> None:
 
 
 def make_tiny_llava(path: str | os.PathLike, seed: int = 0, vision_feature_layer: Any = -2,
-                    vision_feature_select_strategy: str = "default", text_model_type: str = "llama") -> str:
+                    vision_feature_select_strategy: str = "default", text_model_type: str = "llama",
+                    vision_hidden_act: str = "quick_gelu", projector_hidden_act: str = "gelu") -> str:
     import transformers as tf
 
     tf.utils.logging.disable_progress_bar()
@@ -41,10 +42,11 @@ def make_tiny_llava(path: str | os.PathLike, seed: int = 0, vision_feature_layer
     text_cls = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config, "mistral": tf.MistralConfig}[text_model_type]
     text = text_cls(**{**TINY_COMMON, "vocab_size": VOCAB})
     vision = tf.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-                                 image_size=IMAGE_SIZE, patch_size=PATCH, projection_dim=32)
+                                 image_size=IMAGE_SIZE, patch_size=PATCH, projection_dim=32, hidden_act=vision_hidden_act)
     cfg = tf.LlavaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN_ID,
                          vision_feature_layer=vision_feature_layer,
-                         vision_feature_select_strategy=vision_feature_select_strategy)
+                         vision_feature_select_strategy=vision_feature_select_strategy,
+                         projector_hidden_act=projector_hidden_act)
     torch.manual_seed(seed)
     model = tf.LlavaForConditionalGeneration(cfg).eval()
     with torch.no_grad():  # CLIP's default init is tiny: widen it so images move the logits

@@ -101,6 +101,25 @@ def test_feature_layer_and_strategy(tmp_path, feature_layer, strategy) -> None:
         engine.shutdown()
 
 
+@pytest.mark.parametrize("vision_act,projector_act", [("gelu_new", "silu"), ("gelu", "gelu_pytorch_tanh"),
+                                                     ("quick_gelu", "relu"), ("gelu_pytorch_tanh", "gelu_new")])
+def test_activations(tmp_path, vision_act, projector_act) -> None:
+    """Every transformers activation name the tower or the projector may carry, computed as it does."""
+    path = make_tiny_llava(tmp_path / "ckpt", seed=8, vision_hidden_act=vision_act, projector_hidden_act=projector_act)
+    engine = LLM(path, num_kv_blocks=64)
+    try:
+        image = random_image(9, 40, 29)
+        assert _ours(engine, "t3 <image> t8", [image]) == hf_greedy(path, "t3 <image> t8", [image], MAX_NEW)
+    finally:
+        engine.shutdown()
+
+
+def test_unknown_activation_is_refused_by_name(tmp_path) -> None:
+    path = make_tiny_llava(tmp_path / "ckpt", projector_hidden_act="mish")
+    with pytest.raises(ValueError, match="projector_hidden_act 'mish' is not supported"):
+        LLM(path, num_kv_blocks=64)
+
+
 def test_qwen2_decoder(tmp_path) -> None:
     path = make_tiny_llava(tmp_path / "ckpt", seed=4, text_model_type="qwen2")
     engine = LLM(path, num_kv_blocks=64)
