@@ -277,8 +277,10 @@ def _check_tp_shapes(model: ModelConfig, tp: int) -> None:
         checks.append((name, size, size % tp == 0))
     bad = [f"{name}={value}" for name, value, ok in checks if not ok]
     if bad:
-        raise ValueError(f"tensor_parallel_size={tp} does not divide the model: {', '.join(bad)} (KV heads must "
-                         f"be a multiple of the TP size, or divide it when there are fewer)")
+        rule = (" (KV heads must be a multiple of the TP size, or divide it when there are fewer: those are "
+                "replicated)" if any(b.startswith("num_key_value_heads") for b in bad) else "")
+        raise ValueError(f"tensor_parallel_size={tp} does not divide the model: {', '.join(bad)} must each be a "
+                         f"multiple of {tp}{rule}")
 
 
 def resolve_kv_cache_dtype(name: Any, model_dtype: str) -> str:

@@ -106,3 +106,22 @@ def test_random_config_greedy_matches_transformers(seed: int, tmp_path) -> None:
         assert driver_steps > 0
     elif dtype == torch.float32:
         assert driver_steps == 0  # random float32 weights are not bf16 values: the eager layers ran
+
+
+@pytest.mark.parametrize("overrides,named,rule", [
+    ({"intermediate_size": 257}, "intermediate_size=257", False),
+    ({"hidden_size": 96, "num_attention_heads": 12, "num_key_value_heads": 3}, "num_key_value_heads=3", True),
+])
+def test_tensor_parallel_refuses_shapes_it_cannot_split(tmp_path, overrides, named, rule) -> None:
+    """Checked before any rank starts, naming the dimension; the KV-head rule (replication when
+    there are fewer heads than ranks) is explained only when KV heads are the problem."""
+    from tiny_models import make_tiny_checkpoint
+
+    from pdcluster.config import EngineArgs
+
+    path = make_tiny_checkpoint("llama", tmp_path / "ckpt", **overrides)
+    with pytest.raises(ValueError) as e:
+        EngineArgs(model=path, tensor_parallel_size=2, device="cpu").create_engine_config()
+    message = str(e.value)
+    assert named in message and "tensor_parallel_size=" in message
+    assert ("replicated" in message) == rule
