@@ -171,7 +171,11 @@ class AsyncEngine:
         try:
             request, text = self.engine.prepare_request(prompt, sampling_params, request_id, kv_transfer_params,
                                                     prefill_output_token_ids, multi_modal_data=multi_modal_data,
-                                                    ec_transfer_params=ec_transfer_params)
+                                                    ec_transfer_params=ec_transfer_params, compile_grammar=False)
+            if request.sampling_params.structured_outputs is not None:
+                # xgrammar releases the GIL while it compiles: off the event loop, a schema that
+                # takes seconds leaves health checks and every other stream of this worker running.
+                await asyncio.to_thread(self.engine.check_grammar, request.sampling_params)
         except BaseException:  # refused: no decode leg will read the producer's blocks
             self.settle_handoff(request_id or "", kv_transfer_params)
             raise

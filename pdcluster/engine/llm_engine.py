@@ -71,8 +71,11 @@ class LLMEngine:
         prefill_output_token_ids: Sequence[int] | None = None,
         multi_modal_data: dict[str, Any] | None = None,
         ec_transfer_params: Sequence[ECTransferParams] = (),
+        compile_grammar: bool = True,
     ) -> tuple[Request, str | None]:
         """Validate and tokenize (thread-safe, touches no engine state). Raises ValueError.
+        compile_grammar=False leaves the structured-output spec to a later check_grammar() call
+        (AsyncEngine runs that one on a worker thread: a grammar may compile for a while).
 
         Decode leg of a disaggregated request: the same prompt, the prefill leg's
         kv_transfer_params with do_remote_prefill=True, and prefill_output_token_ids = the token(s)
@@ -104,14 +107,14 @@ class LLMEngine:
         if params.logit_bias and params.logit_bias[-1][0] >= self.config.model.vocab_size:
             raise ValueError(f"logit_bias: token id {params.logit_bias[-1][0]} is outside the vocabulary "
                              f"[0, {self.config.model.vocab_size})")
-        if params.structured_outputs is not None:
-            self._check_grammar(params)
+        if params.structured_outputs is not None and compile_grammar:
+            self.check_grammar(params)
         req = Request(request_id, ids, params, eos_token_ids=self.eos_token_ids,
                       kv_transfer_params=kv_transfer_params, output_token_ids=prior, mm_features=mm_features)
         req.ec_transfer_params = ec_params
         return req, text
 
-    def _check_grammar(self, params: SamplingParams) -> None:
+    def check_grammar(self, params: SamplingParams) -> None:
         """Compile now (ValueError naming structured_outputs.<kind>), into the cache the runner
         reads; an executor without one (tensor parallel) gets a cache of the engine's own."""
         cache_of = getattr(self.core.runner, "grammar_cache", None)

@@ -138,3 +138,55 @@ def test_tensor_parallel_ranks_follow_the_grammar(llm):
     assert [o.outputs[0].token_ids for o in got] == want
     for o in got:
         jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
+
+
+def _props(n: int, required: int = 0) -> dict:
+    return {"type": "object", "properties": {f"k{i}": {"type": "integer"} for i in range(n)},
+            "required": [f"k{i}" for i in range(required)]}
+
+
+def test_optional_properties_are_bounded():
+    """Optional properties make xgrammar's compile cost grow faster than linearly (2000 of them:
+    tens of seconds), so a schema is refused past the bounds, naming the field; required ones are
+    not bounded (they compile in no time)."""
+    from pdcluster.structured_spec import MAX_OPTIONAL_PROPERTIES, MAX_OPTIONAL_PROPERTIES_TOTAL
+
+    StructuredOutputs(json=_props(MAX_OPTIONAL_PROPERTIES))
+    StructuredOutputs(json=_props(MAX_OPTIONAL_PROPERTIES + 600, required=600))
+    with pytest.raises(ValueError, match=f"structured_outputs.json: .*{MAX_OPTIONAL_PROPERTIES + 1} optional"):
+        StructuredOutputs(json=_props(MAX_OPTIONAL_PROPERTIES + 1))
+    nested = {"type": "array", "items": [{"anyOf": [_props(MAX_OPTIONAL_PROPERTIES)]} for _ in range(5)]}
+    with pytest.raises(ValueError, match=f"more than {MAX_OPTIONAL_PROPERTIES_TOTAL} optional properties"):
+        StructuredOutputs(json=nested)
+    with pytest.raises(ValueError, match="structured_outputs.json"):  # the engine's params say the same
+        SamplingParams(structured_outputs={"json": _props(MAX_OPTIONAL_PROPERTIES + 1)})
+
+
+def test_the_async_engine_compiles_grammars_off_the_event_loop(llm, monkeypatch):
+    """A grammar compiles on a worker thread (xgrammar releases the GIL): a slow schema leaves the
+    server's event loop, its health checks and every other stream running."""
+    import asyncio
+    import threading
+
+    from pdcluster.config import EngineArgs
+    from pdcluster.engine.async_engine import AsyncEngine
+    from pdcluster.engine.llm_engine import LLMEngine
+
+    path = llm.engine.config.model.model_path  # the module's byte-level checkpoint, in an engine of its own
+    engine = AsyncEngine(lambda: LLMEngine.from_engine_args(EngineArgs(model=path, max_model_len=256)))
+    threads: list[threading.Thread] = []
+    compile_grammar = engine.engine.check_grammar
+    monkeypatch.setattr(engine.engine, "check_grammar",
+                        lambda params: (threads.append(threading.current_thread()), compile_grammar(params))[1])
+
+    async def run() -> tuple[threading.Thread, list]:
+        sp = SamplingParams(structured_outputs={"json": SCHEMA}, max_tokens=48, temperature=0.0)
+        outs = [o async for o in engine.generate("hello", sp)]
+        return threading.current_thread(), outs
+
+    try:
+        loop_thread, outs = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert len(threads) == 1 and threads[0] is not loop_thread
+    jsonschema.validate(json.loads("".join(o.outputs[0].text for o in outs)), SCHEMA)
