@@ -38,6 +38,7 @@ MAX_CHAT_MESSAGES = 4096
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 # Prompts longer than this are tokenized off the event loop: other requests keep streaming.
 _OFFLOAD_CHARS = 16384
+_PREFIX_MARGIN_TOKENS = 64  # a prefix cut mid-word tokenizes into at most a few extra tokens
 DEFAULT_PARAMS_CACHE_BYTES = 4 << 20
 # What one memoised entry costs beside its key: the frozen dataclass, its tuples, the dict slot.
 _ENTRY_OVERHEAD = 1024
@@ -167,7 +168,7 @@ class Preprocessor:
         if which == "prompt":
             text = req.prompt
             if len(text) > _OFFLOAD_CHARS:
-                return await asyncio.to_thread(self.tokenizer.encode, text), []
+                return await asyncio.to_thread(self._encode_long, text), []
             return self.tokenizer.encode(text), []
         if which == "prompt_token_ids":
             ids = list(req.prompt_token_ids.ids)
@@ -204,7 +205,11 @@ class Preprocessor:
         tools = _json_field(chat.tools_json, "tools_json") if chat.tools_json else None
         try:
             render = functools.partial(self.tokenizer.apply_chat_template, tools=tools)
-            if images or sum(len(m["content"]) for m in messages) + len(chat.tools_json) > _OFFLOAD_CHARS:
+            chars = sum(len(m["content"]) for m in messages) + len(chat.tools_json)
+            if chars > _OFFLOAD_CHARS:  # the messages' text alone may be over the limit: no rendering then
+                await asyncio.to_thread(self._refuse_if_too_long, "\n".join(m["content"] for m in messages),
+                                        "messages")
+            if images or chars > _OFFLOAD_CHARS:
                 ids = await asyncio.to_thread(render, messages, chat.add_generation_prompt, True)
             else:
                 ids = render(messages, chat.add_generation_prompt, True)
@@ -234,6 +239,31 @@ class Preprocessor:
             else:
                 parts.append({"type": "text", "text": part.text})
         return parts
+
+    def _encode_long(self, text: str) -> list[int]:
+        """A long prompt's ids, on a worker thread (the tokenizer holds the GIL while it encodes:
+        measured, a 2 MB prompt held the router's loop for 2.2 s); one far over the context length
+        is refused from a prefix without encoding the rest."""
+        self._refuse_if_too_long(text, "prompt")
+        return self.tokenizer.encode(text)
+
+    def _refuse_if_too_long(self, text: str, field: str) -> None:
+        """Encode growing prefixes (x4 each time, cut at whitespace) and refuse as soon as one alone
+        has more tokens than the context holds: the work is bounded by about 4x what the limit
+        needs, whatever the text's length. A prefix cut mid-word may tokenize into a few more
+        tokens than the same characters inside the whole text, hence the margin."""
+        limit = self.max_model_len
+        if limit is None:
+            return
+        size = max(_OFFLOAD_CHARS, 8 * limit)
+        while size < len(text):
+            cut = text.rfind(" ", size - 256, size)
+            cut = cut if cut > 0 else size
+            count = len(self.tokenizer.encode(text[:cut], add_special_tokens=False))
+            if count >= limit + _PREFIX_MARGIN_TOKENS:
+                raise invalid(field, f"prompt has more than {count - _PREFIX_MARGIN_TOKENS} tokens (in its first "
+                              f"{cut} of {len(text)} characters); this model's maximum context length is {limit}")
+            size *= 4
 
     def _check_length(self, prompt_len: int, max_tokens: int) -> None:
         if prompt_len == 0:

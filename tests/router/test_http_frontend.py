@@ -346,6 +346,27 @@ def test_opaque_fields_are_type_checked(cluster):
     assert post(c, "/v1/completions", {"prompt": "x", "max_tokens": 1, "user": "alice"})[0] == 200
 
 
+def test_prompts_over_the_context_length_are_400(cluster, monkeypatch):
+    """Over max_model_len (256 here): the token count is named. A prompt far over it is refused from
+    a prefix, never tokenized whole (the tokenizer holds the GIL: a 2 MB prompt tokenized whole held
+    the router's loop for 2.2 s), for a plain prompt and for a chat."""
+    c = cluster(1)
+    limit = c.router.preprocessor.max_model_len
+    code, err = post(c, "/v1/completions", {"prompt": "x " * (limit + 20), "max_tokens": 1})
+    assert code == 400 and err["error"]["param"] == "prompt" and f"length is {limit}" in err["error"]["message"], err
+    tokenizer = c.router.preprocessor.tokenizer
+    lengths: list[int] = []
+    encode = tokenizer.encode
+    monkeypatch.setattr(tokenizer, "encode", lambda text, *a, **k: (lengths.append(len(text)), encode(text, *a, **k))[1])
+    huge = "def f(x): return x\n" * 50_000  # ~1 MB
+    code, err = post(c, "/v1/completions", {"prompt": huge, "max_tokens": 1})
+    assert code == 400 and err["error"]["param"] == "prompt" and "more than" in err["error"]["message"], err
+    assert lengths and max(lengths) < len(huge) // 10, lengths
+    code, err = post(c, "/v1/chat/completions", {"messages": [{"role": "user", "content": huge}], "max_tokens": 1})
+    assert code == 400 and err["error"]["param"] == "messages" and "more than" in err["error"]["message"], err
+    assert good(c) == 200
+
+
 def test_params_cache_is_bounded_by_bytes(cluster):
     c = cluster(1, params_cache_bytes=64 << 10)
     for i in range(200):  # distinct parameter sets, each at the stop_token_ids limit
