@@ -120,6 +120,35 @@ def test_unknown_activation_is_refused_by_name(tmp_path) -> None:
         LLM(path, num_kv_blocks=64)
 
 
+def test_the_async_engine_preprocesses_images_off_the_event_loop(llava_path: str, monkeypatch) -> None:
+    """Decoding and preprocessing images (a 4096x4096 JPEG: ~0.35 s) runs on a worker thread, so a
+    worker's event loop, its health checks and its other streams are not held up."""
+    import asyncio
+    import threading
+
+    from pdcluster.config import EngineArgs
+    from pdcluster.engine.async_engine import AsyncEngine
+    from pdcluster.engine.llm_engine import LLMEngine
+
+    engine = AsyncEngine(lambda: LLMEngine.from_engine_args(EngineArgs(model=llava_path, num_kv_blocks=64)))
+    threads: list[threading.Thread] = []
+    mm = engine.engine.mm_processor
+    preprocess = mm.preprocess
+    monkeypatch.setattr(mm, "preprocess", lambda *a: (threads.append(threading.current_thread()), preprocess(*a))[1])
+    image = random_image(4)
+
+    async def run() -> tuple[threading.Thread, list[int]]:
+        outs = [o async for o in engine.generate("t2 <image> t3", GREEDY, multi_modal_data={"image": [image]})]
+        return threading.current_thread(), [t for o in outs for t in o.outputs[0].token_ids]
+
+    try:
+        loop_thread, tokens = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert len(threads) == 1 and threads[0] is not loop_thread
+    assert tokens == hf_greedy(llava_path, "t2 <image> t3", [image], MAX_NEW)
+
+
 def test_qwen2_decoder(tmp_path) -> None:
     path = make_tiny_llava(tmp_path / "ckpt", seed=4, text_model_type="qwen2")
     engine = LLM(path, num_kv_blocks=64)
