@@ -182,7 +182,9 @@ def parse_chat(body: Any, default_model: str, image_limits: ImageLimits | None =
     opts = _common(body, req, default_model, chat=True, logprobs=logprobs)
     tools = parse_tools(body, req.chat, req.sampling_params, opts.structured_field)
     if tools is not None:
-        opts = dataclasses.replace(opts, tools=tools)
+        # A forced call compiles the tools' schemas: a worker's refusal of it names `tools`.
+        field = "tools" if tools.choice in ("required", "named") else opts.structured_field
+        opts = dataclasses.replace(opts, tools=tools, structured_field=field)
     return req, opts
 
 

@@ -61,6 +61,8 @@ def parse_tools(body: dict, chat: Any, sp: common_pb2.SamplingParams, structured
         params = fn.get("parameters", {"type": "object"})
         if not isinstance(params, dict):
             raise invalid("tools", f"tools[{i}].function.parameters must be a JSON schema object")
+        if name in functions:  # a later definition would silently replace the earlier one
+            raise invalid("tools", f"tools[{i}].function.name {name!r} is given twice")
         functions[name] = params
     choice = "auto" if choice is None else choice
     if choice == "none":

@@ -123,7 +123,13 @@ UNKNOWN = [({"prompt": "x", "frobnicate": 1}, "/v1/completions", "frobnicate"),
            ({"prompt": "x", "best_of": 2, "stream": True}, "/v1/completions", "best_of"),
            ({"prompt": "x", "logit_bias": {"999999": 1}}, "/v1/completions", "logit_bias"),
            ({"prompt": "x", "logit_bias": {"5": 101}}, "/v1/completions", "logit_bias"),
-           ({"prompt": ["a"] * 65}, "/v1/completions", "prompt")]
+           ({"prompt": ["a"] * 65}, "/v1/completions", "prompt"),
+           # two definitions of one name: the later one would silently replace the earlier
+           ({"messages": MSGS, "tools": [{"type": "function", "function": {"name": "f"}}] * 2},
+            "/v1/chat/completions", "tools"),
+           # a forced call compiles the tools' parameter schemas (on the worker): its refusal names tools
+           ({"messages": MSGS, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}],
+             "tool_choice": "required"}, "/v1/chat/completions", "tools")]
 
 
 @pytest.mark.parametrize("body,path,param", UNKNOWN, ids=[p + str(i) for i, (_, _, p) in enumerate(UNKNOWN)])
