@@ -20,8 +20,6 @@ _TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
 SELECT_STRATEGIES = ("default", "full")
 # transformers' ACT2FN names clip_vision.activation computes (the tower's and the projector's)
 ACTIVATIONS = ("quick_gelu", "gelu", "gelu_pytorch_tanh", "gelu_new", "silu", "swish", "relu")
-SUPPORTED_VISION_ACTS = ACTIVATIONS
-SUPPORTED_PROJECTOR_ACTS = ACTIVATIONS
 _FINGERPRINT_VERSION = "pdcluster.llava.encoder.v1"
 
 
@@ -128,10 +126,10 @@ def load_llava_vision_config(path: str | pathlib.Path) -> LlavaVisionConfig:
         projector_hidden_act=str(raw.get("projector_hidden_act", "gelu")),
         projector_bias=bool(raw.get("multimodal_projector_bias", True)),
     )
-    if cfg.hidden_act not in SUPPORTED_VISION_ACTS:
-        raise ValueError(f"vision hidden_act {cfg.hidden_act!r} is not supported; supported: {SUPPORTED_VISION_ACTS}")
-    if cfg.projector_hidden_act not in SUPPORTED_PROJECTOR_ACTS:
+    if cfg.hidden_act not in ACTIVATIONS:
+        raise ValueError(f"vision hidden_act {cfg.hidden_act!r} is not supported; supported: {ACTIVATIONS}")
+    if cfg.projector_hidden_act not in ACTIVATIONS:
         raise ValueError(f"projector_hidden_act {cfg.projector_hidden_act!r} is not supported; "
-                         f"supported: {SUPPORTED_PROJECTOR_ACTS}")
+                         f"supported: {ACTIVATIONS}")
     cfg.resolved_layers()  # validates the indices
     return cfg

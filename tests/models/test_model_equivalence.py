@@ -32,9 +32,12 @@ def engine_config(path: str, block_size: int = 16, num_blocks: int = 128, dtype:
                       ops_backend="torch").create_engine_config()
 
 
-def hf_greedy(path: str, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
-    """transformers' own greedy generation, one prompt at a time (no padding effects)."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+def hf_greedy(path: str, prompts: list[list[int]], max_tokens: int = MAX_TOKENS,
+              dtype: torch.dtype | None = None) -> list[list[int]]:
+    """transformers' own greedy generation, one prompt at a time (no padding effects). dtype:
+    load in it (float32 widens a bf16 checkpoint exactly); None: transformers' default."""
+    kwargs = {} if dtype is None else {"dtype": dtype}
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
     model.generation_config.eos_token_id = None  # like ignore_eos: never stop early, never mask eos
     outs = []
     for p in prompts:

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from models.test_model_equivalence import hf_greedy
 from tiny_models import randomize_biases, write_wordlevel_tokenizer
 
 # Six draws in the default suite (~10 s), six more under -m slow.
@@ -68,8 +69,6 @@ def draw(seed: int) -> tuple[str, dict[str, Any], torch.dtype, random.Random]:
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_random_config_greedy_matches_transformers(seed: int, tmp_path) -> None:
-    import transformers
-
     from pdcluster.engine.llm import LLM
     from pdcluster.kernels import decode_step_cpu
     from pdcluster.sampling_params import SamplingParams
@@ -83,15 +82,8 @@ def test_random_config_greedy_matches_transformers(seed: int, tmp_path) -> None:
     prompts = [[rng.randrange(3, cfg["vocab_size"]) for _ in range(n)] for n in rng.sample([1, 5, 17, 33, 70, 130], 3)]
 
     # transformers in float32 (a bf16 checkpoint widened exactly): the arithmetic ours runs on a
-    # CPU without bf16 instructions; one prompt at a time, so no padding enters.
-    ref_model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
-    ref_model.generation_config.eos_token_id = None
-    ref = []
-    for p in prompts:
-        with torch.no_grad():
-            gen = ref_model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                     max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
-        ref.append(gen[0, len(p):].tolist())
+    # CPU without bf16 instructions.
+    ref = hf_greedy(str(tmp_path), prompts, MAX_TOKENS, dtype=torch.float32)
 
     llm = LLM(model=str(tmp_path), compute_dtype="float32", block_size=rng.choice([16, 32]),
               max_num_batched_tokens=rng.choice([64, 512]))
