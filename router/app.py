@@ -27,7 +27,7 @@ from pdcluster.worker.tls import TLSConfig
 from .admission import Admission
 from .auth import check_exposure
 from .config import RouterConfig
-from .http_server import HttpFrontend
+from .http_server import RUNNER_ARGS, HttpFrontend
 from .kv_sync import KVEventSync
 from .metrics import RouterMetrics
 from .openai_images import ImageLimits, load_image_placeholders
@@ -129,7 +129,7 @@ class Router:
                             self.metrics.registry)
         frontend = HttpFrontend(self.config, self.preprocessor, self.orchestrator, self.registry, self.metrics,
                                 self.admission, peer_limits=limits)
-        runner = web.AppRunner(frontend.app(), handler_cancellation=True, access_log=None)
+        runner = web.AppRunner(frontend.app(), **RUNNER_ARGS)
         await runner.setup()
         assert runner.server is not None
         limits.install(runner.server)

@@ -72,6 +72,7 @@ class HttpFrontend:
             middlewares.append(ApiKey(self.config.api_key).http_middleware())
         if self.peer_limits is not None:  # after the key check: strangers hold no place
             middlewares.append(self.peer_limits.middleware())
+        middlewares.append(_identity_encoding)
         app = web.Application(client_max_size=self.config.max_message_bytes, middlewares=middlewares)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
@@ -287,6 +288,23 @@ def _depth(obj: Any, limit: int) -> int:
     return deepest
 
 
+# Build the app's runner with these: aiohttp would otherwise inflate a gzip/deflate/br body on the
+# event loop as it arrives, before any handler or size limit can refuse it (a 16 MB gzip of zeros
+# held the router's loop for ~4 s). Bodies are taken as sent; _identity_encoding refuses the rest.
+RUNNER_ARGS: dict[str, Any] = {"handler_cancellation": True, "access_log": None, "auto_decompress": False}
+
+
+@web.middleware
+async def _identity_encoding(request: web.Request, handler: Any) -> web.StreamResponse:
+    """A compressed request body is refused by name (415, RFC 7694's Accept-Encoding: identity)."""
+    encoding = request.headers.get("Content-Encoding", "").strip().lower()
+    if encoding not in ("", "identity"):
+        body = {"error": {"message": f"Content-Encoding {encoding[:40]!r} is not accepted: send the body uncompressed",
+                          "type": "UnsupportedMediaTypeError", "param": "Content-Encoding", "code": 415}}
+        return web.json_response(body, status=415, headers={"Accept-Encoding": "identity"})
+    return await handler(request)
+
+
 @web.middleware
 async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
     """aiohttp's own errors (unknown path, wrong method, ...) in the OpenAI error shape."""
@@ -300,4 +318,4 @@ async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse
                                                                  if k.lower() == "allow"})
 
 
-__all__ = ["FINISH_REASONS", "HttpFrontend"]
+__all__ = ["FINISH_REASONS", "RUNNER_ARGS", "HttpFrontend"]
