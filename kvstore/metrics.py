@@ -2,7 +2,7 @@
 keep in sync).
 
 Each master and node owns its own CollectorRegistry (no process-global registry), served by
-prometheus_client's HTTP server on 127.0.0.1 unless told otherwise. Like the workers' and the
+pdcluster/metrics_http.py's bounded HTTP server on 127.0.0.1 unless told otherwise. Like the workers' and the
 master's endpoints it is plain HTTP without authentication (as vLLM's /metrics): what keeps it
 private is the loopback bind, and serving it elsewhere is an explicit flag.
 """
@@ -12,8 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from pdcluster.metrics_http import serve_registry
 
 PREFIX = "pdcluster_kvstore_"
 GAUGES = {
@@ -107,7 +109,7 @@ def serve_collectors(host: str, port: int, *collectors: Any) -> tuple[Any, int]:
     registry = CollectorRegistry(auto_describe=False)
     for collector in collectors:
         registry.register(collector)
-    httpd, _thread = start_http_server(port, addr=host, registry=registry)
+    httpd, _thread = serve_registry(registry, host, port)
     return httpd, httpd.server_address[1]
 
 

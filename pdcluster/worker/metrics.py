@@ -1,6 +1,6 @@
 """The worker's Prometheus endpoint: a registry of its own (never prometheus_client's global one,
 so tests and several workers in one process do not collide) served over HTTP by
-prometheus_client's WSGI server in a daemon thread, apart from the gRPC event loop.
+a bounded WSGI server (pdcluster/metrics_http.py) in a daemon thread, apart from the gRPC event loop.
 
     metrics = start_metrics_server(WorkerCollector(...), host="127.0.0.1", port=0)
     metrics.url      # http://127.0.0.1:PORT/metrics, in the worker's PDCLUSTER_READY line
@@ -18,12 +18,14 @@ import socket
 import threading
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
+
+from pdcluster.metrics_http import serve_registry
 
 if TYPE_CHECKING:
-    from wsgiref.simple_server import WSGIServer
-
     from prometheus_client.registry import Collector
+
+    from pdcluster.metrics_http import BoundedMetricsServer
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +34,7 @@ METRICS_PATH = "/metrics"
 
 
 class MetricsServer:
-    def __init__(self, registry: CollectorRegistry, httpd: WSGIServer, thread: threading.Thread, url: str) -> None:
+    def __init__(self, registry: CollectorRegistry, httpd: BoundedMetricsServer, thread: threading.Thread, url: str) -> None:
         self.registry = registry
         self.url = url
         self._httpd = httpd
@@ -58,10 +60,9 @@ def start_metrics_server(*collectors: Collector, host: str = DEFAULT_METRICS_HOS
     for collector in collectors:
         registry.register(collector)
     try:
-        httpd, thread = start_http_server(port, addr=host, registry=registry)
+        httpd, thread = serve_registry(registry, host, port)
     except OSError as e:
         raise OSError(f"could not bind the metrics endpoint to {host}:{port} (--metrics-host/--metrics-port): {e}") from e
-    thread.name = "pdcluster-metrics"
     bound = int(httpd.server_port)
     shown = advertise_host or (socket.gethostname() if host in ("0.0.0.0", "::", "") else host)
     shown = f"[{shown}]" if ":" in shown and not shown.startswith("[") else shown
