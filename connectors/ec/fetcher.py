@@ -30,7 +30,7 @@ import zmq
 
 from pdcluster.dtypes import ITEMSIZE, torch_dtype
 from pdcluster.engine.ec_connector import ECConnectorMetadata, ECFetchError, ECItemLoad, ECLoadReport
-from pdcluster.security.curve import make_client_socket
+from pdcluster.security.curve import make_client_socket, send_before
 from pdcluster.security.envelope import MalformedMessage, decode, encode
 from pdcluster.security.keys import normalize_public_key
 from pdcluster.transfer import SharedRegionCache, TransferClient, TransferError, local_host_id
@@ -215,8 +215,10 @@ class ECFetcher:
 
     def _round_trip(self, sock: zmq.Socket, schema: Any, fields: dict[str, Any]) -> dict[str, Any]:
         nonce = new_nonce()
-        sock.send(encode(schema, {"nonce": nonce, "ts_ms": now_ms(), **fields}, MAX_FRAME_BYTES))
         end = time.monotonic() + self.opts.request_timeout_s
+        # No pipe to send on while the producer refuses our key: a plain send would block for ever.
+        if not send_before(sock, encode(schema, {"nonce": nonce, "ts_ms": now_ms(), **fields}, MAX_FRAME_BYTES), end):
+            raise _Failed(ECFetchError.TIMEOUT, f"the producer did not take the request within {self.opts.request_timeout_s}s")
         while True:
             left = end - time.monotonic()
             if left <= 0 or not sock.poll(int(left * 1000) + 1, zmq.POLLIN):

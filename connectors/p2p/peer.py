@@ -20,6 +20,7 @@ from typing import Any
 import zmq
 
 from pdcluster.engine.kv_connector import KVTransferParams
+from pdcluster.security.curve import send_before
 from pdcluster.security.envelope import MalformedMessage, MessageSchema, decode, encode
 from pdcluster.security.keys import KeyMaterialError, normalize_public_key
 
@@ -98,11 +99,12 @@ class ChannelPool:
         sock = self._checkout(key)
         deadline = time.monotonic() + (timeout_s or self.opts.request_timeout_s)
         try:
-            sock.send(payload)
+            sent = send_before(sock, payload, deadline)  # no pipe while the producer refuses our key
             while True:
                 left_ms = int((deadline - time.monotonic()) * 1000)
-                if left_ms <= 0 or not sock.poll(left_ms, zmq.POLLIN):
-                    raise LoadError(f"producer {producer.producer_id!r} at {producer.endpoint} did not answer "
+                if not sent or left_ms <= 0 or not sock.poll(left_ms, zmq.POLLIN):
+                    raise LoadError(f"producer {producer.producer_id!r} at {producer.endpoint} did not "
+                                    f"{'answer' if sent else 'take the request'} "
                                     f"within {timeout_s or self.opts.request_timeout_s:.1f}s")
                 frames = sock.recv_multipart()
                 if frames and frames[0] == nonce:

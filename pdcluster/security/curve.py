@@ -27,6 +27,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Iterable, Mapping
 
 import zmq
@@ -350,3 +351,17 @@ def make_client_socket(
         sock.close()
         raise
     return sock
+
+
+def send_before(sock: zmq.Socket, data: bytes, deadline: float) -> bool:
+    """Send one frame on a client socket unless `deadline` (time.monotonic()) passes first; False
+    then. A DEALER whose server refused its handshake (a revoked or unknown key) has no pipe to
+    send on, and a plain send() would block for ever."""
+    left_ms = max(0, int((deadline - time.monotonic()) * 1000))
+    if not sock.poll(left_ms, zmq.POLLOUT):
+        return False
+    try:
+        sock.send(data, zmq.NOBLOCK)
+    except zmq.Again:
+        return False
+    return True

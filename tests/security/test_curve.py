@@ -16,6 +16,7 @@ from pdcluster.security.curve import (
     HandshakeMetrics,
     make_client_socket,
     make_server_socket,
+    send_before,
 )
 from pdcluster.security.keys import generate_keypair
 
@@ -183,3 +184,18 @@ def test_asyncio_context():
             ctx.term()
 
     assert asyncio.run(main()) == b"ping"
+
+
+def test_send_before_gives_up_when_the_server_refused_the_handshake(env):
+    """A DEALER whose key the server refused has no pipe: a plain send() would block for ever
+    (the P2P consumer and the EC fetcher once hung on it). send_before returns False by its deadline."""
+    router = env.track(make_server_socket(env.ctx, zmq.ROUTER, env.server, {"client": env.client.public},
+                                          auth=env.auth, name="svc"))
+    ep = router.last_endpoint.decode()
+    refused = env.track(make_client_socket(env.ctx, zmq.DEALER, env.stranger, env.server.public, ep))
+    assert wait_for(lambda: env.auth.metrics.value("svc", "key_not_allowed") >= 1)
+    assert wait_for(lambda: not refused.poll(0, zmq.POLLOUT))  # the pipe is gone once refused
+    assert send_before(refused, b"hello", time.monotonic() + 0.2) is False
+    allowed = env.track(make_client_socket(env.ctx, zmq.DEALER, env.client, env.server.public, ep))
+    assert send_before(allowed, b"hello", time.monotonic() + DEADLINE_S) is True
+    assert router.poll(int(DEADLINE_S * 1000)) and router.recv_multipart()[1] == b"hello"
