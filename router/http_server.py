@@ -70,9 +70,9 @@ class HttpFrontend:
         middlewares: list[Any] = [_json_errors]
         if self.config.api_key is not None:
             middlewares.append(ApiKey(self.config.api_key).http_middleware())
+        middlewares.append(_identity_encoding)  # before a peer's request slot: a refusal costs nothing
         if self.peer_limits is not None:  # after the key check: strangers hold no place
             middlewares.append(self.peer_limits.middleware())
-        middlewares.append(_identity_encoding)
         app = web.Application(client_max_size=self.config.max_message_bytes, middlewares=middlewares)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)

@@ -118,4 +118,4 @@ def test_frontend_puts_the_cap_after_the_api_key() -> None:
     app = HttpFrontend(cfg, None, None, None, RouterMetrics(), admission=object(),  # type: ignore[arg-type]
                        peer_limits=limits).app()
     names = [getattr(m, "__name__", "") for m in app.middlewares]
-    assert names[-1] == "per_peer_requests" and len(names) == 3
+    assert names[-1] == "per_peer_requests" and len(names) == 4 and names[-2] == "_identity_encoding"
