@@ -32,6 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pdcluster.distributed.seal_listeners import CONSTRUCTION_LOCK, listening_fds, seal_new_listeners
+
 # The control group's timeout: an idle engine may wait in the step broadcast for this long.
 CONTROL_TIMEOUT_S = 7 * 24 * 3600.0
 
@@ -74,11 +76,16 @@ class TPGroup:
         self.device = device
         model_store = dist.PrefixStore("tp/model/", store)
         ctrl_store = dist.PrefixStore("tp/ctrl/", store)
-        if device == "cuda":
-            self._model = _nccl(model_store, rank, world_size, timeout_s)
-        else:
-            self._model = _gloo(model_store, rank, world_size, timeout_s)
-        self._ctrl = _gloo(ctrl_store, rank, world_size, CONTROL_TIMEOUT_S)
+        with CONSTRUCTION_LOCK:
+            before = listening_fds()
+            if device == "cuda":
+                self._model = _nccl(model_store, rank, world_size, timeout_s)
+            else:
+                self._model = _gloo(model_store, rank, world_size, timeout_s)
+            self._ctrl = _gloo(ctrl_store, rank, world_size, CONTROL_TIMEOUT_S)
+            # gloo's listeners have served their purpose (the mesh is connected) and would keep
+            # an fd for every later connection: closed to new ones (seal_listeners.py).
+            self.sealed_ports = seal_new_listeners(before)
         self.stats = CollectiveStats()
 
     # -- model collectives (called from the layers) ----------------------------------------------

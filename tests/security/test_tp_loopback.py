@@ -67,3 +67,43 @@ def test_make_store_refuses_a_non_loopback_host() -> None:
     store.set("k", "v")
     assert listening([os.getpid()]).get(("127.0.0.1", store.port)) == os.getpid()
     assert ("0.0.0.0", store.port) not in listening([os.getpid()])
+
+
+def _generate(address: str) -> list[int]:
+    import grpc
+
+    from pdcluster._proto import common_pb2, worker_pb2, worker_pb2_grpc
+
+    sp = common_pb2.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    req = worker_pb2.WorkerGenerateRequest(prompt_token_ids=[5, 6, 7, 8], stream=True, sampling_params=sp)
+    with grpc.insecure_channel(address) as ch:
+        return [t for resp in worker_pb2_grpc.WorkerStub(ch).Generate(req, timeout=60) for t in resp.token_ids]
+
+
+def _fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_gloo_listeners_take_no_new_connections(tp2_worker) -> None:
+    """gloo keeps an fd for every connection its listener accepts, for ever (and aborts when
+    accept fails): once the group is connected its listeners drop new connections, so peers that
+    connect in a loop cost a rank nothing, and the group keeps working."""
+    import socket
+
+    worker, pids = tp2_worker
+    before = _generate(worker.address)
+    assert len(before) == 6
+    child = pids[1]
+    ports = [port for (addr, port), pid in listening([child]).items() if pid == child]
+    assert ports, "the child rank has no gloo listener"
+    fds = _fds(child)
+    for port in ports:
+        for _ in range(5):
+            s = socket.socket()
+            s.settimeout(0.3)  # loopback answers a SYN at once; a dropped SYN is never answered
+            try:
+                assert s.connect_ex(("127.0.0.1", port)) != 0, f"a new connection reached gloo's listener on {port}"
+            finally:
+                s.close()
+    assert _fds(child) == fds
+    assert _generate(worker.address) == before
