@@ -24,8 +24,22 @@ from prometheus_client.parser import text_string_to_metric_families
 H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
 
 
-def hostile(port: int, rng: random.Random, ctx: zmq.Context, zmq_silent: bool) -> list[socket.socket]:
-    """Throw everything at one port; returns sockets left half-open on purpose."""
+def sealed(port: int) -> bool:
+    """Whether the port takes no new connection at all: a TP rank's gloo listener once its group
+    is connected (distributed/seal_listeners.py drops the SYNs; loopback answers a SYN at once)."""
+    s = socket.socket()
+    s.settimeout(1.0)
+    try:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+    finally:
+        s.close()
+
+
+def hostile(port: int, rng: random.Random, ctx: zmq.Context, zmq_silent: bool) -> list[socket.socket] | None:
+    """Throw everything at one port; returns sockets left half-open on purpose, or None when the
+    port takes no connection at all (sealed)."""
+    if sealed(port):
+        return None
     garbage = bytes(rng.getrandbits(8) for _ in range(4096))
     with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
         try:
@@ -60,8 +74,8 @@ def hostile(port: int, rng: random.Random, ctx: zmq.Context, zmq_silent: bool) -
 
 
 def tls_probe(port: int, cert: str | None = None, key: str | None = None, timeout_s: float = 3.0) -> str:
-    """"plain" (no TLS server here), "refused" (a TLS server that would not let this client in)
-    or "accepted" (it answered our HTTP/2 preface). The server's certificate is not checked:
+    """"plain" (no TLS server here), "refused" (a TLS server that would not let this client in),
+    "accepted" (it answered our HTTP/2 preface) or "sealed" (no connection at all: see sealed()). The server's certificate is not checked:
     this asks what the port admits, not who it is. Under TLS 1.3 a server checks the client's
     certificate after the client's side of the handshake is done, so a refusal shows as an
     alert or a close on the first read."""
@@ -71,6 +85,8 @@ def tls_probe(port: int, cert: str | None = None, key: str | None = None, timeou
     ctx.set_alpn_protocols(["h2"])
     if cert is not None:
         ctx.load_cert_chain(cert, key)
+    if sealed(port):
+        return "sealed"
     raw = socket.create_connection(("127.0.0.1", port), timeout=timeout_s)
     try:
         try:
