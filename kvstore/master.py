@@ -19,6 +19,7 @@ from concurrent import futures
 import grpc
 
 from pdcluster._proto import kvstore_pb2_grpc as pb_grpc
+from pdcluster.grpc_limits import common_server_options
 from pdcluster.grpc_decode import add_servicer
 from pdcluster.security.grpc_authz import RoleInterceptor, RolePolicy
 from pdcluster.security.tls_audit import HandshakeAudit
@@ -81,7 +82,8 @@ class MasterServer:
             interceptors.insert(0, self.tls_audit.sync_interceptor())
         if self.ha is not None:
             interceptors.append(self.ha.gate)  # after the role check: standbys refuse, epochs stamped
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=self._max_workers), interceptors=interceptors)
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=self._max_workers), interceptors=interceptors,
+                             options=common_server_options())
         add_servicer(pb_grpc.add_KVStoreMasterServicer_to_server, self.servicer, server)
         bind = f"{self._host}:{self._port}"
         self.port = server.add_secure_port(bind, self._creds) if self._creds else server.add_insecure_port(bind)

@@ -19,6 +19,7 @@ from grpc_health.v1.health import aio as health_aio
 
 from pdcluster._proto import common_pb2, router_pb2, router_pb2_grpc
 from pdcluster.grpc_decode import add_servicer
+from pdcluster.grpc_limits import common_server_options
 from pdcluster.security.rotation import dynamic_server_credentials
 from pdcluster.security.tls_audit import HandshakeAudit
 from pdcluster.worker.tls import server_credentials
@@ -146,6 +147,7 @@ def build_grpc_server(config: RouterConfig, servicer: RouterServicer, health: Ro
         # gRPC sets SO_REUSEPORT by default: a second server could then share a busy port
         # silently. A port in use must be an error.
         ("grpc.so_reuseport", 0),
+        *common_server_options(),
     ])
     add_servicer(router_pb2_grpc.add_RouterServicer_to_server, servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)

@@ -8,6 +8,8 @@ by gRPC itself with RESOURCE_EXHAUSTED before any handler runs.
 
 from __future__ import annotations
 
+from pdcluster.grpc_limits import common_server_options
+
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20  # ~16M token ids; far above any max_model_len we serve
 KEEPALIVE_TIME_MS = 30_000  # detect dead peers on idle connections (NAT and LB timeouts)
 KEEPALIVE_TIMEOUT_MS = 10_000
@@ -31,6 +33,7 @@ def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[t
         # Clients (routers) ping idle long-lived channels; accept that instead of GOAWAY-ing them.
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         ("grpc.keepalive_permit_without_calls", 1),
+        *common_server_options(),
     ]
 
 

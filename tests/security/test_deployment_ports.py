@@ -27,6 +27,7 @@ import os
 import random
 import socket
 import subprocess
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -145,9 +146,14 @@ def probe_tree(proc: subprocess.Popen, ready: dict, other_ca, zmq_speakers: set[
     held: list[socket.socket] = []
     http = {int(a.rsplit(":", 1)[1]) for a in [ready["grpc"], ready["http"]]} | tls
     http |= {int(i["metrics"].rsplit(":", 1)[1].split("/")[0]) for i in ready["instances"].values() if i["metrics"]}
+    ready["sealed"] = []
     try:
         for _, port in sorted(ports):
-            held += hostile(port, rng, ctx, zmq_silent=port not in http and port not in zmq_speakers)
+            got = hostile(port, rng, ctx, zmq_silent=port not in http and port not in zmq_speakers)
+            if got is None:
+                ready["sealed"].append(port)
+            else:
+                held += got
         with Client(ready["grpc"], timeout=120) as c:  # with the half-open connections still held
             ready["after"] = c.generate(PROMPT, PARAMS).token_ids
     finally:
@@ -169,12 +175,37 @@ def _before(ready: dict) -> list[int]:
     return before
 
 
+def _closed_by_server(s: socket.socket, deadline: float) -> bool:
+    """Whether the server closes `s` before `deadline` (time.monotonic())."""
+    try:
+        while True:
+            s.settimeout(max(0.01, deadline - time.monotonic()))
+            if not s.recv(4096):  # a plaintext gRPC server sends its SETTINGS first
+                return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
 def test_every_port_is_loopback_and_survives_hostile_peers(cluster, other_ca) -> None:
     proc, ready = cluster
     before = _before(ready)
     assert len(listening([proc.pid, *descendants(proc.pid)])) >= 6  # router x2, workers' gRPC + connector sockets
-    probe_tree(proc, ready, other_ca)
-    assert ready["after"] == before
+    grpc_ports = [ready["grpc"], *ready["workers"], *([ready["kvstore_master"]] if "kvstore_master" in ready else [])]
+    idle = [socket.create_connection(("127.0.0.1", int(a.rsplit(":", 1)[1])), timeout=5) for a in grpc_ports]
+    # grpc_limits.py closes them at 10 s; grpc's own default is 120 s. The bound counts from the
+    # opening, so a slow probe below cannot make the check fail (only pass without meaning).
+    closed_by = time.monotonic() + 90.0
+    try:
+        probe_tree(proc, ready, other_ca)
+        assert ready["after"] == before
+        assert ready["sealed"] == []  # only a TP group's gloo listeners take no connection
+        for address, s in zip(grpc_ports, idle):  # never finished a handshake: closed
+            assert _closed_by_server(s, closed_by), f"{address} kept a silent connection open past its handshake timeout"
+    finally:
+        for s in idle:
+            s.close()
 
 
 @pytest.mark.slow
@@ -187,6 +218,8 @@ def test_tp2_store_every_rank_port_loopback_and_survives(tp_cluster, other_ca) -
     assert listening(ranks), "the child rank listens on nothing (gloo pairs expected)"
     probe_tree(proc, ready, other_ca)
     assert ready["after"] == before
+    # Two gloo groups (model, control) per rank, each listener sealed once the mesh is connected.
+    assert len(ready["sealed"]) == 2 * 2, ready["sealed"]
 
 
 
