@@ -19,8 +19,8 @@ from concurrent import futures
 import grpc
 
 from pdcluster._proto import kvstore_pb2_grpc as pb_grpc
-from pdcluster.grpc_limits import common_server_options
 from pdcluster.grpc_decode import add_servicer
+from pdcluster.grpc_limits import common_server_options
 from pdcluster.security.grpc_authz import RoleInterceptor, RolePolicy
 from pdcluster.security.tls_audit import HandshakeAudit
 
