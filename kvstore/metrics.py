@@ -12,10 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from pdcluster.metrics_http import serve_registry
+from pdcluster.metrics_http import registry_of, serve_registry
 
 PREFIX = "pdcluster_kvstore_"
 GAUGES = {
@@ -106,10 +105,7 @@ class NodeCollector:
 def serve_collectors(host: str, port: int, *collectors: Any) -> tuple[Any, int]:
     """Serve the collectors' /metrics on host:port (0: any free port); returns (http server,
     bound port). Stop with server.shutdown(); server.server_close()."""
-    registry = CollectorRegistry(auto_describe=False)
-    for collector in collectors:
-        registry.register(collector)
-    httpd, _thread = serve_registry(registry, host, port)
+    httpd, _thread = serve_registry(registry_of(*collectors), host, port)
     return httpd, httpd.server_address[1]
 
 

@@ -1,7 +1,7 @@
 """Prometheus /metrics over plain HTTP with bounded connections (the workers' and the kvstore's
 endpoints; the router serves its /metrics on its aiohttp frontend, under its peer limits).
 
-    httpd, thread = serve_registry(registry, host="127.0.0.1", port=0)
+    httpd, thread = serve_registry(registry_of(collector, ...), host="127.0.0.1", port=0)
     httpd.server_port, httpd.refused     # bound port; connections turned away at the cap
     httpd.shutdown(); httpd.server_close()
 
@@ -71,6 +71,14 @@ class BoundedMetricsServer(ThreadingMixIn, WSGIServer):
     def handle_error(self, request: Any, client_address: Any) -> None:
         # A peer that timed out, reset or sent garbage: its connection is closed; nothing to print.
         log.debug("metrics connection from %s ended with an error", client_address, exc_info=True)
+
+
+def registry_of(*collectors: Any) -> CollectorRegistry:
+    """A registry of its own (never prometheus_client's global one) holding `collectors`."""
+    registry = CollectorRegistry(auto_describe=False)
+    for collector in collectors:
+        registry.register(collector)
+    return registry
 
 
 def serve_registry(registry: CollectorRegistry, host: str, port: int,

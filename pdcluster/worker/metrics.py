@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
-from pdcluster.metrics_http import serve_registry
+from pdcluster.metrics_http import registry_of, serve_registry
 
 if TYPE_CHECKING:
     from prometheus_client.registry import Collector
@@ -56,9 +56,7 @@ def start_metrics_server(*collectors: Collector, host: str = DEFAULT_METRICS_HOS
                          advertise_host: str | None = None) -> MetricsServer:
     """Serve the collectors on host:port (0: a free port); the URL names advertise_host, else
     host (a wildcard bind is not dialable: then this machine's name)."""
-    registry = CollectorRegistry(auto_describe=False)
-    for collector in collectors:
-        registry.register(collector)
+    registry = registry_of(*collectors)
     try:
         httpd, thread = serve_registry(registry, host, port)
     except OSError as e:

@@ -35,6 +35,20 @@ def sealed(port: int) -> bool:
         s.close()
 
 
+def closed_by_server(s: socket.socket, deadline: float) -> bool:
+    """Whether the server closes `s` before `deadline` (time.monotonic()), reading and dropping
+    whatever it sends first (a plaintext gRPC server sends its SETTINGS)."""
+    try:
+        while True:
+            s.settimeout(max(0.01, deadline - time.monotonic()))
+            if not s.recv(4096):
+                return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
 def hostile(port: int, rng: random.Random, ctx: zmq.Context, zmq_silent: bool) -> list[socket.socket] | None:
     """Throw everything at one port; returns sockets left half-open on purpose, or None when the
     port takes no connection at all (sealed)."""

@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import zmq
 from proc_sockets import listening, non_loopback
-from security.deploy_probes import hostile, scrape, serve_pki, tls_probe, total, wait_for
+from security.deploy_probes import closed_by_server, hostile, scrape, serve_pki, tls_probe, total, wait_for
 from serve_procs import descendants, start_serve, stop_serve
 
 from pdcluster import SamplingParams
@@ -175,19 +175,6 @@ def _before(ready: dict) -> list[int]:
     return before
 
 
-def _closed_by_server(s: socket.socket, deadline: float) -> bool:
-    """Whether the server closes `s` before `deadline` (time.monotonic())."""
-    try:
-        while True:
-            s.settimeout(max(0.01, deadline - time.monotonic()))
-            if not s.recv(4096):  # a plaintext gRPC server sends its SETTINGS first
-                return True
-    except ConnectionResetError:
-        return True
-    except TimeoutError:
-        return False
-
-
 def test_every_port_is_loopback_and_survives_hostile_peers(cluster, other_ca) -> None:
     proc, ready = cluster
     before = _before(ready)
@@ -202,7 +189,7 @@ def test_every_port_is_loopback_and_survives_hostile_peers(cluster, other_ca) ->
         assert ready["after"] == before
         assert ready["sealed"] == []  # only a TP group's gloo listeners take no connection
         for address, s in zip(grpc_ports, idle):  # never finished a handshake: closed
-            assert _closed_by_server(s, closed_by), f"{address} kept a silent connection open past its handshake timeout"
+            assert closed_by_server(s, closed_by), f"{address} kept a silent connection open past its handshake timeout"
     finally:
         for s in idle:
             s.close()

@@ -10,6 +10,7 @@ import urllib.request
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter
+from security.deploy_probes import closed_by_server
 
 from pdcluster.metrics_http import serve_registry
 
@@ -56,13 +57,6 @@ def _half_sent(port: int) -> socket.socket:
     return s
 
 
-def _closed_by_server(s: socket.socket) -> bool:
-    try:
-        return s.recv(1024) == b""
-    except ConnectionResetError:
-        return True
-
-
 def test_scrape_serves_the_registry(served):
     httpd = served()
     assert "probe_total 3.0" in _scrape(httpd.server_port)
@@ -72,7 +66,7 @@ def test_connections_over_the_cap_are_closed_and_counted(served):
     httpd = served(max_connections=2, idle_timeout_s=WAIT_S * 2)
     held = [_half_sent(httpd.server_port) for _ in range(2)]
     extra = _half_sent(httpd.server_port)  # accepted after the two (one listen queue, in order)
-    assert _closed_by_server(extra)
+    assert closed_by_server(extra, time.monotonic() + WAIT_S)
     assert httpd.refused == 1
     for s in held:
         s.close()
@@ -84,7 +78,7 @@ def test_idle_connections_are_closed(served):
     httpd = served(max_connections=1, idle_timeout_s=0.3)
     idle = socket.create_connection(("127.0.0.1", httpd.server_port), timeout=WAIT_S)
     half = _half_sent(httpd.server_port)  # refused while the idle one holds the only slot, or later served
-    assert _closed_by_server(idle)
+    assert closed_by_server(idle, time.monotonic() + WAIT_S)
     half.close()
     assert "probe_total 3.0" in _scrape_eventually(httpd.server_port)
 
