@@ -3,6 +3,8 @@
     POST /v1/completions, /v1/chat/completions   -> OpenAI JSON -> GenerateRequest -> the same
                                                     Preprocessor and Orchestrator as gRPC Generate
                                                     (n, best_of, echo, batched prompts: openai_fanout)
+    POST /v1/responses                            -> OpenAI's Responses API on the chat path
+                                                    (responses_api: the body as chat, typed events)
     POST /tokenize, /detokenize                   -> the router's tokenizer (openai_tokenize)
     GET  /v1/models, /health, /metrics
 
@@ -39,6 +41,7 @@ from .peer_limits import PeerLimits
 from .preprocess import Preprocessor
 from .registry import WorkerRegistry
 from .request_state import RequestState
+from .responses_api import ResponseShaper, parse_responses, rename_error
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +79,7 @@ class HttpFrontend:
         app = web.Application(client_max_size=self.config.max_message_bytes, middlewares=middlewares)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/responses", self.responses)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/v1/models", self.models)
@@ -116,10 +120,7 @@ class HttpFrontend:
     def error(self, err: RouterError, opts: OpenAIOptions | None = None) -> web.Response:
         """An error answer; a worker's refusal of the structured-output spec (it compiles it) is
         reported under the field the client used."""
-        if (opts is not None and opts.structured_field and err.field is None
-                and err.code == grpc.StatusCode.INVALID_ARGUMENT and "structured_outputs" in err.message):
-            err = RouterError(err.code, err.message, opts.structured_field)
-        return _error(err)
+        return _error(_client_field(err, opts))
 
     # -- generation -----------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -219,6 +220,79 @@ class HttpFrontend:
             return resp
         await resp.write_eof()
         return resp
+
+
+    # -- the Responses API ------------------------------------------------------------------------
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        try:
+            with self.admission.preparing("http"):
+                body = await _read_json(request, self.config.max_message_bytes, self.config.max_json_depth)
+                greq, opts, info = parse_responses(body, self.pre.model_name, self.pre.image_limits)
+                greq.request_id = request.headers.get("X-Request-Id", "")
+                try:
+                    prep = await self.pre.prepare(greq, self.config.request_timeout_s, chat_max_tokens_default=True)
+                except RouterError as e:
+                    raise rename_error(e, info.message_of_item) from None
+        except RouterError as e:
+            self.orch.count_refused("http", e)
+            return _error(e)
+        try:
+            state = self.orch.open_request(prep, "http")
+        except RouterError as e:
+            return _error(e)
+        shaper = ResponseShaper(prep.request_id, opts, info, len(prep.prompt_token_ids), self.pre.token_text)
+        async with aclosing(self.orch.stream(state)) as deltas:
+            try:
+                delta = await anext(deltas)
+            except RouterError as e:
+                return _error(rename_error(_client_field(e, opts)))
+            except StopAsyncIteration:
+                return _error(RouterError(grpc.StatusCode.INTERNAL, "no response from the worker"))
+            if not opts.stream:
+                while True:
+                    shaper.add(delta)
+                    if delta.finished:
+                        break
+                    try:
+                        delta = await anext(deltas)
+                    except StopAsyncIteration:
+                        break
+                if delta.finish_reason == common_pb2.FINISH_REASON_ERROR:
+                    return _error(RouterError(grpc.StatusCode.INTERNAL, delta.error_message or "generation failed"))
+                return web.Response(body=_dumps(shaper.full(delta.finish_reason)), content_type=_JSON)
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                               "X-Request-Id": state.request_id})
+            await resp.prepare(request)
+            try:
+                for ev in shaper.opening():
+                    await _typed_event(resp, ev)
+                while True:
+                    logprobs = shaper.add(delta)
+                    if delta.text and opts.tools is None:
+                        await _typed_event(resp, shaper.text_delta(delta.text, logprobs))
+                    if delta.finished:
+                        for ev in shaper.closing(delta.finish_reason, delta.error_message or "generation failed"):
+                            await _typed_event(resp, ev)
+                        break
+                    delta = await anext(deltas)
+            except (ConnectionResetError, StopAsyncIteration) as e:
+                log.debug("stream %s ended early: %r", state.request_id, e)  # leaving aclosing aborts it
+                return resp
+            await resp.write_eof()
+            return resp
+
+
+def _client_field(err: RouterError, opts: OpenAIOptions | None) -> RouterError:
+    """A worker's refusal of the structured-output spec (it compiles it) under the field the client used."""
+    if (opts is not None and opts.structured_field and err.field is None
+            and err.code == grpc.StatusCode.INVALID_ARGUMENT and "structured_outputs" in err.message):
+        return RouterError(err.code, err.message, opts.structured_field)
+    return err
+
+
+async def _typed_event(resp: web.StreamResponse, event: dict[str, Any]) -> None:
+    """A Responses API event: its type on an `event:` line, then the object."""
+    await resp.write(b"event: " + event["type"].encode() + b"\ndata: " + _dumps(event) + b"\n\n")
 
 
 async def _event(resp: web.StreamResponse, obj: Any) -> None:

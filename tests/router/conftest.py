@@ -5,10 +5,13 @@ reference for tokens. The harness itself is in tests/real_router_cluster.py."""
 from __future__ import annotations
 
 import pathlib
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # test_openai_features' helpers
 from real_router_cluster import (
     WORKER_MAX_MODEL_LEN,
     WORKER_NUM_KV_BLOCKS,

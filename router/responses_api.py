@@ -1,0 +1,453 @@
+"""OpenAI's Responses API (POST /v1/responses) on the router's chat path.
+
+A Responses body is translated into the chat body it means, then parsed by parse_chat like any
+chat request (one set of checks, one GenerateRequest shape):
+
+    instructions                   -> a leading system message
+    input (a string)               -> one user message
+    input items                    -> messages: {role, content} items (content a string or input_text /
+                                      output_text / input_image parts; role "developer" is the system's),
+                                      function_call -> an assistant message with tool_calls,
+                                      function_call_output -> a tool message
+    max_output_tokens              -> max_tokens
+    text.format                    -> response_format (text / json_object / json_schema)
+    tools (flat function tools)    -> chat tools; tool_choice likewise
+    include + top_logprobs         -> logprobs on the output text
+
+Nothing is stored: `store` must be false or left out (the answer says "store": false), and
+`previous_response_id`, `background`, `truncation: "auto"`, `reasoning` and non-function tools are
+refused by name. The answer is a Response object, or its typed SSE events (`event:` and `data:`
+lines, numbered by sequence_number) ending in response.completed, response.incomplete (the token
+limit) or response.failed.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdcluster._proto import common_pb2, router_pb2, worker_pb2
+
+from .errors import RouterError, invalid
+from .openai_images import ImageLimits
+from .openai_protocol import _SAMPLING_FIELDS, MAX_MESSAGES, OpenAIOptions, parse_chat
+from .openai_responses import ResponseBuilder, TokenDecoder
+from .openai_tools import extract_tool_calls
+
+# Responses fields this server honours, and vLLM's sampling extras it accepts on every endpoint.
+RESPONSES_FIELDS = frozenset({
+    "model", "input", "instructions", "max_output_tokens", "stream", "store", "metadata", "text", "tools",
+    "tool_choice", "parallel_tool_calls", "user", "truncation", "previous_response_id", "reasoning",
+    "background", "include", "top_logprobs", "service_tier",
+    "stop", "stop_token_ids", "logit_bias", *_SAMPLING_FIELDS})
+_CHAT_PASSTHROUGH = ("model", "user", "parallel_tool_calls", "stop", "stop_token_ids", "logit_bias", *_SAMPLING_FIELDS)
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+MAX_METADATA = 16          # OpenAI's limits on metadata: 16 pairs, keys <= 64, values <= 512 chars
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
+_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+# A chat-side field name -> the Responses field the client sent.
+_FIELD_NAMES = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
+                "response_format": "text.format", "messages": "input"}
+
+
+@dataclass
+class ResponsesRequest:
+    """What the Response object echoes back, next to the parsed GenerateRequest."""
+
+    instructions: str | None
+    max_output_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    metadata: dict[str, str]
+    text_format: dict[str, Any]
+    tools: list[dict[str, Any]]
+    tool_choice: Any
+    parallel_tool_calls: bool
+    user: str | None
+    top_logprobs: int
+    message_of_item: list[int] = field(default_factory=list)  # chat message index -> input item index
+
+
+def parse_responses(body: Any, default_model: str, image_limits: ImageLimits | None = None
+                    ) -> tuple[router_pb2.GenerateRequest, OpenAIOptions, ResponsesRequest]:
+    if not isinstance(body, dict):
+        raise invalid("body", "the request body must be a JSON object")
+    unknown = sorted(set(body) - RESPONSES_FIELDS)
+    if unknown:
+        raise invalid(unknown[0], f"unknown field {unknown[0]!r}; this server does not support it")
+    _refuse_unserved(body)
+    chat: dict[str, Any] = {k: body[k] for k in _CHAT_PASSTHROUGH if k in body}
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise invalid("instructions", "must be a string")
+    messages: list[dict[str, Any]] = []
+    item_of_message: list[int] = []
+    if instructions:
+        messages.append({"role": "system", "content": instructions})
+        item_of_message.append(-1)
+    for i, m in _input_messages(body.get("input")):
+        messages.append(m)
+        item_of_message.append(i)
+    chat["messages"] = messages
+    limit = body.get("max_output_tokens")
+    if limit is not None:
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+            raise invalid("max_output_tokens", f"must be an integer >= 1, got {limit!r}")
+        chat["max_tokens"] = limit
+    text_format = _text_format(body.get("text"))
+    if text_format["type"] != "text":
+        chat["response_format"] = _chat_response_format(text_format)
+    tools = body.get("tools")
+    chat_tools = _chat_tools(tools)
+    if chat_tools:
+        chat["tools"] = chat_tools
+    choice = body.get("tool_choice")
+    if choice is not None:
+        chat["tool_choice"] = _chat_tool_choice(choice)
+    top_logprobs = _logprobs(body)
+    if top_logprobs is not None:
+        chat["logprobs"] = True
+        chat["top_logprobs"] = top_logprobs
+    chat["stream"] = _flag(body, "stream", False)
+    try:
+        req, opts = parse_chat(chat, default_model, image_limits)
+    except RouterError as e:
+        raise rename_error(e, item_of_message) from None
+    info = ResponsesRequest(
+        instructions=instructions, max_output_tokens=limit, temperature=body.get("temperature"),
+        top_p=body.get("top_p"), metadata=_metadata(body.get("metadata")), text_format=text_format,
+        tools=list(tools or []), tool_choice=choice if choice is not None else "auto",
+        parallel_tool_calls=_flag(body, "parallel_tool_calls", True), user=body.get("user"),
+        top_logprobs=top_logprobs or 0, message_of_item=item_of_message)
+    return req, opts, info
+
+
+def rename_error(err: RouterError, item_of_message: Sequence[int] = ()) -> RouterError:
+    """A refusal the chat path (or the Preprocessor) phrased in chat terms, in the client's terms:
+    max_tokens -> max_output_tokens, response_format -> text.format, messages[k] -> input[i]."""
+    name = _FIELD_NAMES.get(err.field or "")
+    if name is None:
+        return err
+    message = err.message
+
+    def item(m: re.Match) -> str:
+        k = int(m.group(1))
+        i = item_of_message[k] if k < len(item_of_message) else k
+        return "instructions" if i < 0 else f"input[{i}]"
+
+    message = re.sub(r"\bmessages\[(\d+)\]", item, message)
+    message = re.sub(rf"\b{re.escape(err.field or '')}\b", name, message)
+    return RouterError(err.code, message, name)
+
+
+def _refuse_unserved(body: dict) -> None:
+    if body.get("store") not in (None, False):
+        raise invalid("store", "responses are not stored by this server: send store=false or leave it out")
+    if body.get("previous_response_id") is not None:
+        raise invalid("previous_response_id", "responses are not stored by this server, so none can be continued: "
+                      "send the earlier turns in input")
+    if body.get("background") not in (None, False):
+        raise invalid("background", "background responses are not supported by this server")
+    if body.get("truncation") not in (None, "disabled"):
+        raise invalid("truncation", "only 'disabled' is supported: an input longer than the context is refused")
+    if body.get("reasoning") not in (None, {}):
+        raise invalid("reasoning", "reasoning options are not supported by this server")
+    if body.get("service_tier") not in (None, "auto", "default"):
+        raise invalid("service_tier", "only 'auto' and 'default' are served")
+
+
+def _flag(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise invalid(name, "must be a boolean")
+    return value
+
+
+def _input_messages(value: Any) -> list[tuple[int, dict[str, Any]]]:
+    """(input item index, chat message) for every item; function calls in a row form one
+    assistant message, as a chat history holds them."""
+    if isinstance(value, str):
+        return [(0, {"role": "user", "content": value})]
+    if not isinstance(value, list) or not value:
+        raise invalid("input", "must be a string or a non-empty list of input items")
+    if len(value) > MAX_MESSAGES:
+        raise invalid("input", f"input has {len(value)} items; at most {MAX_MESSAGES} allowed")
+    out: list[tuple[int, dict[str, Any]]] = []
+    for i, item in enumerate(value):
+        if not isinstance(item, dict):
+            raise invalid("input", f"input[{i}] must be an object")
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            out.append((i, _message(item, i)))
+        elif kind == "function_call":
+            call = _function_call(item, i)
+            if out and out[-1][1].get("role") == "assistant" and out[-1][1].get("tool_calls"):
+                out[-1][1]["tool_calls"].append(call)
+            else:
+                out.append((i, {"role": "assistant", "content": None, "tool_calls": [call]}))
+        elif kind == "function_call_output":
+            call_id, output = item.get("call_id"), item.get("output")
+            if not isinstance(call_id, str) or not isinstance(output, str):
+                raise invalid("input", f"input[{i}]: a function_call_output needs string call_id and output")
+            out.append((i, {"role": "tool", "tool_call_id": call_id, "content": output}))
+        else:
+            raise invalid("input", f"input[{i}].type {kind!r} is not supported: message, function_call and "
+                          "function_call_output items are")
+    return out
+
+
+def _message(item: dict, i: int) -> dict[str, Any]:
+    role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
+    if role is None:
+        raise invalid("input", f"input[{i}].role must be one of {sorted(_ROLES)}")
+    content = item.get("content")
+    if isinstance(content, str):
+        return {"role": role, "content": content}
+    if not isinstance(content, list):
+        raise invalid("input", f"input[{i}].content must be a string or a list of content parts")
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text") and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "input_image" and isinstance(part.get("image_url"), str):
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+        elif kind == "input_image":
+            raise invalid("input", f"input[{i}].content[{j}]: an input_image needs an image_url (a data: URL); "
+                          "file_id is not supported")
+        else:
+            raise invalid("input", f"input[{i}].content[{j}] must be an input_text, output_text or input_image part")
+    return {"role": role, "content": parts}
+
+
+def _function_call(item: dict, i: int) -> dict[str, Any]:
+    call_id, name, args = item.get("call_id"), item.get("name"), item.get("arguments")
+    if not isinstance(call_id, str) or not isinstance(name, str) or not isinstance(args, str):
+        raise invalid("input", f"input[{i}]: a function_call needs string call_id, name and arguments")
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+
+
+def _text_format(text: Any) -> dict[str, Any]:
+    if text is None:
+        return {"type": "text"}
+    if not isinstance(text, dict):
+        raise invalid("text", "must be an object")
+    unknown = sorted(set(text) - {"format", "verbosity"})
+    if unknown:
+        raise invalid(f"text.{unknown[0]}", "is not supported by this server")
+    if text.get("verbosity") not in (None, "medium"):
+        raise invalid("text.verbosity", "only 'medium' is served (the model decides its own length)")
+    fmt = text.get("format")
+    if fmt is None:
+        return {"type": "text"}
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+        raise invalid("text.format", "must be {'type': 'text' | 'json_object' | 'json_schema', ...}")
+    if fmt["type"] == "json_schema" and not isinstance(fmt.get("schema"), dict):
+        raise invalid("text.format", "a json_schema format needs a 'schema' object")
+    return fmt
+
+
+def _chat_response_format(fmt: dict[str, Any]) -> dict[str, Any]:
+    if fmt["type"] == "json_object":
+        return {"type": "json_object"}
+    schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+    return {"type": "json_schema", "json_schema": schema}
+
+
+def _chat_tools(tools: Any) -> list[dict[str, Any]]:
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise invalid("tools", "must be a list of function tools")
+    out = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or t.get("type") != "function":
+            kind = t.get("type") if isinstance(t, dict) else None
+            raise invalid("tools", f"tools[{i}]: only function tools are served, not {kind!r}")
+        fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if t.get(k) is not None}
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _chat_tool_choice(choice: Any) -> Any:
+    if choice in ("none", "auto", "required"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise invalid("tool_choice", "must be 'none', 'auto', 'required' or {'type': 'function', 'name': ...}")
+
+
+def _logprobs(body: dict) -> int | None:
+    include = body.get("include")
+    if include is not None and (not isinstance(include, list) or not all(isinstance(x, str) for x in include)):
+        raise invalid("include", "must be a list of strings")
+    for x in include or []:
+        if x != LOGPROBS_INCLUDE:
+            raise invalid("include", f"{x[:80]!r} is not served; only {LOGPROBS_INCLUDE!r} is")
+    top = body.get("top_logprobs")
+    if top is not None and (not isinstance(top, int) or isinstance(top, bool)):
+        raise invalid("top_logprobs", "must be an integer")
+    if LOGPROBS_INCLUDE in (include or []):
+        return top or 0
+    if top:
+        raise invalid("top_logprobs", f"needs include=[{LOGPROBS_INCLUDE!r}]")
+    return None
+
+
+def _metadata(value: Any) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or len(value) > MAX_METADATA:
+        raise invalid("metadata", f"must be an object of at most {MAX_METADATA} string pairs")
+    for k, v in value.items():
+        if len(k) > MAX_METADATA_KEY or not isinstance(v, str) or len(v) > MAX_METADATA_VALUE:
+            raise invalid("metadata", f"keys are strings of at most {MAX_METADATA_KEY} characters, values of "
+                          f"at most {MAX_METADATA_VALUE}")
+    return dict(value)
+
+
+# -- answers --------------------------------------------------------------------------------------
+
+_STATUS = {common_pb2.FINISH_REASON_STOP: "completed", common_pb2.FINISH_REASON_LENGTH: "incomplete",
+           common_pb2.FINISH_REASON_ABORT: "cancelled", common_pb2.FINISH_REASON_ERROR: "failed"}
+
+
+class ResponseShaper:
+    """One request's Response object and stream events. The chat ResponseBuilder keeps the usage
+    counts, formats logprobs and reads tool calls out of the text."""
+
+    def __init__(self, request_id: str, opts: OpenAIOptions, info: ResponsesRequest, num_prompt_tokens: int,
+                 decode_token: TokenDecoder) -> None:
+        self.opts = opts
+        self.info = info
+        self.builder = ResponseBuilder(request_id, opts, num_prompt_tokens, decode_token)
+        self.id = "resp_" + request_id
+        self.message_id = "msg_" + request_id
+        self.created_at = int(time.time())
+        self.sequence_number = 0
+        self.text: list[str] = []
+        self.logprobs: list[dict[str, Any]] = []
+
+    # -- the Response object ----------------------------------------------------------------------
+    def response(self, status: str, output: list[dict[str, Any]], *, error: str | None = None,
+                 usage: bool = True) -> dict[str, Any]:
+        info = self.info
+        b = self.builder
+        return {
+            "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+            "error": {"code": "server_error", "message": error} if error is not None else None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": info.instructions, "max_output_tokens": info.max_output_tokens,
+            "model": self.opts.model, "output": output, "parallel_tool_calls": info.parallel_tool_calls,
+            "previous_response_id": None, "reasoning": {"effort": None, "summary": None}, "store": False,
+            "temperature": info.temperature, "text": {"format": info.text_format}, "tool_choice": info.tool_choice,
+            "tools": info.tools, "top_logprobs": info.top_logprobs, "top_p": info.top_p, "truncation": "disabled",
+            "user": info.user, "metadata": info.metadata,
+            "usage": {"input_tokens": b.num_prompt_tokens,
+                      "input_tokens_details": {"cached_tokens": b.num_cached_tokens},
+                      "output_tokens": b.num_completion_tokens,
+                      "output_tokens_details": {"reasoning_tokens": 0},
+                      "total_tokens": b.num_prompt_tokens + b.num_completion_tokens} if usage else None,
+        }
+
+    def add(self, delta: worker_pb2.WorkerGenerateResponse) -> list[dict[str, Any]]:
+        """Account one delta; its logprob entries in the Responses shape."""
+        self.builder.account(delta)
+        self.text.append(delta.text)
+        entries = self.builder.logprobs(delta.logprobs) if self.opts.logprobs is not None else None
+        new = list(entries["content"]) if entries else []
+        self.logprobs.extend(new)
+        return new
+
+    def output(self, status: str) -> list[dict[str, Any]]:
+        """The finished output items: the message (if it has text) and the function calls."""
+        text = "".join(self.text)
+        items: list[dict[str, Any]] = []
+        calls: list[dict[str, Any]] = []
+        if self.opts.tools is not None:
+            content, calls = extract_tool_calls(text, self.opts.tools)
+            text = content or ""
+        item_status = "incomplete" if status == "incomplete" else "completed"
+        if text or not calls:
+            items.append(self.message(item_status, text))
+        items.extend(function_call_item(c, item_status) for c in calls)
+        return items
+
+    def message(self, status: str, text: str | None = None) -> dict[str, Any]:
+        content = [] if text is None else [self.text_part(text)]
+        return {"type": "message", "id": self.message_id, "status": status, "role": "assistant", "content": content}
+
+    def text_part(self, text: str) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": [],
+                "logprobs": self.logprobs if self.opts.logprobs is not None else []}
+
+    def full(self, finish: int, error: str | None = None) -> dict[str, Any]:
+        status = _STATUS.get(finish, "completed")
+        return self.response(status, [] if status == "failed" else self.output(status), error=error)
+
+    # -- stream events ----------------------------------------------------------------------------
+    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        ev = {"type": kind, "sequence_number": self.sequence_number, **fields}
+        self.sequence_number += 1
+        return ev
+
+    def opening(self) -> list[dict[str, Any]]:
+        events = [self.event("response.created", response=self.response("in_progress", [], usage=False)),
+                  self.event("response.in_progress", response=self.response("in_progress", [], usage=False))]
+        if self.opts.tools is None:  # with tools the text is held until it is known not to be a call
+            events += self._message_opening()
+        return events
+
+    def _message_opening(self) -> list[dict[str, Any]]:
+        return [self.event("response.output_item.added", output_index=0, item=self.message("in_progress")),
+                self.event("response.content_part.added", item_id=self.message_id, output_index=0, content_index=0,
+                           part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})]
+
+    def text_delta(self, text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
+        return self.event("response.output_text.delta", item_id=self.message_id, output_index=0, content_index=0,
+                          delta=text, logprobs=logprobs)
+
+    def closing(self, finish: int, error: str | None = None) -> list[dict[str, Any]]:
+        status = _STATUS.get(finish, "completed")
+        if status == "failed":
+            return [self.event("response.failed", response=self.response("failed", [], error=error))]
+        items = self.output(status)
+        events: list[dict[str, Any]] = []
+        for index, item in enumerate(items):
+            if item["type"] == "message":
+                part = item["content"][0]
+                if self.opts.tools is not None:
+                    events += self._message_opening()
+                    events.append(self.text_delta(part["text"], self.logprobs))
+                events += [
+                    self.event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
+                               text=part["text"], logprobs=part["logprobs"]),
+                    self.event("response.content_part.done", item_id=item["id"], output_index=index,
+                               content_index=0, part=part)]
+            else:
+                events += [
+                    self.event("response.output_item.added", output_index=index, item={**item, "arguments": "",
+                                                                                         "status": "in_progress"}),
+                    self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                               delta=item["arguments"]),
+                    self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                               arguments=item["arguments"])]
+            events.append(self.event("response.output_item.done", output_index=index, item=item))
+        kind = "response.incomplete" if status == "incomplete" else "response.completed"
+        events.append(self.event(kind, response=self.response(status, items)))
+        return events
+
+
+def function_call_item(call: dict[str, Any], status: str) -> dict[str, Any]:
+    return {"type": "function_call", "id": "fc_" + secrets.token_hex(12), "call_id": call["id"],
+            "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": status}
+
+
+__all__ = ["RESPONSES_FIELDS", "ResponseShaper", "ResponsesRequest", "parse_responses", "rename_error"]
