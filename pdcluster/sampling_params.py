@@ -44,6 +44,10 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return besides the sampled token
+    # Logprob of every prompt token after the first (and the top-n alternatives at each position),
+    # computed by the prefill; such a prompt never reads the prefix cache (its positions would
+    # have no logits).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
     # Constrained decoding (json schema, regex, choice, grammar, json_object); see structured_spec.py.
@@ -130,8 +134,9 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if not 0 <= integer("min_tokens") <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
-        if self.logprobs is not None and not 0 <= integer("logprobs") <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and not 0 <= integer(name) <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {getattr(self, name)}")
         stop = self.stop
         if isinstance(stop, str):
             stop = (stop,)

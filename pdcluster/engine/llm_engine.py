@@ -104,6 +104,10 @@ class LLMEngine:
             mm_features = self.mm_processor.features(ids, pixels)
             text = prompt if isinstance(prompt, str) else text  # the user's prompt, not the expansion
         prior = check_prior_tokens(prefill_output_token_ids, params, len(ids), self.config)
+        if params.prompt_logprobs is not None and (prior or (kv_transfer_params is not None
+                                                            and kv_transfer_params.do_remote_prefill)):
+            raise ValueError("prompt_logprobs: only a leg that computes the prompt itself returns them, not one that "
+                             "continues after earlier output tokens or loads the prompt's KV")
         if params.logit_bias and params.logit_bias[-1][0] >= self.config.model.vocab_size:
             raise ValueError(f"logit_bias: token id {params.logit_bias[-1][0]} is outside the vocabulary "
                              f"[0, {self.config.model.vocab_size})")

@@ -29,6 +29,7 @@ from pdcluster.dtypes import torch_dtype
 from pdcluster.engine.connector_hooks import ConnectorHooks
 from pdcluster.engine.kv_connector import KVCacheLayout, KVConnectorBase
 from pdcluster.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from pdcluster.engine.prompt_logprobs import chunk_prompt_logprobs
 from pdcluster.engine.thread_tuner import ThreadTuner, step_key, step_plan
 from pdcluster.env_flags import env_enabled
 from pdcluster.models.layers.attention_backend import AttentionBackend, AttentionMetadata
@@ -48,6 +49,7 @@ class CachedRequestState:
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...]
     grammar: Any = None  # structured_output.GrammarState when the request is constrained
+    prompt_logprobs: int | None = None  # top-n of the prompt's logprobs, until they are delivered
 
 
 def make_attention_backend(name: str) -> AttentionBackend:
@@ -222,7 +224,9 @@ class ModelRunner:
             self.requests[new.request_id] = CachedRequestState(
                 new.request_id, list(new.prompt_token_ids) + list(new.output_token_ids), len(new.prompt_token_ids),
                 list(new.block_ids), new.num_computed_tokens, new.sampling_params, tuple(new.eos_token_ids),
-                grammar)
+                grammar,
+                # Resumed after its first token (preempted): they went out with that token.
+                new.sampling_params.prompt_logprobs if not new.output_token_ids else None)
         for cached in scheduler_output.scheduled_cached_reqs:
             state = self.requests[cached.request_id]
             state.block_ids.extend(cached.new_block_ids)
@@ -281,13 +285,15 @@ class ModelRunner:
                 if hidden is None:
                     hidden = (self.forward_fn(input_ids, positions, self.kv_caches, meta, eager=True) if eager
                               else self.forward_fn(input_ids, positions, self.kv_caches, meta))
+            prompt_logprobs = {} if not any(r.prompt_logprobs is not None for r in reqs) else chunk_prompt_logprobs(
+                reqs, query_lens, hidden, self.model.compute_logits, self.config.model.vocab_size)
             sampled: list[int] = []
             logprobs: list[Any] = []
             if last_token:
                 logits = self.model.compute_logits(hidden[torch.tensor(last_token, device=self.device)])
                 states = [self._sampling_state(r) for r, ok in zip(reqs, do_sample) if ok]
                 sampled, logprobs = self._get_sampler()(logits, states)
-        out = ModelRunnerOutput([r.request_id for r in reqs], [], [])
+        out = ModelRunnerOutput([r.request_id for r in reqs], [], [], prompt_logprobs=prompt_logprobs)
         results = iter(zip(sampled, logprobs))
         for r, n, ok in zip(reqs, query_lens, do_sample):
             r.num_computed_tokens += n

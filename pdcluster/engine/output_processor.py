@@ -40,6 +40,7 @@ class _RequestState:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[SampleLogprobs] | None = None
     cumulative_logprob: float | None = None
+    prompt_logprobs: list[SampleLogprobs] | None = None
     chunks: list[str] = field(default_factory=list)  # streamed text, in order
     num_emitted_chars: int = 0
     held: str = ""
@@ -137,7 +138,8 @@ class OutputProcessor:
             delta_text = self._update(state, out)
             if state.finished and not out.finished:
                 stopped.append(state.request_id)
-            request_outputs.append(self._make_output(state, delta_text, out.new_token_ids, out.new_logprobs))
+            request_outputs.append(self._make_output(state, delta_text, out.new_token_ids, out.new_logprobs,
+                                                     out.prompt_logprobs))
             if state.finished:
                 del self._active[state.request_id]
                 if self.keep_finished:
@@ -151,11 +153,14 @@ class OutputProcessor:
         state = self._finished.pop(request_id, None) or self._active.get(request_id)
         if state is None:
             raise KeyError(f"unknown request {request_id!r}")
-        return self._make_output(state, "".join(state.chunks), state.token_ids, state.logprobs or [])
+        return self._make_output(state, "".join(state.chunks), state.token_ids, state.logprobs or [],
+                                 state.prompt_logprobs)
 
     # -- per step -----------------------------------------------------------------------------
     def _update(self, state: _RequestState, out: EngineCoreOutput) -> str:
         params = state.params
+        if out.prompt_logprobs is not None:
+            state.prompt_logprobs = out.prompt_logprobs
         num_before = state.num_prior_tokens + len(state.token_ids)
         state.token_ids.extend(out.new_token_ids)
         if state.logprobs is not None and out.new_logprobs:
@@ -222,7 +227,8 @@ class OutputProcessor:
         return text
 
     def _make_output(
-        self, state: _RequestState, text: str, token_ids: list[int], logprobs: list[SampleLogprobs]
+        self, state: _RequestState, text: str, token_ids: list[int], logprobs: list[SampleLogprobs],
+        prompt_logprobs: list[SampleLogprobs] | None = None,
     ) -> RequestOutput:
         completion = CompletionOutput(
             index=0,
@@ -242,6 +248,7 @@ class OutputProcessor:
             num_cached_tokens=state.num_cached_tokens,
             kv_transfer_params=state.kv_transfer_params,
             error=state.error,
+            prompt_logprobs=list(prompt_logprobs) if prompt_logprobs is not None else None,
         )
 
 

@@ -81,6 +81,8 @@ class ModelRunnerOutput:
     # reach the end of its known tokens this step (nothing sampled).
     sampled_token_ids: list[list[int]]
     logprobs: list[SampleLogprobs | None] = field(default_factory=list)
+    # Request id -> (index of the first prompt token scored, its entries): prompt_logprobs.py.
+    prompt_logprobs: dict[str, tuple[int, list[SampleLogprobs]]] = field(default_factory=dict)
     # Filled by the worker side of a KV connector.
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
@@ -94,6 +96,8 @@ class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[SampleLogprobs] = field(default_factory=list)
+    # With the first tokens of a request that asked: one entry per prompt token after the first.
+    prompt_logprobs: list[SampleLogprobs] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     error: str | None = None
@@ -133,6 +137,9 @@ class RequestOutput:
     kv_transfer_params: KVTransferParams | None = None
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    # SamplingParams.prompt_logprobs: one entry per prompt token after the first (sampled = that
+    # token, with its rank), in the delta that carries the first tokens and in the whole result.
+    prompt_logprobs: list[SampleLogprobs] | None = None
     # Final output only: encoder outputs of this request's images that this engine's EC producer
     # now holds under leases for other instances (engine/ec_connector.py).
     ec_transfer_params: ECTransferParams | None = None

@@ -46,12 +46,19 @@ class RemoteKV:
         if held:
             return [], 0, 0, False
         hits, num_local = self.kv.get_computed_blocks(request)
+        # Prompt logprobs need every prompt position's hidden state: nothing cached or loaded.
+        # (The connector is still asked, so its view of the request stays whole.)
+        computes_all = request.prompt_logprobs_pending
+        if computes_all:
+            hits, num_local = [], 0
         num_ext, is_async = 0, False
         if self.connector is not None:
             matched, is_async = self.connector.get_num_new_matched_tokens(request, num_local)
             if matched is None:
                 return None
             num_ext = max(0, min(matched, request.num_tokens - 1 - num_local))  # one token is computed
+            if computes_all:
+                num_ext, is_async = 0, False
         return hits, num_local, num_ext, is_async
 
     def admit(self, request: Request, hits: list, num_local: int, num_ext: int) -> bool:

@@ -32,6 +32,7 @@ import time
 from pdcluster.engine.ec_transfer_params import ECTransferParams
 from pdcluster.engine.kv_transfer_params import KVTransferParams
 from pdcluster.engine.mm_inputs import MultiModalFeature
+from pdcluster.engine.outputs import SampleLogprobs
 from pdcluster.sampling_params import SamplingParams
 
 
@@ -106,6 +107,33 @@ class Request:
         self.stop_reason: int | str | None = None
         self.error: str | None = None
         self.first_token_time: float | None = None
+        # SamplingParams.prompt_logprobs: entries for prompt tokens 1.. as prefill chunks score
+        # them (engine/prompt_logprobs.py), until they go out with the first tokens (then None).
+        self.prompt_logprobs: list[SampleLogprobs] | None = (
+            [] if sampling_params.prompt_logprobs is not None and not self.output_token_ids else None)
+
+    @property
+    def prompt_logprobs_pending(self) -> bool:
+        """Prompt logprobs still to compute and send: every prompt position must then be computed
+        here (no prefix cache, no loaded KV)."""
+        return self.prompt_logprobs is not None
+
+    def add_prompt_logprobs(self, first: int, entries: list[SampleLogprobs]) -> None:
+        """Entries for prompt tokens first, first + 1, ...; positions already held (a prompt
+        recomputed after a preemption) are kept from the first time."""
+        held = self.prompt_logprobs
+        if held is None:
+            return
+        have = len(held) + 1  # the next prompt token without an entry (token 0 never has one)
+        if first > have:
+            raise RuntimeError(f"request {self.request_id!r}: prompt logprobs from token {first}, "
+                               f"but only tokens up to {have - 1} have entries")
+        held.extend(entries[have - first:])
+
+    def take_prompt_logprobs(self) -> list[SampleLogprobs] | None:
+        """The whole list, once (with the first tokens); None when not asked or already sent."""
+        held, self.prompt_logprobs = self.prompt_logprobs, None
+        return held
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from pdcluster.engine.outputs import Logprob, SampleLogprobs
+from pdcluster.engine.logprobs import token_logprobs
+from pdcluster.engine.outputs import SampleLogprobs
 from pdcluster.env_flags import env_enabled
 from pdcluster.kernels.argmax_cpu import argmax_rows
 from pdcluster.sampling_params import SamplingParams
@@ -267,22 +268,9 @@ class Sampler:
         if not rows:
             return out
         idx = self._index(rows)
-        log_probs = torch.log_softmax(raw[idx], dim=-1)  # (R, V)
-        sampled = token_ids[idx]
-        sampled_log_prob = log_probs.gather(1, sampled[:, None])  # (R, 1)
-        ranks = (log_probs > sampled_log_prob).sum(dim=-1) + 1
-        num_top = max(states[i].params.logprobs or 0 for i in rows)
-        top_vals_l: list[list[float]] = [[] for _ in rows]
-        top_ids_l: list[list[int]] = [[] for _ in rows]
-        if num_top:
-            top_vals, top_ids = log_probs.topk(num_top, dim=-1)  # (R, num_top), most likely first
-            top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
-        sampled_l, sampled_log_prob_l, ranks_l = sampled.tolist(), sampled_log_prob[:, 0].tolist(), ranks.tolist()
-        for r, i in enumerate(rows):
-            n = states[i].params.logprobs or 0
-            pairs = zip(top_ids_l[r][:n], top_vals_l[r][:n], strict=True)
-            top = [Logprob(t, lv, rank) for rank, (t, lv) in enumerate(pairs, start=1)]
-            out[i] = SampleLogprobs(sampled=Logprob(sampled_l[r], sampled_log_prob_l[r], ranks_l[r]), top=top)
+        entries = token_logprobs(raw[idx], token_ids[idx], [states[i].params.logprobs or 0 for i in rows])
+        for i, entry in zip(rows, entries):
+            out[i] = entry
         return out
 
 

@@ -270,6 +270,9 @@ class Scheduler:
                 continue  # finished or preempted since schedule(): its results are void
             # Publish blocks first: a request finishing now leaves its prefix in the cache.
             self.kv.cache_blocks(req, req.num_computed_tokens)
+            scored = runner_output.prompt_logprobs.get(request_id)
+            if scored is not None:
+                req.add_prompt_logprobs(*scored)
             i = index.get(request_id)
             if i is None or req.num_computed_tokens < req.num_tokens:
                 continue  # a prompt chunk short of the last token samples nothing
@@ -291,6 +294,7 @@ class Scheduler:
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         out = EngineCoreOutput(req.request_id, new, [logprob] if logprob is not None else [],
+                               prompt_logprobs=req.take_prompt_logprobs(),
                                num_cached_tokens=max(0, req.num_cached_tokens))
         if status is not None:
             out.kv_transfer_params = self._finish(req, status)

@@ -72,6 +72,8 @@ def output_to_response(
     )
     if comp.logprobs:
         resp.logprobs.extend(logprobs_to_proto(comp.logprobs, token_text))
+    if out.prompt_logprobs:
+        resp.prompt_logprobs.extend(logprobs_to_proto(out.prompt_logprobs, token_text))
     if out.finished:
         set_stop_reason(resp, comp.stop_reason)
         resp.usage.CopyFrom(common_pb2.Usage(prompt_tokens=len(out.prompt_token_ids),
@@ -95,6 +97,7 @@ def merge_responses(responses: Sequence[worker_pb2.WorkerGenerateResponse]) -> w
     for r in responses:
         merged.token_ids.extend(r.token_ids)
         merged.logprobs.extend(r.logprobs)
+        merged.prompt_logprobs.extend(r.prompt_logprobs)
         merged.token_arrival_times.extend(r.token_arrival_times)
     if responses:
         last = responses[-1]

@@ -253,7 +253,8 @@ class RequestTable:
         arrival, out = item
         assert isinstance(out, RequestOutput)
         inflight.num_tokens += len(out.outputs[0].token_ids)
-        token_text = self.engine.decode_token if params.logprobs is not None and params.detokenize else None
+        wants_text = params.logprobs is not None or params.prompt_logprobs is not None
+        token_text = self.engine.decode_token if wants_text and params.detokenize else None
         return convert.output_to_response(out, arrival_time=arrival, num_completion_tokens=inflight.num_tokens,
                                           token_text=token_text)
 
