@@ -64,6 +64,8 @@ class Delta:
     prompt_token_ids: list[int] = field(default_factory=list)
     first_token_time: float = 0.0
     route: Any = None  # router RouteInfo (on the final delta)
+    # SamplingParams.prompt_logprobs: proto SampleLogprobs per prompt token after the first (first delta)
+    prompt_logprobs: list[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -90,6 +92,7 @@ def delta_from_proto(msg: Any) -> Delta:
         prompt_token_ids=list(msg.prompt_token_ids) if "prompt_token_ids" in has else [],
         first_token_time=msg.first_token_time if "first_token_time" in has else 0.0,
         route=msg.route if "route" in has and msg.HasField("route") else None,
+        prompt_logprobs=list(msg.prompt_logprobs),
     )
 
 
@@ -103,6 +106,7 @@ def merge_deltas(deltas: Sequence[Delta]) -> CompletionResult:
         result.logprobs.extend(d.logprobs)
         result.token_arrival_times.extend(d.token_arrival_times)
         result.prompt_token_ids = result.prompt_token_ids or d.prompt_token_ids
+        result.prompt_logprobs = result.prompt_logprobs or d.prompt_logprobs
         if d.finished:
             result.finished, result.finish_reason, result.stop_reason = True, d.finish_reason, d.stop_reason
             result.usage, result.error, result.route = d.usage, d.error, d.route

@@ -37,7 +37,7 @@ from pdcluster.handoff_trace import trace
 
 from .config import RouterConfig
 from .errors import RouterError
-from .legs import LegRunner, check_prefill
+from .legs import LegRunner, check_prefill, continuation_params, first_delta
 from .metrics import RouterMetrics
 from .request_state import RequestState
 
@@ -77,8 +77,8 @@ async def run(orch: Orchestrator, state: RequestState) -> AsyncIterator[worker_p
     prefill.kv_transfer_params.do_remote_decode = True
     prefill.kv_transfer_params.transfer_id = transfer_id  # the producer binds its lease to it
     decode = worker_pb2.WorkerGenerateRequest(
-        request_id=prep.request_id, prompt_token_ids=prep.prompt_token_ids, sampling_params=prep.sampling_params,
-        stream=prep.stream, await_kv_transfer_id=transfer_id,
+        request_id=prep.request_id, prompt_token_ids=prep.prompt_token_ids,
+        sampling_params=continuation_params(prep.sampling_params), stream=prep.stream, await_kv_transfer_id=transfer_id,
         kv_params_timeout_s=orch.config.disagg_params_timeout_s)
     trace("r.mode_concurrent", prep.request_id)
     trace("r.decode_sent", prep.request_id)
@@ -104,10 +104,7 @@ async def run(orch: Orchestrator, state: RequestState) -> AsyncIterator[worker_p
         state.sent_to_client = True
         # The hand-over runs while the frontend writes t0 (it must not wait for the RPC's reply).
         handing = asyncio.ensure_future(_provide(orch, state, last, transfer_id, head))
-        first = worker_pb2.WorkerGenerateResponse(request_id=prep.request_id, token_ids=last.token_ids,
-                                                  text=last.text, logprobs=last.logprobs,
-                                                  token_arrival_times=last.token_arrival_times)
-        yield first  # TTFT is the prefill leg's
+        yield first_delta(prep.request_id, last)  # TTFT is the prefill leg's
         if not await handing:
             await _close(head, decode_leg)
             trace("r.concurrent_fallback", prep.request_id)
@@ -163,8 +160,8 @@ async def _provide(orch: Orchestrator, state: RequestState, last: worker_pb2.Wor
 def _sequential_decode(state: RequestState, last: worker_pb2.WorkerGenerateResponse) -> worker_pb2.WorkerGenerateRequest:
     prep = state.prep
     decode = worker_pb2.WorkerGenerateRequest(request_id=prep.request_id, prompt_token_ids=prep.prompt_token_ids,
-                                              sampling_params=prep.sampling_params, stream=prep.stream,
-                                              prefill_output_token_ids=last.token_ids)
+                                              sampling_params=continuation_params(prep.sampling_params),
+                                              stream=prep.stream, prefill_output_token_ids=last.token_ids)
     if last.HasField("kv_transfer_params"):
         decode.kv_transfer_params.CopyFrom(last.kv_transfer_params)
         decode.kv_transfer_params.do_remote_decode = False

@@ -27,6 +27,8 @@ def response_from_worker(w: worker_pb2.WorkerGenerateResponse, request_id: str) 
                                     finish_reason=w.finish_reason, error_message=w.error_message)
     if w.logprobs:
         r.logprobs.extend(w.logprobs)
+    if w.prompt_logprobs:
+        r.prompt_logprobs.extend(w.prompt_logprobs)
     which = w.WhichOneof("stop_reason")
     if which == "stop_token_id":
         r.stop_token_id = w.stop_token_id

@@ -38,6 +38,26 @@ _RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EX
 _WORKER_FAULTS = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
 
 
+def continuation_params(params: common_pb2.SamplingParams) -> common_pb2.SamplingParams:
+    """The sampling params of a leg that continues after tokens the client already has (a decode
+    leg, a migrated leg): prompt logprobs went out with the first token, from the leg that computed
+    the prompt, and a worker refuses them on a leg that does not compute it."""
+    if not params.HasField("prompt_logprobs"):
+        return params
+    out = common_pb2.SamplingParams()
+    out.CopyFrom(params)
+    out.ClearField("prompt_logprobs")
+    return out
+
+
+def first_delta(request_id: str, last: worker_pb2.WorkerGenerateResponse) -> worker_pb2.WorkerGenerateResponse:
+    """What the client gets of a prefill leg's answer before the decode leg goes on: its token(s)
+    with their text, logprobs and the prompt's logprobs (the final fields come from the decode leg)."""
+    return worker_pb2.WorkerGenerateResponse(request_id=request_id, token_ids=last.token_ids, text=last.text,
+                                             logprobs=last.logprobs, prompt_logprobs=last.prompt_logprobs,
+                                             token_arrival_times=last.token_arrival_times)
+
+
 def check_prefill(last: worker_pb2.WorkerGenerateResponse | None) -> worker_pb2.WorkerGenerateResponse:
     """The prefill leg's last response, or the RouterError that it failed."""
     if last is None or last.finish_reason == common_pb2.FINISH_REASON_ERROR:

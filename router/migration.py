@@ -33,7 +33,7 @@ from pdcluster._proto import worker_pb2
 
 from .config import RouterConfig
 from .errors import RouterError
-from .legs import LegRunner
+from .legs import LegRunner, continuation_params
 from .metrics import RouterMetrics
 from .registry import WorkerRegistry
 from .request_state import RequestState
@@ -98,7 +98,7 @@ class Migrator:
         log.warning("%s; resuming it on another %s worker (migration %d of at most %d)", where, "/".join(roles),
                     state.num_migrations, self.config.max_migrations)
         wreq = worker_pb2.WorkerGenerateRequest(request_id=prep.request_id, prompt_token_ids=prep.prompt_token_ids,
-                                                sampling_params=params, stream=prep.stream,
+                                                sampling_params=continuation_params(params), stream=prep.stream,
                                                 prefill_output_token_ids=prior, images=prep.images)
         # The images ride again (the router keeps them until the request ends); so do the EC
         # params: a worker that cannot fetch them encodes locally.

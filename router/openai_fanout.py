@@ -65,7 +65,8 @@ class FanOut:
             for j in range(opts.best_of):
                 sub = _sibling(prep, f"{base}-{len(self.gens)}", j, force_logprobs=opts.best_of > opts.n)
                 builder = ResponseBuilder(base, opts, len(prep.prompt_token_ids), front.pre.token_text,
-                                          index=p * opts.n + j, echo=echo_texts[p] if opts.echo else "")
+                                          index=p * opts.n + j, echo=echo_texts[p] if opts.echo else "",
+                                          first_prompt_token=prep.prompt_token_ids[0])
                 self.gens.append(_Gen(p, j, sub, builder))
         self.head = self.gens[0].builder
         self._queue: asyncio.Queue = asyncio.Queue()

@@ -3,7 +3,7 @@
 Only JSON shapes and types are checked here, each failure naming its field; ranges and
 cross-field rules are checked once for both frontends by SamplingParams in the Preprocessor.
 Every accepted field is honoured; any other field, and features this server does not have
-(suffix, prompt_logprobs, tools outside chat, ...), are refused by name rather than silently ignored.
+(suffix, tools outside chat, ...), are refused by name rather than silently ignored.
 `n`, `best_of`, `echo` and batched prompts are the HTTP frontend's (openai_fanout.py): each
 GenerateRequest here is one prompt, sampled once.
 """
@@ -39,12 +39,12 @@ _SAMPLING_FIELDS: dict[str, tuple[str, str]] = {
     "skip_special_tokens": ("skip_special_tokens", "bool"),
 }
 # Field -> the value that means "not used"; anything else is refused as unsupported.
-_UNSUPPORTED = {"suffix": None, "tools": None, "tool_choice": "none", "functions": None, "function_call": None,
-                "prompt_logprobs": None}
+_UNSUPPORTED = {"suffix": None, "tools": None, "tool_choice": "none", "functions": None, "function_call": None}
 # Every field a body may carry; anything else is refused by name. `user` is an opaque end-user id
 # (nothing to honour); `parallel_tool_calls` only qualifies tools, which are refused.
 _COMMON_FIELDS = frozenset({"model", "max_tokens", "stop", "stop_token_ids", "stream", "stream_options", "n",
-                            "logit_bias", "user", *_SAMPLING_FIELDS, *_UNSUPPORTED, *STRUCTURED_FIELDS})
+                            "logit_bias", "user", "prompt_logprobs", *_SAMPLING_FIELDS, *_UNSUPPORTED,
+                            *STRUCTURED_FIELDS})
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "add_generation_prompt", "logprobs", "top_logprobs",
                                 "max_completion_tokens", "parallel_tool_calls"}
@@ -73,6 +73,7 @@ class OpenAIOptions:
     echo: bool = False     # completions: the prompt's text before each choice's text
     structured_field: str | None = None  # the structured-output field the client used
     tools: ToolMode | None = None  # chat with tools: how to read tool calls out of the answer
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: the prompt's logprobs in the answer
 
 
 def parse_completion(body: Any, default_model: str) -> tuple[router_pb2.GenerateRequest, OpenAIOptions]:
@@ -103,9 +104,12 @@ def parse_completions(body: Any, default_model: str) -> tuple[list[router_pb2.Ge
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise invalid("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {logprobs}")
     echo = _bool(body, "echo", False)
-    if echo and logprobs is not None:
-        raise invalid("echo", "echo with logprobs needs prompt logprobs, which this server does not compute")
+    if echo and logprobs is not None and _bool(body, "stream", False):
+        raise invalid("echo", "echo with logprobs cannot be streamed by this server (the prompt's logprobs come "
+                      "with the whole answer)")
     opts = _common(body, req, default_model, chat=False, logprobs=logprobs, echo=echo)
+    if echo and logprobs is not None and not req.sampling_params.HasField("prompt_logprobs"):
+        req.sampling_params.prompt_logprobs = logprobs  # the echoed prompt's tokens carry logprobs too
     if opts.n * opts.best_of * len(reqs) > MAX_GENERATIONS:
         raise invalid("prompt", f"{len(reqs)} prompts x best_of={opts.best_of} exceed {MAX_GENERATIONS} generations")
     for other in reqs[1:]:
@@ -213,6 +217,13 @@ def _common(body: dict, req: router_pb2.GenerateRequest, default_model: str, *, 
             raise invalid(name, f"{name}={value!r} is not supported by this server")
     sp = req.sampling_params
     _fill_sampling(body, sp)
+    prompt_logprobs = body.get("prompt_logprobs")
+    if prompt_logprobs is not None:
+        if not _is_int(prompt_logprobs) or not 0 <= prompt_logprobs <= MAX_LOGPROBS:
+            raise invalid("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {prompt_logprobs!r}")
+        if _bool(body, "stream", False):
+            raise invalid("prompt_logprobs", "cannot be streamed by this server: ask without stream")
+        sp.prompt_logprobs = prompt_logprobs
     structured = parse_structured(body, sp)
     n = _count(body, "n", 1, 1)
     best_of = n if chat else _count(body, "best_of", n, n)
@@ -230,7 +241,8 @@ def _common(body: dict, req: router_pb2.GenerateRequest, default_model: str, *, 
     if stream and best_of > n:
         raise invalid("best_of", "best_of > n cannot be streamed (the best are known only at the end)")
     req.stream = stream
-    return OpenAIOptions(model or default_model, stream, include_usage, logprobs, chat, n, best_of, echo, structured)
+    return OpenAIOptions(model or default_model, stream, include_usage, logprobs, chat, n, best_of, echo, structured,
+                         prompt_logprobs=prompt_logprobs)
 
 
 def _count(body: dict, name: str, default: int, low: int) -> int:

@@ -26,9 +26,10 @@ class ResponseBuilder:
     """Shapes one request's answer; holds the id, creation time and running usage counts."""
 
     def __init__(self, request_id: str, opts: OpenAIOptions, num_prompt_tokens: int, decode_token: TokenDecoder,
-                 *, index: int = 0, echo: str = "") -> None:
+                 *, index: int = 0, echo: str = "", first_prompt_token: int | None = None) -> None:
         """index: the choice's index (n > 1, batched prompts); echo: text put before the choice's
-        own (completions' echo: the prompt), in the whole answer or the stream's first chunk."""
+        own (completions' echo: the prompt), in the whole answer or the stream's first chunk;
+        first_prompt_token: the prompt's first token id (echo with logprobs lists it, without one)."""
         self.id = ("chatcmpl-" if opts.chat else "cmpl-") + request_id
         self.index = index
         self._echo = echo
@@ -40,9 +41,13 @@ class ResponseBuilder:
         self.num_cached_tokens = 0
         self._decode_token = decode_token
         self._text_offset = 0
+        self._first_prompt_token = first_prompt_token
+        self.prompt_logprobs: list[common_pb2.SampleLogprobs] = []  # from the first delta, when asked
 
     # -- pieces ---------------------------------------------------------------------------------
     def account(self, delta: worker_pb2.WorkerGenerateResponse) -> None:
+        if delta.prompt_logprobs:
+            self.prompt_logprobs = list(delta.prompt_logprobs)
         self.num_completion_tokens += len(delta.token_ids)
         if delta.HasField("usage"):
             u = delta.usage
@@ -66,7 +71,20 @@ class ResponseBuilder:
             return None
         if self.opts.chat:
             return {"content": [self._chat_logprob(e) for e in entries]}
-        tokens, token_logprobs, top, offsets = [], [], [], []
+        tokens: list[str] = []
+        token_logprobs: list[float | None] = []
+        top: list[dict[str, float] | None] = []
+        offsets: list[int] = []
+        if self.opts.echo and self._first_prompt_token is not None:
+            # The echoed prompt's tokens first: the first has no logprob (nothing predicts it).
+            first = self._decode_token(self._first_prompt_token)
+            tokens.append(first)
+            token_logprobs.append(None)
+            top.append(None)
+            offsets.append(self._text_offset)
+            self._text_offset += len(first)
+            entries = [*self.prompt_logprobs, *entries]
+            self._first_prompt_token = None  # once: the whole answer is built once
         for e in entries:
             text = self._token_text(e.sampled)
             tokens.append(text)
@@ -75,6 +93,19 @@ class ResponseBuilder:
             offsets.append(self._text_offset)
             self._text_offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+    def vllm_prompt_logprobs(self) -> list[dict[str, Any] | None]:
+        """vLLM's prompt_logprobs: None for the first prompt token, then per token a map of token id
+        -> logprob, rank and text, holding the prompt token itself and the top-n alternatives."""
+        def one(t: common_pb2.TokenLogprob) -> dict[str, Any]:
+            return {"logprob": max(t.logprob, -9999.0), "rank": t.rank, "decoded_token": self._token_text(t)}
+
+        out: list[dict[str, Any] | None] = [None]
+        for e in self.prompt_logprobs:
+            entry = {str(e.sampled.token_id): one(e.sampled)}
+            entry.update((str(t.token_id), one(t)) for t in e.top if str(t.token_id) not in entry)
+            out.append(entry)
+        return out
 
     def _chat_logprob(self, e: common_pb2.SampleLogprobs) -> dict[str, Any]:
         def one(t: common_pb2.TokenLogprob) -> dict[str, Any]:
@@ -99,6 +130,8 @@ class ResponseBuilder:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = self._echo + text
+            if self.opts.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = self.vllm_prompt_logprobs()
         return choice
 
     def full(self, text: str, finish: int, logprobs: list[common_pb2.SampleLogprobs],
@@ -107,8 +140,11 @@ class ResponseBuilder:
 
     def response(self, choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
         obj = "chat.completion" if self.opts.chat else "text_completion"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.opts.model,
+        body = {"id": self.id, "object": obj, "created": self.created, "model": self.opts.model,
                 "choices": choices, "usage": usage}
+        if self.opts.chat and self.opts.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self.vllm_prompt_logprobs()  # vLLM's place for chat: the response
+        return body
 
     # -- stream chunks --------------------------------------------------------------------------
     def role_chunk(self) -> dict[str, Any]:

@@ -38,7 +38,7 @@ from .config import RouterConfig
 from .convert import error_response
 from .ec_stage import EcStage
 from .errors import RouterError
-from .legs import LegRunner, check_prefill
+from .legs import LegRunner, check_prefill, continuation_params, first_delta
 from .metrics import RouterMetrics
 from .migration import Migrator, StallWatch
 from .policies import RouteRequest, RoutingPolicy
@@ -230,11 +230,10 @@ class Orchestrator:
             last.ClearField("kv_transfer_params")
             yield last
             return
-        first = worker_pb2.WorkerGenerateResponse(request_id=prep.request_id, token_ids=last.token_ids,
-                                                  text=last.text, logprobs=last.logprobs,
-                                                  token_arrival_times=last.token_arrival_times)
+        first = first_delta(prep.request_id, last)
         decode = worker_pb2.WorkerGenerateRequest(request_id=prep.request_id, prompt_token_ids=prep.prompt_token_ids,
-                                                  sampling_params=prep.sampling_params, stream=prep.stream,
+                                                  sampling_params=continuation_params(prep.sampling_params),
+                                                  stream=prep.stream,
                                                   prefill_output_token_ids=last.token_ids,
                                                   images=prep.images)  # same block hashes as the prefill leg
         if last.HasField("kv_transfer_params"):

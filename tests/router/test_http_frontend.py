@@ -174,7 +174,9 @@ BAD_BODIES = [
     ({"prompt": "x", "max_tokens": 256}, 400, "max_tokens"),  # the workers' max_model_len
     ({"prompt": "x", "top_k": 1.5}, 400, "top_k"),
     ({"prompt": "x", "n": 0}, 400, "n"),  # n > 1 and echo are served (issue 18): their bounds
-    ({"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
+    ({"prompt": "x", "echo": True, "logprobs": 1, "stream": True}, 400, "echo"),  # served whole, not streamed
+    ({"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+    ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
     ({"prompt": "x", "stop": [1]}, 400, "stop"),
     ({"prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
     ({"prompt": "x", "ignore_eos": "yes"}, 400, "ignore_eos"),

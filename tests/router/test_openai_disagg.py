@@ -105,6 +105,32 @@ WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": [
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
 
 
+def test_prompt_logprobs_disaggregated(served, offline):
+    """The prefill leg computes the prompt's logprobs and they reach the client with its token; the
+    decode leg (which loads the KV) is sent without them."""
+    oa = _client(served)
+    model = _model(oa)
+    prompt = "def parse(text):\n    return"
+    want = offline.generate([prompt], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, prompt_logprobs=1,
+                                                     logprobs=0))[0]
+    before = _disaggregated_count(served)
+    r = oa.completions.create(model=model, prompt=prompt, max_tokens=5, temperature=0,
+                              extra_body={"ignore_eos": True, "prompt_logprobs": 1})
+    got = r.choices[0].model_extra["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(want.prompt_logprobs) + 1
+    for entry, w in zip(got[1:], want.prompt_logprobs):
+        assert entry[str(w.sampled.token_id)]["logprob"] == pytest.approx(w.sampled.logprob, abs=1e-4)
+        assert entry[str(w.sampled.token_id)]["rank"] == w.sampled.rank
+    assert r.choices[0].text == want.outputs[0].text
+    r = oa.completions.create(model=model, prompt=prompt, max_tokens=5, temperature=0, echo=True, logprobs=0,
+                              extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert lp.token_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx([w.sampled.logprob for w in want.prompt_logprobs
+                                                   + want.outputs[0].logprobs], abs=1e-4)
+    assert _disaggregated_count(served) >= before + 2
+
+
 def test_required_tool_call_disaggregated(served):
     oa = _client(served)
     model = _model(oa)

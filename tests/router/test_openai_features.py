@@ -117,7 +117,8 @@ UNKNOWN = [({"prompt": "x", "frobnicate": 1}, "/v1/completions", "frobnicate"),
              "response_format": {"type": "json_object"}}, "/v1/chat/completions", "tool_choice"),
            ({"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}, "/v1/completions", "tools"),
            ({"messages": MSGS, "top_logprobs": 2}, "/v1/chat/completions", "top_logprobs"),
-           ({"prompt": "x", "echo": True, "logprobs": 1}, "/v1/completions", "echo"),
+           ({"prompt": "x", "echo": True, "logprobs": 1, "stream": True}, "/v1/completions", "echo"),
+           ({"messages": MSGS, "prompt_logprobs": -1}, "/v1/chat/completions", "prompt_logprobs"),
            ({"prompt": "x", "n": 17}, "/v1/completions", "n"),
            ({"prompt": "x", "n": 2, "best_of": 1}, "/v1/completions", "best_of"),
            ({"prompt": "x", "best_of": 2, "stream": True}, "/v1/completions", "best_of"),
@@ -194,6 +195,47 @@ def test_logprobs_match_the_offline_engine(cluster, reference):
         assert got.logprob == pytest.approx(w.sampled.logprob, abs=1e-4)
         assert [t.logprob for t in got.top_logprobs] == pytest.approx([t.logprob for t in w.top], abs=1e-4)
         assert len(got.top_logprobs) == 2
+
+
+def test_prompt_logprobs_and_echo_with_logprobs(cluster, reference):
+    """vLLM's prompt_logprobs (completions: per choice; chat: on the response) and echo with logprobs,
+    against the offline engine: entry k + 1 scores prompt token k + 1, entry 0 is null."""
+    from pdcluster import SamplingParams
+
+    c = cluster(1)
+    prompt = [5, 6, 7, 8, 9]
+    full = reference.llm.generate([prompt], SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=2,
+                                                           prompt_logprobs=2, logprobs=1))[0]
+    code, body = post(c, "/v1/completions", {"prompt": prompt, "max_tokens": 2, "temperature": 0,
+                                             "ignore_eos": True, "prompt_logprobs": 2})
+    assert code == 200, body
+    got = body["choices"][0]["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(prompt)
+    for entry, w, token in zip(got[1:], full.prompt_logprobs, prompt[1:]):
+        assert entry[str(token)]["logprob"] == pytest.approx(w.sampled.logprob, abs=1e-4)
+        assert entry[str(token)]["rank"] == w.sampled.rank
+        for t in w.top:
+            assert entry[str(t.token_id)]["rank"] == t.rank
+        assert len(entry) == 2 + (str(token) not in {str(t.token_id) for t in w.top})
+    # echo + logprobs: the prompt's tokens (the first without a logprob) before the completion's.
+    code, body = post(c, "/v1/completions", {"prompt": prompt, "max_tokens": 2, "temperature": 0,
+                                             "ignore_eos": True, "echo": True, "logprobs": 1})
+    assert code == 200, body
+    lp = body["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["text_offset"]) == len(prompt) + 2
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    want = [w.sampled.logprob for w in full.prompt_logprobs + full.outputs[0].logprobs]
+    assert lp["token_logprobs"][1:] == pytest.approx(want, abs=1e-4)
+    assert lp["text_offset"] == sorted(lp["text_offset"])
+    # chat: on the response, over the rendered conversation.
+    full = reference.llm.chat(MSGS, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=2, prompt_logprobs=0))
+    code, body = post(c, "/v1/chat/completions", {"messages": MSGS, "max_tokens": 2, "temperature": 0,
+                                                  "ignore_eos": True, "prompt_logprobs": 0})
+    assert code == 200, body
+    got = body["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(full.prompt_logprobs) + 1
+    assert [e[str(w.sampled.token_id)]["logprob"] for e, w in zip(got[1:], full.prompt_logprobs)] == pytest.approx(
+        [w.sampled.logprob for w in full.prompt_logprobs], abs=1e-4)
 
 
 def test_echo_and_logit_bias(cluster, reference):

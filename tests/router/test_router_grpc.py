@@ -90,6 +90,26 @@ def test_stream_and_unary(cluster, reference, channel):
     assert tokens(out) == list(reference.chat(messages, max_tokens=3).token_ids)
 
 
+def test_prompt_logprobs_on_the_first_response(cluster, reference):
+    from pdcluster import SamplingParams
+
+    c = cluster(1)
+    want = reference.llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=3,
+                                                                 prompt_logprobs=2))[0].prompt_logprobs
+    sp = sampling(3)
+    sp.prompt_logprobs = 2
+    for stream in (True, False):
+        out = gen(c.stub, prompt_token_ids=router_pb2.TokenIds(ids=[5, 6, 7, 8]), sampling_params=sp, stream=stream)
+        got = out[0].prompt_logprobs
+        assert [e.sampled.token_id for e in got] == [6, 7, 8] and all(not r.prompt_logprobs for r in out[1:])
+        assert [e.sampled.logprob for e in got] == pytest.approx([w.sampled.logprob for w in want], abs=1e-4)
+        assert [[t.token_id for t in e.top] for e in got] == [[t.token_id for t in w.top] for w in want]
+    sp.prompt_logprobs = 21
+    with pytest.raises(grpc.RpcError) as e:
+        gen(c.stub, sampling_params=sp)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt_logprobs" in e.value.details()
+
+
 def test_least_loaded_spreads_load(cluster):
     c = cluster(3, policy="least_loaded")
     streams = [long_stream(c.stub) for _ in range(6)]
