@@ -86,6 +86,7 @@ class RouterSection:
     eject_after_failures: int = 1        # a restarted actor is a new port: one failed check is enough
     request_timeout_s: float = 600.0
     served_model_name: str | None = None
+    chat_template: str | None = None     # the template text (the YAML may name a file: read at load)
 
 
 @dataclass(frozen=True)
@@ -302,6 +303,13 @@ def _parse_router(raw: Any) -> RouterSection:
         out["stall_timeout_s"] = _num(d["stall_timeout_s"], "router.stall_timeout_s", positive=False)
     if d.get("served_model_name") is not None:
         out["served_model_name"] = _str(d["served_model_name"], "router.served_model_name")
+    if d.get("chat_template") is not None:
+        from pdcluster.engine.tokenizer import load_chat_template
+
+        try:
+            out["chat_template"] = load_chat_template(_str(d["chat_template"], "router.chat_template"))
+        except ValueError as e:
+            raise ConfigError(f"router.chat_template: {e}") from None
     return RouterSection(**out)
 
 

@@ -23,6 +23,8 @@ log = logging.getLogger("pdcluster.serve")
 def add_router_flags(p: argparse.ArgumentParser, *, grpc_port: int = 50051, http_port: int = 8000) -> None:
     p.add_argument("--model", default=None, help="model directory (tokenizer); default: from the workers")
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file (or the template text) used instead of the model's own")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback; others are explicit)")
     p.add_argument("--grpc-port", type=int, default=grpc_port, help="0 picks a free port")
     p.add_argument("--http-port", type=int, default=http_port, help="0 picks a free port; -1 disables HTTP")
@@ -114,6 +116,7 @@ def router_config(args: argparse.Namespace, workers: tuple[str, ...], key_dir: s
     return RouterConfig(
         api_key=api_key, insecure=args.insecure, **bounds,
         workers=workers, model=model, served_model_name=args.served_model_name, policy=args.policy,
+        chat_template=args.chat_template,  # the text: check_router_flags read the file
         host=args.host, grpc_port=args.grpc_port, http_port=None if args.http_port < 0 else args.http_port,
         max_inflight=args.max_inflight, max_retries=args.max_retries, max_migrations=args.max_migrations,
         stall_timeout_s=args.stall_timeout,
@@ -123,14 +126,18 @@ def router_config(args: argparse.Namespace, workers: tuple[str, ...], key_dir: s
         disagg_mode=args.disagg_mode, disagg_params_timeout_s=args.disagg_params_timeout)
 
 
-def check_exposure_flags(args: argparse.Namespace) -> None:
-    """Before anything starts: a non-loopback --host needs TLS, an API key or --insecure."""
+def check_router_flags(args: argparse.Namespace) -> None:
+    """Before anything starts: a non-loopback --host needs TLS, an API key or --insecure; and
+    --chat-template is read and compiled (args.chat_template then holds the template text)."""
     import os
 
+    from pdcluster.engine.tokenizer import load_chat_template
     from pdcluster.router.auth import check_exposure
 
     check_exposure(args.host, tls=bool(args.tls_cert), insecure=args.insecure,
                    api_key=bool(args.api_key or os.environ.get("PDCLUSTER_API_KEY")))
+    if args.chat_template is not None:
+        args.chat_template = load_chat_template(args.chat_template)
 
 
 def setup_logging(level: str) -> None:
@@ -140,7 +147,7 @@ def setup_logging(level: str) -> None:
 # -- pdcluster router -------------------------------------------------------------------------
 def run_router(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
-    check_exposure_flags(args)
+    check_router_flags(args)
     from pdcluster.router.config import parse_worker_list
 
     config = router_config(args, parse_worker_list(args.workers), args.key_dir, args.model)

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdcluster.cluster.router_cmd import (
     add_router_flags,
-    check_exposure_flags,
+    check_router_flags,
     router_config,
     run_router_foreground,
     setup_logging,
@@ -93,7 +93,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from pdcluster.cluster.worker_flags import engine_argv, forwarded_engine, worker_flag_actions
 
     setup_logging(args.log_level)
-    check_exposure_flags(args)
+    check_router_flags(args)
     # Until the router's loop installs its own handlers, SIGTERM unwinds through `finally`
     # (stopping the workers) instead of killing this process on the spot.
     signal.signal(signal.SIGTERM, _raise_system_exit)

@@ -107,10 +107,12 @@ def _add_namespace(p: argparse.ArgumentParser) -> None:
 
 def add_engine_overrides(p: argparse.ArgumentParser) -> None:
     """vLLM's engine flags on `up`: every pool's `engine` section, or one pool's (--prefill-FLAG,
-    --decode-FLAG); and the router's --served-model-name."""
+    --decode-FLAG); and the router's --served-model-name and --chat-template."""
     from pdcluster.cluster.worker_flags import add_forwarded_engine_flags
 
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: the model path)")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file (or the template text) used instead of the model's own")
     add_forwarded_engine_flags(p)
 
 
@@ -141,8 +143,9 @@ def apply_engine_overrides(raw: dict[str, Any], args: argparse.Namespace) -> dic
                 pool["engine"] = _merge(pool.get("engine"), **engine)
             merged[role] = pool
         raw = {**raw, "pools": merged}
-    if getattr(args, "served_model_name", None) is not None:
-        raw = {**raw, "router": _merge(raw.get("router"), served_model_name=args.served_model_name)}
+    for name in ("served_model_name", "chat_template"):
+        if getattr(args, name, None) is not None:
+            raw = {**raw, "router": _merge(raw.get("router"), **{name: getattr(args, name)})}
     return raw
 
 

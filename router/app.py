@@ -79,6 +79,8 @@ class Router:
             await self.registry.start()
             model = await self._model_path()
             tokenizer = self._tokenizer or await asyncio.to_thread(Tokenizer.from_pretrained, model)
+            if cfg.chat_template is not None:
+                tokenizer.chat_template = cfg.chat_template
             self.preprocessor = Preprocessor(tokenizer, served_model_names=_served_names(cfg, model),
                                              max_stop_token_ids=cfg.max_stop_token_ids,
                                              params_cache_bytes=cfg.params_cache_bytes, **_model_limits(model),

@@ -20,6 +20,9 @@ class RouterConfig:
     workers: tuple[str, ...] = ()            # static worker list, "host:port"
     model: str | None = None                 # model dir (tokenizer); None = ask the first worker
     served_model_name: str | None = None     # the name clients pass; None = `model` as given
+    # Jinja chat template text (vLLM's --chat-template, read by tokenizer.load_chat_template): used
+    # instead of the model's own, e.g. for a checkpoint that has none. None = the model's.
+    chat_template: str | None = None
     policy: str = "prefix_aware"             # falls back to least_loaded without KV events
     host: str = "127.0.0.1"                  # loopback by default; other addresses are explicit
     grpc_port: int = 50051                   # 0 = any free port

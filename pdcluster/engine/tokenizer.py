@@ -197,7 +197,8 @@ class Tokenizer:
         if chat_template is not None:
             return self.named_chat_templates.get(chat_template, chat_template)
         if self.chat_template is None:
-            raise ValueError("this tokenizer has no chat_template; pass one explicitly")
+            raise ValueError("this model's tokenizer has no chat template: start the server with --chat-template "
+                             "FILE (or pass one explicitly)")
         return self.chat_template
 
 
@@ -306,6 +307,32 @@ def _strftime_now(fmt: str) -> str:
 
 def _dict(*args: Any, **kwargs: Any) -> dict[Any, Any]:
     return dict(*args, **kwargs)
+
+
+MAX_CHAT_TEMPLATE_BYTES = 1 << 20
+
+
+def load_chat_template(value: str) -> str:
+    """vLLM's --chat-template: the path of a file holding a Jinja chat template, or the template
+    text itself. Compiled here, so a template that cannot compile is refused at start-up."""
+    text = None
+    if "\n" not in value and "{" not in value:  # only then can it be a path
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise ValueError(f"--chat-template {value!r}: no such file (give a template file or the template "
+                             "text itself)")
+        if path.stat().st_size > MAX_CHAT_TEMPLATE_BYTES:
+            raise ValueError(f"--chat-template {value!r}: larger than {MAX_CHAT_TEMPLATE_BYTES} bytes")
+        text = path.read_text(encoding="utf-8")
+    else:
+        text = value
+    if len(text.encode()) > MAX_CHAT_TEMPLATE_BYTES:
+        raise ValueError(f"--chat-template: larger than {MAX_CHAT_TEMPLATE_BYTES} bytes")
+    try:
+        compile_chat_template(text)
+    except jinja2.TemplateError as e:
+        raise ValueError(f"--chat-template: the template does not compile: {e}") from None
+    return text
 
 
 def compile_chat_template(template: str) -> jinja2.Template:

@@ -1,0 +1,77 @@
+"""vLLM's --chat-template: a template file (or the text) replaces the model's own, on `serve`,
+`router` and `up` (and the YAML's router.chat_template); a missing file or a template that does
+not compile is refused before anything starts, naming the flag. The router renders chats with it
+(HTTP chat, /tokenize, the Responses API)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+from test_openai_features import post
+
+from pdcluster.cluster.config import ConfigError
+from pdcluster.cluster.router_cmd import check_router_flags
+from pdcluster.cluster.up_cmd import add_up_commands, build_config
+from pdcluster.engine.tokenizer import MAX_CHAT_TEMPLATE_BYTES, load_chat_template
+from pdcluster.router.config import RouterConfig
+
+TEMPLATE = ("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}[assistant] {% endif %}")
+MSGS = [{"role": "system", "content": "Be short."}, {"role": "user", "content": "Hello there"}]
+
+
+def test_load_reads_a_file_or_takes_the_text(tmp_path) -> None:
+    f = tmp_path / "t.jinja"
+    f.write_text(TEMPLATE)
+    assert load_chat_template(str(f)) == TEMPLATE
+    assert load_chat_template(TEMPLATE) == TEMPLATE
+    with pytest.raises(ValueError, match="no such file"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="does not compile"):
+        load_chat_template("{% for m in messages %}{{ m.content ")
+    big = tmp_path / "big.jinja"
+    big.write_text("{{ x }}" + " " * MAX_CHAT_TEMPLATE_BYTES)
+    with pytest.raises(ValueError, match="larger than"):
+        load_chat_template(str(big))
+
+
+def test_serve_and_router_check_it_before_anything_starts(tmp_path) -> None:
+    args = argparse.Namespace(host="127.0.0.1", tls_cert=None, insecure=False, api_key=None,
+                              chat_template=str(tmp_path / "nope.jinja"))
+    with pytest.raises(ValueError, match="--chat-template"):
+        check_router_flags(args)
+    (tmp_path / "t.jinja").write_text(TEMPLATE)
+    args.chat_template = str(tmp_path / "t.jinja")
+    check_router_flags(args)
+    assert args.chat_template == TEMPLATE  # the text travels on, not the path
+
+
+def test_up_flag_and_yaml_reach_the_router_spec(tmp_path) -> None:
+    f = tmp_path / "t.jinja"
+    f.write_text(TEMPLATE)
+    sub = argparse.ArgumentParser().add_subparsers()
+    add_up_commands(sub)
+    config = build_config(sub.choices["up"].parse_args(["--workers", "1", "--chat-template", str(f)]))
+    assert config.router.chat_template == TEMPLATE
+    assert RouterConfig(workers=("127.0.0.1:1",), chat_template=config.router.chat_template).chat_template == TEMPLATE
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text(json.dumps({"router": {"chat_template": str(tmp_path / "missing.jinja")}}))
+    with pytest.raises(ConfigError, match="router.chat_template"):
+        build_config(sub.choices["up"].parse_args(["--workers", "1", "--config", str(yaml_file)]))
+
+
+def test_the_router_renders_chats_with_it(cluster, reference) -> None:
+    c = cluster(1, chat_template=TEMPLATE)
+    tok = c.router.preprocessor.tokenizer
+    rendered = "[system] Be short.\n[user] Hello there\n[assistant] "
+    code, body = post(c, "/tokenize", {"messages": MSGS})
+    assert code == 200 and body["tokens"] == tok.encode(rendered, add_special_tokens=False)
+    want = reference.generate(tok.encode(rendered, add_special_tokens=False), max_tokens=4)
+    code, body = post(c, "/v1/chat/completions", {"messages": MSGS, "max_tokens": 4, "temperature": 0,
+                                                  "ignore_eos": True})
+    assert code == 200 and body["choices"][0]["message"]["content"] == want.text
+    code, body = post(c, "/v1/responses", {"instructions": "Be short.", "input": "Hello there", "max_output_tokens": 4,
+                                           "temperature": 0, "ignore_eos": True})
+    assert code == 200 and body["output"][0]["content"][0]["text"] == want.text
