@@ -170,22 +170,17 @@ class HttpFrontend:
 
     async def _collect(self, builder: ResponseBuilder, first: worker_pb2.WorkerGenerateResponse,
                        deltas: Any) -> web.Response:
-        texts, logprobs = [], []
-        last = first
-        delta = first
-        while True:
+        texts: list[str] = []
+        logprobs: list[Any] = []
+
+        def take(delta: worker_pb2.WorkerGenerateResponse) -> None:
             builder.account(delta)
             texts.append(delta.text)
             logprobs.extend(delta.logprobs)
-            last = delta
-            if delta.finished:
-                break
-            try:
-                delta = await anext(deltas)
-            except StopAsyncIteration:
-                break
+
+        last = await _through_final(first, deltas, take)
         if last.finish_reason == common_pb2.FINISH_REASON_ERROR:
-            return _error(RouterError(grpc.StatusCode.INTERNAL, last.error_message or "generation failed"))
+            return _error(_failed(last))
         body = builder.full("".join(texts), last.finish_reason, logprobs, stop_reason(last))
         return web.Response(body=_dumps(body), content_type=_JSON)
 
@@ -249,17 +244,10 @@ class HttpFrontend:
             except StopAsyncIteration:
                 return _error(RouterError(grpc.StatusCode.INTERNAL, "no response from the worker"))
             if not opts.stream:
-                while True:
-                    shaper.add(delta)
-                    if delta.finished:
-                        break
-                    try:
-                        delta = await anext(deltas)
-                    except StopAsyncIteration:
-                        break
-                if delta.finish_reason == common_pb2.FINISH_REASON_ERROR:
-                    return _error(RouterError(grpc.StatusCode.INTERNAL, delta.error_message or "generation failed"))
-                return web.Response(body=_dumps(shaper.full(delta.finish_reason)), content_type=_JSON)
+                last = await _through_final(delta, deltas, shaper.add)
+                if last.finish_reason == common_pb2.FINISH_REASON_ERROR:
+                    return _error(_failed(last))
+                return web.Response(body=_dumps(shaper.full(last.finish_reason)), content_type=_JSON)
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                "X-Request-Id": state.request_id})
             await resp.prepare(request)
@@ -280,6 +268,24 @@ class HttpFrontend:
                 return resp
             await resp.write_eof()
             return resp
+
+
+async def _through_final(first: worker_pb2.WorkerGenerateResponse, deltas: Any,
+                         take: Any) -> worker_pb2.WorkerGenerateResponse:
+    """Hand `take` every delta from `first` to the final one (or the last the stream had); return it."""
+    delta = first
+    while True:
+        take(delta)
+        if delta.finished:
+            return delta
+        try:
+            delta = await anext(deltas)
+        except StopAsyncIteration:
+            return delta
+
+
+def _failed(last: worker_pb2.WorkerGenerateResponse) -> RouterError:
+    return RouterError(grpc.StatusCode.INTERNAL, last.error_message or "generation failed")
 
 
 def _client_field(err: RouterError, opts: OpenAIOptions | None) -> RouterError:
