@@ -23,6 +23,7 @@ from pdcluster._proto import common_pb2, router_pb2
 from pdcluster.engine.tokenizer import Tokenizer
 from pdcluster.sampling_params import DEFAULT_MAX_STOP_TOKEN_IDS, SamplingParams
 
+from .config import DEFAULT_MAX_MESSAGE_BYTES
 from .convert import sampling_params_from_proto
 from .errors import RouterError, invalid
 from .openai_images import (
@@ -40,6 +41,9 @@ CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 _OFFLOAD_CHARS = 16384
 _PREFIX_MARGIN_TOKENS = 64  # a prefix cut mid-word tokenizes into at most a few extra tokens
 DEFAULT_PARAMS_CACHE_BYTES = 4 << 20
+# One logprob value in a serialized answer, generously: token id, logprob, rank, its text, framing
+# (measured: ~22 bytes on average over 8,400 values of the demo model's answers).
+LOGPROB_VALUE_BYTES = 48
 # What one memoised entry costs beside its key: the frozen dataclass, its tuples, the dict slot.
 _ENTRY_OVERHEAD = 1024
 
@@ -66,8 +70,10 @@ class Preprocessor:
                  max_model_len: int | None = None, max_stop_token_ids: int = DEFAULT_MAX_STOP_TOKEN_IDS,
                  params_cache_bytes: int = DEFAULT_PARAMS_CACHE_BYTES,
                  image_placeholders: ImagePlaceholders | None = None,
-                 image_limits: ImageLimits | None = None) -> None:
+                 image_limits: ImageLimits | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
         self.tokenizer = tokenizer
+        self.max_message_bytes = max_message_bytes
         # A multimodal model's image token and count (None: text-only, images refused), and the
         # limits on images per request and bytes per image.
         self.image_placeholders = image_placeholders
@@ -115,6 +121,7 @@ class Preprocessor:
             max_tokens = max(1, self.max_model_len - len(prompt_ids))
             pb.max_tokens = max_tokens
         self._check_length(len(prompt_ids), max_tokens)
+        self._check_logprob_volume(len(prompt_ids), max_tokens, params, req.stream)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         mm_offset = None
         if images and self.image_placeholders is not None:
@@ -264,6 +271,25 @@ class Preprocessor:
                 raise invalid(field, f"prompt has more than {count - _PREFIX_MARGIN_TOKENS} tokens (in its first "
                               f"{cut} of {len(text)} characters); this model's maximum context length is {limit}")
             size *= 4
+
+    def _check_logprob_volume(self, prompt_len: int, max_tokens: int, params: SamplingParams, stream: bool) -> None:
+        """Logprob values that travel in one message stay within max_message_bytes (at
+        LOGPROB_VALUE_BYTES each, a generous size of one serialized entry with its text): the
+        prompt's, which come with the first token, and a whole answer's when it is not streamed.
+        A streamed answer's come a step at a time."""
+        budget = self.max_message_bytes // LOGPROB_VALUE_BYTES
+        if params.prompt_logprobs is not None:
+            values = (prompt_len - 1) * (params.prompt_logprobs + 1)
+            if values > budget:
+                raise invalid("prompt_logprobs", f"{prompt_len} prompt tokens x {params.prompt_logprobs + 1} logprobs "
+                              f"each are {values} values; at most {budget} fit one answer: ask for fewer "
+                              "alternatives or send a shorter prompt")
+        if params.logprobs is not None and not stream:
+            values = max_tokens * (params.logprobs + 1)
+            if values > budget:
+                raise invalid("logprobs", f"max_tokens={max_tokens} x {params.logprobs + 1} logprobs each are {values} "
+                              f"values; at most {budget} fit one answer that is not streamed: stream it, lower "
+                              "max_tokens or ask for fewer alternatives")
 
     def _check_length(self, prompt_len: int, max_tokens: int) -> None:
         if prompt_len == 0:

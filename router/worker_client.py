@@ -18,10 +18,18 @@ from .worker_stream import StreamCall, WorkerStream
 WORKER_HEALTH_SERVICE = "pdcluster.v1.Worker"
 
 
+# What the router takes from its (authenticated) workers in one message: the workers' own send
+# limit. A reply above the client-facing max_message_bytes (a long answer's logprobs, a long
+# prompt's prompt_logprobs) must not fail the multiplexed stream, and with it every request on it
+# and the worker's health; requests are bounded so that no answer gets near it
+# (Preprocessor.check_logprob_volume).
+WORKER_REPLY_BYTES = 64 << 20
+
+
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     return [
         ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max(max_message_bytes, WORKER_REPLY_BYTES)),
         # A restarted worker should be found within about a health period, not after gRPC's
         # default backoff of up to 120 s.
         ("grpc.initial_reconnect_backoff_ms", 100),

@@ -51,6 +51,37 @@ def test_stop_token_ids_limit_is_configurable(cluster):
     assert gen(c.stub, sampling_params=SP(max_tokens=1, stop_token_ids=[1, 2, 3, 4]))[-1].finished
 
 
+def test_logprob_volume_is_bounded_by_the_message_limit(cluster):
+    """Logprobs that travel in one message (a prompt's; a whole answer's when not streamed) stay
+    within max_message_bytes: above it, INVALID_ARGUMENT naming the field and the limit; a
+    streamed answer's come a step at a time and are not limited so."""
+    c = cluster(1, max_message_bytes=64 << 10)  # 1,365 values of 48 bytes
+    budget = (64 << 10) // 48
+    with pytest.raises(grpc.RpcError) as e:
+        gen(c.stub, prompt_token_ids=router_pb2.TokenIds(ids=[5] * 100), sampling_params=SP(max_tokens=1, prompt_logprobs=20))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith("prompt_logprobs") and str(budget) in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        gen(c.stub, sampling_params=SP(max_tokens=100, logprobs=20, ignore_eos=True), stream=False)
+    assert e.value.details().startswith("logprobs") and str(budget) in e.value.details()
+    out = gen(c.stub, sampling_params=SP(max_tokens=100, logprobs=20, ignore_eos=True), stream=True)
+    assert sum(len(r.logprobs) for r in out) == 100
+    out = gen(c.stub, prompt_token_ids=router_pb2.TokenIds(ids=[5] * 60), sampling_params=SP(max_tokens=1, prompt_logprobs=20))
+    assert len(out[0].prompt_logprobs) == 59
+
+
+def test_worker_replies_may_exceed_the_client_message_limit():
+    """A worker's reply is taken up to the workers' own send limit: one long answer above the
+    client-facing max_message_bytes must not fail the multiplexed stream and eject the worker
+    (measured before: RESOURCE_EXHAUSTED on the stream, the worker ejected, every request 503)."""
+    from pdcluster.router.worker_client import WORKER_REPLY_BYTES, channel_options
+    from pdcluster.worker.options import DEFAULT_MAX_MESSAGE_BYTES
+
+    options = dict(channel_options(64 << 10))
+    assert options["grpc.max_receive_message_length"] == WORKER_REPLY_BYTES >= DEFAULT_MAX_MESSAGE_BYTES
+    assert options["grpc.max_send_message_length"] == 64 << 10
+
+
 def test_invalid_params_are_not_cached(cluster):
     c = cluster(1)
     for i in range(50):
