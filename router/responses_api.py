@@ -52,7 +52,7 @@ MAX_METADATA_VALUE = 512
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 # A chat-side field name -> the Responses field the client sent.
 _FIELD_NAMES = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
-                "response_format": "text.format", "messages": "input"}
+                "response_format": "text.format", "messages": "input", "logprobs": "top_logprobs"}
 
 
 @dataclass
