@@ -38,3 +38,24 @@ def test_tp2_equals_tp1(tiny_ckpt, started_pids, arch: str, overrides: dict) -> 
         llm.engine.shutdown()
     assert not runner.is_healthy()
     assert wait_dead(pids, 10.0) == []
+
+
+def test_tp2_prompt_logprobs_equal_tp1(tiny_ckpt, started_pids) -> None:
+    """Prompt logprobs run the LM head (an all-gather under TP) over every prompt position, on every
+    rank in the same order: the same entries as one rank, in chunks (the 40-token prompt)."""
+    path = tiny_ckpt("llama")
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=3)
+    ref = LLM(path, **ENGINE).generate(PROMPTS, params)
+    llm = LLM(path, tensor_parallel_size=2, **ENGINE)
+    started_pids.extend(llm.engine.core.runner.pids.values())
+    try:
+        out = llm.generate(PROMPTS, params)
+    finally:
+        llm.engine.shutdown()
+    for got, want in zip(out, ref):
+        assert len(got.prompt_logprobs) == len(want.prompt_logprobs) > 0
+        for g, w in zip(got.prompt_logprobs, want.prompt_logprobs):
+            assert g.sampled.token_id == w.sampled.token_id and g.sampled.rank == w.sampled.rank
+            assert g.sampled.logprob == pytest.approx(w.sampled.logprob, abs=1e-4)
+            assert [t.token_id for t in g.top] == [t.token_id for t in w.top]
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
