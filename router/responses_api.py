@@ -34,7 +34,16 @@ from pdcluster._proto import common_pb2, router_pb2, worker_pb2
 
 from .errors import RouterError, invalid
 from .openai_images import ImageLimits
-from .openai_protocol import _SAMPLING_FIELDS, MAX_MESSAGES, OpenAIOptions, parse_chat
+from .openai_protocol import (
+    _SAMPLING_FIELDS,
+    MAX_MESSAGES,
+    OpenAIOptions,
+    _bool,
+    _check_fields,
+    _is_int,
+    _object,
+    parse_chat,
+)
 from .openai_responses import ResponseBuilder, TokenDecoder
 from .openai_tools import extract_tool_calls
 
@@ -75,11 +84,8 @@ class ResponsesRequest:
 
 def parse_responses(body: Any, default_model: str, image_limits: ImageLimits | None = None
                     ) -> tuple[router_pb2.GenerateRequest, OpenAIOptions, ResponsesRequest]:
-    if not isinstance(body, dict):
-        raise invalid("body", "the request body must be a JSON object")
-    unknown = sorted(set(body) - RESPONSES_FIELDS)
-    if unknown:
-        raise invalid(unknown[0], f"unknown field {unknown[0]!r}; this server does not support it")
+    body = _object(body)
+    _check_fields(body, RESPONSES_FIELDS)
     _refuse_unserved(body)
     chat: dict[str, Any] = {k: body[k] for k in _CHAT_PASSTHROUGH if k in body}
     instructions = body.get("instructions")
@@ -96,7 +102,7 @@ def parse_responses(body: Any, default_model: str, image_limits: ImageLimits | N
     chat["messages"] = messages
     limit = body.get("max_output_tokens")
     if limit is not None:
-        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+        if not _is_int(limit) or limit < 1:
             raise invalid("max_output_tokens", f"must be an integer >= 1, got {limit!r}")
         chat["max_tokens"] = limit
     text_format = _text_format(body.get("text"))
@@ -113,7 +119,7 @@ def parse_responses(body: Any, default_model: str, image_limits: ImageLimits | N
     if top_logprobs is not None:
         chat["logprobs"] = True
         chat["top_logprobs"] = top_logprobs
-    chat["stream"] = _flag(body, "stream", False)
+    chat["stream"] = _bool(body, "stream", False)
     try:
         req, opts = parse_chat(chat, default_model, image_limits)
     except RouterError as e:
@@ -122,7 +128,7 @@ def parse_responses(body: Any, default_model: str, image_limits: ImageLimits | N
         instructions=instructions, max_output_tokens=limit, temperature=body.get("temperature"),
         top_p=body.get("top_p"), metadata=_metadata(body.get("metadata")), text_format=text_format,
         tools=list(tools or []), tool_choice=choice if choice is not None else "auto",
-        parallel_tool_calls=_flag(body, "parallel_tool_calls", True), user=body.get("user"),
+        parallel_tool_calls=_bool(body, "parallel_tool_calls", True), user=body.get("user"),
         top_logprobs=top_logprobs or 0, message_of_item=item_of_message)
     return req, opts, info
 
@@ -159,15 +165,6 @@ def _refuse_unserved(body: dict) -> None:
         raise invalid("reasoning", "reasoning options are not supported by this server")
     if body.get("service_tier") not in (None, "auto", "default"):
         raise invalid("service_tier", "only 'auto' and 'default' are served")
-
-
-def _flag(body: dict, name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise invalid(name, "must be a boolean")
-    return value
 
 
 def _input_messages(value: Any) -> list[tuple[int, dict[str, Any]]]:
@@ -292,7 +289,7 @@ def _logprobs(body: dict) -> int | None:
         if x != LOGPROBS_INCLUDE:
             raise invalid("include", f"{x[:80]!r} is not served; only {LOGPROBS_INCLUDE!r} is")
     top = body.get("top_logprobs")
-    if top is not None and (not isinstance(top, int) or isinstance(top, bool)):
+    if top is not None and not _is_int(top):
         raise invalid("top_logprobs", "must be an integer")
     if LOGPROBS_INCLUDE in (include or []):
         return top or 0

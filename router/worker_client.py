@@ -11,6 +11,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdcluster._proto import common_pb2, worker_pb2, worker_pb2_grpc
+from pdcluster.worker.options import DEFAULT_MAX_MESSAGE_BYTES as WORKER_SEND_BYTES
 from pdcluster.worker.tls import TLSConfig, channel_credentials, channel_tls_options
 
 from .worker_stream import StreamCall, WorkerStream
@@ -23,7 +24,7 @@ WORKER_HEALTH_SERVICE = "pdcluster.v1.Worker"
 # prompt's prompt_logprobs) must not fail the multiplexed stream, and with it every request on it
 # and the worker's health; requests are bounded so that no answer gets near it
 # (Preprocessor.check_logprob_volume).
-WORKER_REPLY_BYTES = 64 << 20
+WORKER_REPLY_BYTES = WORKER_SEND_BYTES
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:

@@ -315,7 +315,6 @@ MAX_CHAT_TEMPLATE_BYTES = 1 << 20
 def load_chat_template(value: str) -> str:
     """vLLM's --chat-template: the path of a file holding a Jinja chat template, or the template
     text itself. Compiled here, so a template that cannot compile is refused at start-up."""
-    text = None
     if "\n" not in value and "{" not in value:  # only then can it be a path
         path = Path(value).expanduser()
         if not path.is_file():
