@@ -1,8 +1,10 @@
 """Client authentication on the router's frontends (vLLM's `--api-key`), and the start-up rule for
 exposed addresses.
 
-    HTTP   `Authorization: Bearer <key>` on every /v1/* path; /health and /metrics stay open, as
-           in vLLM (load balancers and scrapers probe them without credentials)
+    HTTP   `Authorization: Bearer <key>` on every path but /health and /metrics, which stay open as
+           in vLLM (load balancers and scrapers probe them without credentials). vLLM guards only
+           /v1/*; here /tokenize and /detokenize (chat templates, tools: CPU on the router's loop)
+           and unknown paths need the key too, so nothing but the two probes answers a stranger.
     gRPC   metadata `authorization: Bearer <key>` on every Router method; the standard health
            service stays open for the same reason
 
@@ -22,6 +24,7 @@ import grpc
 from aiohttp import web
 
 _OPEN_GRPC_PREFIX = "/grpc.health.v1.Health/"
+_OPEN_HTTP_PATHS = frozenset({"/health", "/metrics"})
 _LOOPBACK_NAMES = frozenset({"localhost", "ip6-localhost", "ip6-loopback"})
 
 
@@ -45,7 +48,8 @@ class ApiKey:
     def http_middleware(self) -> Callable[..., Awaitable[web.StreamResponse]]:
         @web.middleware
         async def require_api_key(request: web.Request, handler: Any) -> web.StreamResponse:
-            if request.path.startswith("/v1") and not self.check(request.headers.get("Authorization")):
+            # request.path is the decoded, unnormalised path: "/health/" or "//health" are not open.
+            if request.path not in _OPEN_HTTP_PATHS and not self.check(request.headers.get("Authorization")):
                 body = {"error": {"message": "Unauthorized: a valid 'Authorization: Bearer <api key>' header "
                                              "is required", "type": "AuthenticationError", "param": None,
                                   "code": 401}}

@@ -414,6 +414,13 @@ def test_api_key_with_the_openai_client(cluster):
     code, err = post(c, "/v1/completions", {"prompt": [1], "max_tokens": 1})  # no header at all
     assert code == 401 and err["error"]["code"] == 401
     assert get(c, "/health")[0] == 200 and get(c, "/metrics")[0] == 200  # open, as in vLLM
+    # Everything else needs the key: the tokenizer endpoints, odd spellings of the open paths.
+    for path in ("/tokenize", "/detokenize"):
+        body = {"prompt": "hi"} if path == "/tokenize" else {"tokens": [1]}
+        assert post(c, path, body)[0] == 401
+        assert post(c, path, body, headers={"Authorization": "Bearer sekrit-key"})[0] == 200
+    for path in ("/health/", "//health", "/v1/../tokenize", "/nowhere"):
+        assert get(c, path)[0] == 401, path
 
 
 def test_compressed_bodies_are_415(cluster):
