@@ -46,6 +46,8 @@ from vllm_env import preload_libraries, vllm_env  # noqa: E402
 os.environ.setdefault("PDCLUSTER_COMPILE_START", "wait")
 
 METRICS = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "p99_itl_ms")
+# At `--rates inf` (vLLM's default: every prompt at once) throughput and failures are the figures.
+THROUGHPUT = ("output_throughput", "total_token_throughput", "completed", "failed")
 
 
 def free_port() -> int:
@@ -251,7 +253,7 @@ def _measure(args: argparse.Namespace, model: str, result_dir: pathlib.Path,
                                    seed=seed)
                     results.setdefault((kind, rate), []).append(r)
                     print(f"{kind} {rate:g} req/s run {rep}: " + ", ".join(
-                        f"{m} {r.get(m, float('nan')):.1f}" for m in METRICS) + f" (load {r['loadavg_before']:.1f})",
+                        f"{m} {r.get(m, float('nan')):.1f}" for m in METRICS + THROUGHPUT) + f" (load {r['loadavg_before']:.1f})",
                         flush=True)
                     print("    " + describe(r), flush=True)
             finally:
@@ -298,16 +300,19 @@ def main() -> None:
             b.wait()
     if burners:
         print(f"\n({len(burners)} busy-looping process(es) ran beside every server)")
-    print("\n| server | req/s | " + " | ".join(METRICS) + " | vs vLLM (TTFT p50 / TPOT p50) |")
-    print("|---|---|" + "---|" * (len(METRICS) + 1))
+    columns = METRICS + THROUGHPUT
+    print("\n| server | req/s | " + " | ".join(columns) + " | vs vLLM (TTFT p50 / TPOT p50 / output tok/s) |")
+    print("|---|---|" + "---|" * (len(columns) + 1))
     for (kind, rate), runs in results.items():
-        med = {m: statistics.median(r.get(m, float("nan")) for r in runs) for m in METRICS}
+        med = {m: statistics.median(r.get(m, float("nan")) for r in runs) for m in columns}
         ratio = ""
         ref = results.get(("vllm", rate))
         if ref and kind != "vllm":
-            v = {m: statistics.median(r.get(m, float("nan")) for r in ref) for m in METRICS}
-            ratio = f"{med['median_ttft_ms'] / v['median_ttft_ms']:.2f}x / {med['median_tpot_ms'] / v['median_tpot_ms']:.2f}x"
-        print(f"| {kind} | {rate:g} | " + " | ".join(f"{med[m]:.1f}" for m in METRICS) + f" | {ratio} |")
+            v = {m: statistics.median(r.get(m, float("nan")) for r in ref) for m in columns}
+            ratio = (f"{med['median_ttft_ms'] / v['median_ttft_ms']:.2f}x / "
+                     f"{med['median_tpot_ms'] / v['median_tpot_ms']:.2f}x / "
+                     f"{med['output_throughput'] / v['output_throughput']:.2f}x")
+        print(f"| {kind} | {rate:g} | " + " | ".join(f"{med[m]:.1f}" for m in columns) + f" | {ratio} |")
 
 
 if __name__ == "__main__":
