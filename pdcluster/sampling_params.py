@@ -24,6 +24,8 @@ MAX_SEED = 2**63 - 1
 # logit_bias is added to every step's logits: bounded like stop_token_ids; OpenAI's value range.
 MAX_LOGIT_BIAS = 1024
 MAX_LOGIT_BIAS_VALUE = 100.0
+# A tenant's id or a random token: long enough for either, short enough to hash per request.
+MAX_CACHE_SALT_CHARS = 256
 
 
 @dataclass(frozen=True, init=False)
@@ -54,6 +56,12 @@ class SamplingParams:
     structured_outputs: StructuredOutputs | None = None
     # (token id, bias) pairs added to the logits every step, sorted by id (a dict is accepted).
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Prefix-cache isolation (vLLM's `cache_salt`, which vLLM takes beside the prompt): the salt
+    # keys the prompt's first KV block, so the chained hash of every block differs and only
+    # requests with the same salt share cached KV, here, in the KV store and in the router's
+    # prefix index. Tenants that must not learn from each other's cache hits (TTFT) get
+    # different salts. Encoder outputs are not salted.
+    cache_salt: str | None = None
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __init__(self, **kwargs: Any) -> None:
@@ -159,6 +167,7 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean")
         self._set("logit_bias", _logit_bias(self.logit_bias))
+        _check_cache_salt(self.cache_salt)
         self._set("structured_outputs", StructuredOutputs.coerce(self.structured_outputs))
         if self.structured_outputs is not None:
             # The grammar ends at a stop token (eos or stop_token_ids): ignoring eos or banning
@@ -167,6 +176,19 @@ class SamplingParams:
                 raise ValueError("ignore_eos cannot be combined with structured_outputs")
             if self.min_tokens:
                 raise ValueError("min_tokens cannot be combined with structured_outputs")
+
+
+def _check_cache_salt(salt: Any) -> None:
+    if salt is None:
+        return
+    if not isinstance(salt, str) or not salt:
+        raise ValueError("cache_salt must be a non-empty string")
+    if len(salt) > MAX_CACHE_SALT_CHARS:
+        raise ValueError(f"cache_salt has {len(salt)} characters; at most {MAX_CACHE_SALT_CHARS} allowed")
+    try:
+        salt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("cache_salt must be valid Unicode (no unpaired surrogates)") from None
 
 
 def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:

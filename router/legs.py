@@ -212,7 +212,9 @@ class LegRunner:
             block_size = self.block_size()
             if block_size is None:
                 return None
-            route = RouteRequest(state.request_id, state.prep.prompt_token_ids, mm_offset=state.prep.mm_offset)
+            params = state.prep.sampling_params
+            route = RouteRequest(state.request_id, state.prep.prompt_token_ids, mm_offset=state.prep.mm_offset,
+                                 cache_salt=params.cache_salt if params.HasField("cache_salt") else None)
             hashes = self.policy.block_hashes(route, block_size)
             if hashes is None:
                 return None

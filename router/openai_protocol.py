@@ -37,6 +37,7 @@ _SAMPLING_FIELDS: dict[str, tuple[str, str]] = {
     "ignore_eos": ("ignore_eos", "bool"),
     "include_stop_str_in_output": ("include_stop_str_in_output", "bool"),
     "skip_special_tokens": ("skip_special_tokens", "bool"),
+    "cache_salt": ("cache_salt", "string"),
 }
 # Field -> the value that means "not used"; anything else is refused as unsupported.
 _UNSUPPORTED = {"suffix": None, "tools": None, "tool_choice": "none", "functions": None, "function_call": None}
@@ -272,6 +273,8 @@ def _fill_sampling(body: dict, sp: common_pb2.SamplingParams) -> None:
             raise invalid(name, "must be an integer")
         if kind == "bool" and not isinstance(value, bool):
             raise invalid(name, "must be a boolean")
+        if kind == "string" and not isinstance(value, str):
+            raise invalid(name, "must be a string")
         _set(sp, field, value, name)
     stop = body.get("stop")
     if stop is not None:

@@ -41,6 +41,9 @@ class RouteRequest:
     # never computes), so a prefix policy hashes only the full blocks before it: it never counts
     # a same-text/other-image block as cached.
     mm_offset: int | None = None
+    # The request's sampling_params.cache_salt: the workers key the first block by it, so the
+    # router must too, or a salted prompt never matches its own cached blocks.
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -142,12 +145,12 @@ class PowerOfTwo(RoutingPolicy):
         return a if _load_key(stats, a) <= _load_key(stats, b) else b
 
 
-def _compute_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+def _compute_block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | None) -> list[bytes]:
     # Imported lazily: the router needs the engine's exact hash function (a cached prefix is
     # only found if both sides hash identically) but not the rest of the engine at import.
     from pdcluster.engine.block_hash import compute_block_hashes
 
-    return list(compute_block_hashes(list(token_ids), block_size))
+    return list(compute_block_hashes(list(token_ids), block_size, cache_salt=cache_salt))
 
 
 def _hashable_share(request: RouteRequest) -> float:
@@ -182,7 +185,7 @@ class PrefixAware(RoutingPolicy):
         *,
         block_size: int | None = None,
         load_weight: float = 0.5,
-        hash_fn: Callable[[Sequence[int], int], Sequence[bytes]] | None = None,
+        hash_fn: Callable[[Sequence[int], int, str | None], Sequence[bytes]] | None = None,
         fallback: RoutingPolicy | None = None,
     ) -> None:
         if load_weight < 0:
@@ -208,7 +211,7 @@ class PrefixAware(RoutingPolicy):
             tokens = tokens[:max(0, request.mm_offset)]
         if len(tokens) < size:
             return ()
-        return self._hash_fn(tokens, size)
+        return self._hash_fn(tokens, size, request.cache_salt)
 
     def pick(self, request: RouteRequest, workers: Sequence[WorkerView], stats: StatsMap) -> WorkerView | None:
         candidates = _healthy(workers)

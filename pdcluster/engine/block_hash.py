@@ -54,16 +54,27 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int],
     return h.digest()
 
 
+def salted(extra_keys: tuple | None, cache_salt: str | None) -> tuple | None:
+    """The first block's extra keys with the request's cache salt. Salting block 0 alone is
+    enough: every later hash chains on it. The salt is a [tag, salt] pair, which no multimodal
+    key (a string) can equal; an unsalted block hashes as before."""
+    if not cache_salt:
+        return extra_keys
+    return (*(extra_keys or ()), ("cache_salt", cache_salt))
+
+
 def compute_block_hashes(token_ids: Sequence[int], block_size: int, parent: bytes | None = None,
-                         extra_keys: tuple | None = None) -> list[bytes]:
-    """Chained hashes of the full blocks of token_ids (a trailing partial block has no hash)."""
+                         extra_keys: tuple | None = None, cache_salt: str | None = None) -> list[bytes]:
+    """Chained hashes of the full blocks of token_ids (a trailing partial block has no hash);
+    cache_salt keys the first block (parent None), as the engine's prefix cache does."""
     if block_size < 1:
         raise ValueError(f"block_size must be positive, got {block_size}")
     hashes: list[bytes] = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, token_ids[start:start + block_size], extra_keys)
+        extra = salted(extra_keys, cache_salt) if parent is None else extra_keys
+        parent = hash_block_tokens(parent, token_ids[start:start + block_size], extra)
         hashes.append(parent)
     return hashes
 
 
-__all__ = ["HASH_NBYTES", "compute_block_hashes", "hash_block_tokens"]
+__all__ = ["HASH_NBYTES", "compute_block_hashes", "hash_block_tokens", "salted"]

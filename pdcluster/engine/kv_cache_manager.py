@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from pdcluster.engine.block_hash import hash_block_tokens
+from pdcluster.engine.block_hash import hash_block_tokens, salted
 from pdcluster.engine.block_pool import BlockPool, KVCacheBlock, KVEvent
 from pdcluster.engine.mm_inputs import block_extra_keys
 from pdcluster.engine.request import Request
@@ -126,6 +126,8 @@ class KVCacheManager:
             start, end = i * block_size, (i + 1) * block_size
             # A block covering an image's placeholders is keyed by that image too (mm_inputs.py).
             extra = block_extra_keys(mm, start, end) if mm else None
+            if i == 0:
+                extra = salted(extra, request.sampling_params.cache_salt)
             hashes.append(hash_block_tokens(parent, token_range(request, start, end), extra))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:

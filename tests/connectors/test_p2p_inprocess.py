@@ -44,13 +44,13 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 
 def _handoff(producer: LLMEngine, consumer: LLMEngine, rid: str, prompt: list[int],
-             before_decode: Any = None) -> tuple[list[int], Any]:
-    pre = run_requests(producer, [(rid, prompt, GREEDY.replace(max_tokens=1), PREFILL_LEG, None)],
+             before_decode: Any = None, params: SamplingParams = GREEDY) -> tuple[list[int], Any]:
+    pre = run_requests(producer, [(rid, prompt, params.replace(max_tokens=1), PREFILL_LEG, None)],
                        [])[rid]
     if before_decode is not None:
         before_decode()
     kv = decode_leg(pre)
-    out = run_requests(consumer, [(rid, prompt, GREEDY, kv, pre.outputs[0].token_ids)], [producer])[rid]
+    out = run_requests(consumer, [(rid, prompt, params, kv, pre.outputs[0].token_ids)], [producer])[rid]
     out.outputs[0].text = pre.outputs[0].text + out.outputs[0].text  # what a router streams
     return pre.outputs[0].token_ids + out.outputs[0].token_ids, out
 
@@ -72,6 +72,26 @@ def test_partial_load_after_local_prefix_hits(engines: Any) -> None:
     assert got == _reference(engines, "ref-longer", longer)
     assert after["prefix_cache_hits"] - before["prefix_cache_hits"] == 32  # two local blocks of the base prompt
     assert after["external_prefix_hits"] - before["external_prefix_hits"] == len(longer) - 32
+    for name in ("producer", "consumer"):
+        assert_idle(engines[name], [], name)
+
+
+def test_cache_salt_isolates_the_consumers_prefix_cache(engines: Any) -> None:
+    """Both legs carry the salt (the router copies sampling params): the producer's hashes, which
+    the consumer checks against its own, agree; the consumer's local blocks of a prompt cached
+    under one salt are not hits for another salt, which loads the whole prompt instead."""
+    base = _prompt(40, 11)
+    longer = base + _prompt(21, 12)
+    salt_a, salt_b = GREEDY.replace(cache_salt="tenant-a"), GREEDY.replace(cache_salt="tenant-b")
+    got, _ = _handoff(engines["producer"], engines["consumer"], "salted-base", base, params=salt_a)
+    assert got == _reference(engines, "ref-salted-base", base)
+    for params, rid, local in ((salt_b, "salted-b", 0), (GREEDY, "unsalted", 0), (salt_a, "salted-a", 32)):
+        before = engines["consumer"].get_stats()
+        got, _ = _handoff(engines["producer"], engines["consumer"], rid, longer, params=params)
+        after = engines["consumer"].get_stats()
+        assert got == _reference(engines, "ref-" + rid, longer)
+        assert after["prefix_cache_hits"] - before["prefix_cache_hits"] == local, rid
+        assert after["external_prefix_hits"] - before["external_prefix_hits"] == len(longer) - local, rid
     for name in ("producer", "consumer"):
         assert_idle(engines[name], [], name)
 

@@ -28,7 +28,7 @@ def _legs(policy: RoutingPolicy, infos: list[Any]) -> LegRunner:
 def test_block_size_is_learned_from_the_workers_and_passed_in() -> None:
     calls: list[tuple[int, int]] = []
 
-    def fake_hash(token_ids: list[int], block_size: int) -> list[bytes]:
+    def fake_hash(token_ids: list[int], block_size: int, salt: str | None) -> list[bytes]:
         calls.append((len(token_ids), block_size))
         return [bytes([i]) for i in range(len(token_ids) // block_size)]
 

@@ -360,3 +360,31 @@ def test_n_siblings_reuse_the_prompts_blocks(cluster):
     assert len(r.choices) == 3
     assert r.usage.prompt_tokens == 40  # the prompt counted once
     assert r.usage.prompt_tokens_details.cached_tokens >= 2 * 32
+
+
+def test_cache_salt_isolates_cached_prompts(cluster):
+    """vLLM's cache_salt on completions and chat: a prompt cached under one salt is a hit for
+    that salt only (usage's cached_tokens says so); a bad salt is a 400 naming the field."""
+    c = cluster(1)
+    oa = client(c)
+    prompt = list(range(7, 57))  # 50 tokens: three full blocks of 16
+
+    def cached(salt: str | None) -> int:
+        extra = {"ignore_eos": True} | ({"cache_salt": salt} if salt is not None else {})
+        r = oa.completions.create(model=_model(c), prompt=prompt, max_tokens=2, temperature=0, extra_body=extra)
+        details = r.usage.prompt_tokens_details
+        return details.cached_tokens if details else 0
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-b") == 0 and cached(None) == 0
+    assert cached("tenant-a") == 48 and cached("tenant-b") == 48 and cached(None) == 48
+    msgs = [{"role": "user", "content": "a prompt long enough to fill a block or two of the cache " * 3}]
+    first = oa.chat.completions.create(model=_model(c), messages=msgs, max_tokens=1, extra_body={"cache_salt": "c1"})
+    again = oa.chat.completions.create(model=_model(c), messages=msgs, max_tokens=1, extra_body={"cache_salt": "c2"})
+    assert first.usage.prompt_tokens > 32
+    assert not (again.usage.prompt_tokens_details and again.usage.prompt_tokens_details.cached_tokens)
+    for bad, words in ((5, "must be a string"), ("", "non-empty"), ("x" * 300, "at most 256")):
+        for path, body in (("/v1/completions", {"prompt": [1, 2], "max_tokens": 1}),
+                           ("/v1/chat/completions", {"messages": msgs, "max_tokens": 1})):
+            code, err = post(c, path, {**body, "model": _model(c), "cache_salt": bad})
+            assert code == 400 and err["error"]["param"] == "cache_salt" and words in err["error"]["message"], err

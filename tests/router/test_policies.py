@@ -115,7 +115,7 @@ def test_prefix_aware_ignores_unhealthy_cached_worker():
 def test_prefix_aware_computes_hashes_lazily():
     calls = []
 
-    def fake_hash(token_ids, block_size):
+    def fake_hash(token_ids, block_size, salt):
         calls.append((len(token_ids), block_size))
         return [bytes([t]) for t in token_ids[::block_size][: len(token_ids) // block_size]]
 
@@ -137,7 +137,7 @@ def test_the_router_asks_every_policy_for_prefix_matches():
         assert p.prefix_match(REQ, W) == {}
     index = PrefixIndex()
     index.add_blocks("w1", hashes(2))
-    p = PrefixAware(index, hash_fn=lambda token_ids, block_size: hashes(len(token_ids) // block_size))
+    p = PrefixAware(index, hash_fn=lambda token_ids, block_size, salt: hashes(len(token_ids) // block_size))
     assert p.block_hashes(REQ) is None  # no block size yet: nothing to hash with
     assert p.block_hashes(REQ, 16) == hashes(4)  # the workers' block size, passed in, not assigned
     assert p.block_size is None

@@ -60,3 +60,34 @@ def test_prefix_aware_refuses_unknown_publisher_keys(cluster, tmp_path):
     text = c.metrics_text()
     assert 'pdcluster_router_kv_event_refusals_total{reason="unknown_publisher_key"} 1.0' in text
     assert c.lt.call(lambda: c.router.index.num_blocks(c.workers[0].worker_id)) == 0
+
+
+def test_prefix_aware_follows_a_salted_cache(cluster, key_dir):
+    """Workers key a salted prompt's blocks by its cache_salt; the router hashes it the same way,
+    so the salted prompt follows its cache, and the same tokens under another salt do not."""
+    c = cluster(2, policy="prefix_aware", key_dir=str(key_dir))
+    rng = random.Random(20261206)
+    shared = [rng.randrange(10, 600) for _ in range(160)]  # 10 blocks of 16
+
+    def salted(ids, salt):
+        req = request(ids)
+        req.sampling_params.cache_salt = salt
+        return list(c.stub.Generate(req, timeout=30))[-1]
+
+    first = salted(shared + [5], "tenant-a").route.decode_worker_id
+    assert wait_until(lambda: c.lt.call(lambda: c.router.index.num_blocks(first)) >= 10)
+    # The blocks the worker published are the ones the router computes for the salted prompt.
+    from pdcluster.router.policies import RouteRequest
+
+    def indexed(salt):
+        hashes = c.router.policy.block_hashes(RouteRequest("q", shared, cache_salt=salt), 16)
+        return c.lt.call(lambda: c.router.index.match(hashes)).get(first, 0)
+
+    assert indexed("tenant-a") == 10 and indexed("tenant-b") == 0 and indexed(None) == 0
+    for tail in ([6], [7, 8]):
+        last = salted(shared + tail, "tenant-a")
+        assert last.route.decode_worker_id == first
+        assert last.usage.cached_tokens >= 160
+    other_salt = salted(shared + [9], "tenant-b")
+    assert other_salt.usage.cached_tokens == 0  # wherever it went, nothing cached was shared
+    assert gen(c.stub, shared + [10]).usage.cached_tokens == 0  # nor without a salt

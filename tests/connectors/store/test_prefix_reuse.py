@@ -74,3 +74,25 @@ def test_whole_prompt_in_store_still_computes_last_token(demo_model: str, kvstor
     finally:
         a.shutdown()
         b.shutdown()
+
+
+def test_cache_salt_keys_the_store(demo_model: str, kvstore_master: str, reference) -> None:
+    """Store keys derive from the chained block hashes, so a salted prompt's objects are found by
+    that salt only: another instance with another salt (or none) computes the prompt itself."""
+    prompt = [random.Random(11).randrange(3, 500) for _ in range(48 + 5)]  # 3 full blocks
+    opts = {"master": kvstore_master, "namespace": "salted"}
+    a, b = make_engine(demo_model, opts), make_engine(demo_model, opts)
+    try:
+        generate(a, {"a": prompt}, greedy().replace(cache_salt="tenant-a"))
+        settle(a)
+        wait_events(a, 3)
+        want = generate(reference, {"r": prompt})["r"].outputs[0].token_ids
+        for rid, salt, hit in (("other", "tenant-b", 0), ("none", None, 0), ("same", "tenant-a", 48)):
+            out = generate(b, {rid: prompt}, greedy().replace(cache_salt=salt))[rid]
+            settle(b)
+            assert out.outputs[0].token_ids == want, rid
+            assert out.num_cached_tokens == hit, rid
+            b.core.scheduler.reset_prefix_cache()  # the next one must come from the store or nowhere
+    finally:
+        a.shutdown()
+        b.shutdown()
