@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 from aiohttp import web
 
+from pdcluster import __version__
 from pdcluster._proto import common_pb2, worker_pb2
 
 from .admission import Admission
@@ -83,16 +84,32 @@ class HttpFrontend:
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model:.+}", self.model)  # names hold "/": org/name
+        app.router.add_get("/version", self.version)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_endpoint)
         return app
 
     # -- simple endpoints -----------------------------------------------------------------------
+    def _model_card(self, name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "pdcluster",
+                "root": self.config.model, "max_model_len": self.pre.max_model_len}
+
     async def models(self, request: web.Request) -> web.Response:
-        data = [{"id": name, "object": "model", "created": self.created, "owned_by": "pdcluster",
-                 "root": self.config.model, "max_model_len": self.pre.max_model_len}
-                for name in self.pre.served_model_names[:1]]  # aliases are accepted, not listed
+        data = [self._model_card(name) for name in self.pre.served_model_names[:1]]  # aliases are accepted, not listed
         return web.json_response({"object": "list", "data": data})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """OpenAI's GET /v1/models/{model} (the SDK's models.retrieve): any served name or alias."""
+        name = request.match_info["model"]
+        if name not in self.pre.served_model_names:
+            body = {"error": {"message": f"The model '{name[:200]}' does not exist.", "type": "NotFoundError",
+                              "param": "model", "code": 404}}
+            return web.json_response(body, status=404)
+        return web.json_response(self._model_card(name))
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": __version__})
 
     async def health(self, request: web.Request) -> web.Response:
         n = self.registry.num_healthy

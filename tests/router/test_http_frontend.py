@@ -80,6 +80,11 @@ def test_openai_completions(cluster, reference):
     c = cluster(1)
     oa = client(c)
     model = oa.models.list().data[0].id
+    assert oa.models.retrieve(model).id == model  # GET /v1/models/{model}
+    with pytest.raises(openai.NotFoundError):
+        oa.models.retrieve("no-such-model")
+    code, text = get(c, "/version")
+    assert code == 200 and json.loads(text)["version"]
     assert model == c.router.preprocessor.model_name
     greedy = {"temperature": 0, "extra_body": {"ignore_eos": True}}
     r = oa.completions.create(model=model, prompt=[5, 6, 7], max_tokens=3, **greedy)
