@@ -247,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
-    except (ValueError, FileNotFoundError, FileExistsError, PermissionError) as e:
+    except (ValueError, OSError) as e:  # bad flags, files, ports: one line, no traceback
         print(f"pdcluster {args.command}: error: {e}", file=sys.stderr)
         return 2
 

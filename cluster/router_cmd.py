@@ -138,6 +138,27 @@ def check_router_flags(args: argparse.Namespace) -> None:
                    api_key=bool(args.api_key or os.environ.get("PDCLUSTER_API_KEY")))
     if args.chat_template is not None:
         args.chat_template = load_chat_template(args.chat_template)
+    # A taken port is found now, not after the workers loaded the model (the router binds last).
+    for flag, port in (("--grpc-port", args.grpc_port), ("--http-port", args.http_port)):
+        check_port_free(args.host, port, flag)
+
+
+def check_port_free(host: str, port: int, flag: str) -> None:
+    """ValueError naming the flag when host:port cannot be bound (taken, or not this machine's
+    address). Binds as the servers do (SO_REUSEADDR, no SO_REUSEPORT) and lets go at once; 0 and
+    negative ports (free / disabled) are not checked."""
+    import socket
+
+    if port <= 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"{flag} {port}: cannot listen on {host}:{port} ({e.strerror or e}); "
+                             "pick another port, or 0 for a free one") from None
 
 
 def setup_logging(level: str) -> None:

@@ -144,7 +144,11 @@ class Router:
             reloader.install(runner.server)  # before serving: resumed sessions are checked from the start
             self.metrics.registry.register(HttpsReloadCollector(reloader))
         site = web.TCPSite(runner, self.config.host, self.config.http_port, reuse_port=False, ssl_context=ssl_ctx)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as e:  # the gRPC port's failure says the same (server.build_grpc_server)
+            raise OSError(e.errno, f"cannot bind the router's HTTP port {self.config.host}:{self.config.http_port}: "
+                                   f"{e.strerror or e}") from None
         if reloader is not None:
             self._https_reload = asyncio.get_running_loop().create_task(self._reload_https(reloader),
                                                                         name="https-cert-reload")

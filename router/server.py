@@ -165,5 +165,5 @@ def build_grpc_server(config: RouterConfig, servicer: RouterServicer, health: Ro
     except RuntimeError:  # newer grpcio raises where older ones returned 0
         port = 0
     if port == 0:
-        raise OSError(f"cannot bind the router's gRPC port {address}")
+        raise OSError(f"cannot bind the router's gRPC port {address} (in use, or not an address of this machine)")
     return server, port
