@@ -27,7 +27,8 @@ def add_router_flags(p: argparse.ArgumentParser, *, grpc_port: int = 50051, http
                    help="a Jinja chat template file (or the template text) used instead of the model's own")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback; others are explicit)")
     p.add_argument("--grpc-port", type=int, default=grpc_port, help="0 picks a free port")
-    p.add_argument("--http-port", type=int, default=http_port, help="0 picks a free port; -1 disables HTTP")
+    p.add_argument("--http-port", "--port", dest="http_port", type=int, default=http_port,
+                   help="the OpenAI HTTP port (--port: vLLM's name); 0 picks a free port; -1 disables HTTP")
     p.add_argument("--policy", choices=POLICIES, default="prefix_aware")
     p.add_argument("--max-inflight", type=int, default=1024, help="more requests in flight -> RESOURCE_EXHAUSTED")
     p.add_argument("--max-retries", type=int, default=2, help="retries on other workers before the first token")
@@ -41,7 +42,8 @@ def add_router_flags(p: argparse.ArgumentParser, *, grpc_port: int = 50051, http
     p.add_argument("--key-dir", default=None, help="cluster keys (`pdcluster keys init`): KV events for prefix_aware")
     a = p.add_argument_group("client access")
     a.add_argument("--api-key", default=None,
-                   help="clients must send 'Authorization: Bearer KEY' (HTTP /v1/*) or the same 'authorization' "
+                   help="clients must send 'Authorization: Bearer KEY' (every HTTP path but /health and /metrics) or the "
+                        "same 'authorization' "
                         "metadata (gRPC); default $PDCLUSTER_API_KEY (an environment variable stays out of `ps`)")
     a.add_argument("--insecure", action="store_true",
                    help="allow a non-loopback --host with neither TLS nor an API key (refused otherwise)")

@@ -57,7 +57,8 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--connector", default="p2p", help="KV connector between the pools (p2p, store, plugin)")
     p.add_argument("--kvstore-node-size", default="1G",
                    help="--connector store: shared-memory bytes of the kvstore node started beside the workers")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of aggregated workers")
+    p.add_argument("--tp", "--tensor-parallel-size", "-tp", dest="tp", type=int, default=1,
+                   help="tensor-parallel size of aggregated workers")
     p.add_argument("--prefill-tp", type=int, default=1, help="tensor-parallel size of prefill workers")
     p.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel size of decode workers")
     p.add_argument("--worker-args", default="", help="extra serve-worker flags (after the engine flags, so they "

@@ -44,10 +44,12 @@ def add_up_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--encode", type=int, default=None,
                    help="encode instances (multimodal models: encoder-only, beside the other pools; 0 removes them)")
     p.add_argument("--ec-connector", default=None, help="encoder-cache connector (p2p_ec, none, a dotted path)")
-    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size of every pool")
+    p.add_argument("--tp", "--tensor-parallel-size", "-tp", dest="tp", type=int, default=None,
+                   help="tensor-parallel size of every pool")
     p.add_argument("--connector", default=None, help="KV connector name or 'package.module:Class'")
     p.add_argument("--grpc-port", type=int, default=None)
-    p.add_argument("--http-port", type=int, default=None, help="-1 disables the HTTP frontend")
+    p.add_argument("--http-port", "--port", dest="http_port", type=int, default=None,
+                   help="the OpenAI HTTP port (--port: vLLM's name); -1 disables the HTTP frontend")
     p.add_argument("--router-host", default=None, help="router bind address (default 127.0.0.1)")
     p.add_argument("--policy", default=None)
     p.add_argument("--disagg-threshold", dest="disagg_min_uncached_tokens", type=int, default=None,

@@ -74,3 +74,16 @@ def test_router_bind_failures_name_the_port(taken_port, demo_model, which) -> No
     message = asyncio.run(start())
     assert f"cannot bind the router's {which.upper() if which == 'http' else 'gRPC'} port" in message
     assert str(taken_port) in message
+
+
+def test_vllm_flag_names_are_accepted() -> None:
+    """A vLLM user types --port and --tensor-parallel-size / -tp; they mean --http-port and --tp."""
+    from pdcluster.cluster.cli import build_parser
+
+    p = build_parser()
+    args = p.parse_args(["serve", "--port", "9000", "-tp", "2"])
+    assert (args.http_port, args.tp) == (9000, 2)
+    assert p.parse_args(["serve", "--tensor-parallel-size", "4"]).tp == 4
+    assert p.parse_args(["router", "--workers", "127.0.0.1:1", "--port", "0"]).http_port == 0
+    args = p.parse_args(["up", "--workers", "1", "--port", "7000", "--tensor-parallel-size", "2"])
+    assert (args.http_port, args.tp) == (7000, 2)
