@@ -14,6 +14,9 @@ from typing import Any
 from pdcluster.structured_spec import StructuredOutputs
 
 MAX_LOGPROBS = 20
+# Sequences per prompt (`n`): LLM.generate and the HTTP frontend fan them out as one engine
+# request each (siblings share the prompt's cached blocks); one engine request is one sequence.
+MAX_N = 16
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_LEN = 1024
 # Every engine step scans a request's stop ids: 64 is the default bound a server applies
@@ -118,8 +121,8 @@ class SamplingParams:
         def integer(name: str) -> int:
             return num(name, (int,))
 
-        if integer("n") != 1:
-            raise ValueError(f"n must be 1 (got {self.n}); parallel sampling is not supported")
+        if not 1 <= integer("n") <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         if not 0.0 <= num("temperature") <= 100.0:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
         if not 0.0 < num("top_p") <= 1.0:

@@ -15,7 +15,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdcluster._proto import common_pb2, router_pb2
-from pdcluster.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from pdcluster.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
 
 from .errors import invalid
 from .openai_images import ImageLimits, chat_parts
@@ -50,7 +56,6 @@ COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "add_generation_prompt", "logprobs", "top_logprobs",
                                 "max_completion_tokens", "parallel_tool_calls"}
 # Choices per request (n, best_of) and prompts per batch: each is a generation on the workers.
-MAX_N = 16
 MAX_PROMPTS = 64
 MAX_GENERATIONS = 256
 _MAX_TOKEN_ID = 0xFFFFFFFF

@@ -137,6 +137,9 @@ class Preprocessor:
             if pb.logit_bias and max(pb.logit_bias) >= self.vocab_size:
                 raise invalid("logit_bias", f"token id {max(pb.logit_bias)} is out of range [0, {self.vocab_size})")
             params = sampling_params_from_proto(pb)
+            if params.n != 1:  # the HTTP frontend fans n out before it gets here (openai_fanout.py)
+                raise invalid("n", f"n must be 1 on gRPC (got {params.n}): a Generate stream carries one "
+                                   "sequence; send n requests, or use the HTTP frontend's n")
             self._memoise(key, params)
         return params
 

@@ -8,7 +8,7 @@ from typing import Any
 from pdcluster.config import EngineArgs
 from pdcluster.engine.llm_engine import LLMEngine
 from pdcluster.engine.outputs import RequestOutput
-from pdcluster.sampling_params import SamplingParams
+from pdcluster.sampling_params import MAX_SEED, SamplingParams
 
 # A text prompt, token ids, or vLLM's dict {"prompt": str, "multi_modal_data": {"image": ...}}.
 PromptType = str | Sequence[int] | dict[str, Any]
@@ -53,9 +53,13 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (strings, lists of token ids, or dicts with "prompt" or
-        "prompt_token_ids" and optional "multi_modal_data": {"image": PIL image or a list});
-        outputs in prompt order. Every prompt is validated before any is scheduled, so a bad one
-        rejects the batch early."""
+        "prompt_token_ids" and optional "multi_modal_data": {"image": PIL image or a list} and
+        "cache_salt"); outputs in prompt order. Every prompt is validated before any is scheduled,
+        so a bad one rejects the batch early.
+
+        `n` > 1 runs n sequences of the prompt as n engine requests (the later ones find the
+        prompt's blocks in the prefix cache) and returns them as one RequestOutput's `outputs`,
+        index 0..n-1; with a seed, sequence j samples with seed + j, as the HTTP frontend does."""
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompt_list)
@@ -63,22 +67,35 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):
                 raise ValueError(f"sampling_params has {len(params_list)} entries for {len(prompt_list)} prompts")
-        prepared = [self._prepare(p, sp) for p, sp in zip(prompt_list, params_list)]
-        for req, text in prepared:
-            self.engine.add_prepared(req, text)
-        ids = [req.request_id for req, _ in prepared]
-        pending = set(ids)
+        groups = [self._prepare(p, sp) for p, sp in zip(prompt_list, params_list)]
+        for group in groups:
+            for req, text in group:
+                self.engine.add_prepared(req, text)
+        pending = {req.request_id for group in groups for req, _ in group}
         while pending:
             for out in self.engine.step():
                 if out.finished:
                     pending.discard(out.request_id)
-        return [self.engine.get_final(request_id) for request_id in ids]
+        return [self._merged([self.engine.get_final(req.request_id) for req, _ in group]) for group in groups]
 
-    def _prepare(self, prompt: PromptType, params: SamplingParams) -> Any:
+    def _prepare(self, prompt: PromptType, params: SamplingParams) -> list[Any]:
+        """The prompt's engine requests: one per sequence of `n`."""
+        mm_data = None
         if isinstance(prompt, dict):
-            text_or_ids, mm_data = _unpack(prompt)
-            return self.engine.prepare_request(text_or_ids, params, multi_modal_data=mm_data)
-        return self.engine.prepare_request(prompt, params)
+            prompt, mm_data, salt = _unpack(prompt)
+            if salt is not None:
+                params = params.replace(cache_salt=salt)
+        return [self.engine.prepare_request(prompt, sibling_params(params, j), multi_modal_data=mm_data)
+                for j in range(params.n)]
+
+    @staticmethod
+    def _merged(outs: list[RequestOutput]) -> RequestOutput:
+        first = outs[0]
+        for j, out in enumerate(outs[1:], start=1):
+            seq = out.outputs[0]
+            seq.index = j
+            first.outputs.append(seq)
+        return first
 
     def chat(self, messages: list[dict[str, str]], sampling_params: SamplingParams | None = None) -> RequestOutput:
         prompt = self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -86,15 +103,27 @@ class LLM:
         return self.generate([ids], sampling_params)[0]
 
 
-def _unpack(prompt: dict[str, Any]) -> tuple[Any, Any]:
-    """vLLM's prompt dict -> (prompt, multi_modal_data); the caller passes them on by keyword."""
-    unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"})
+_PROMPT_KEYS = ("cache_salt", "multi_modal_data", "prompt", "prompt_token_ids")
+
+
+def _unpack(prompt: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """vLLM's prompt dict -> (prompt, multi_modal_data, cache_salt)."""
+    unknown = sorted(set(prompt) - set(_PROMPT_KEYS))
     if unknown:
-        raise ValueError(f"prompt dict: unknown key(s) {unknown}; "
-                         "known: ['multi_modal_data', 'prompt', 'prompt_token_ids']")
+        raise ValueError(f"prompt dict: unknown key(s) {unknown}; known: {list(_PROMPT_KEYS)}")
     if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
         raise ValueError("prompt dict needs exactly one of 'prompt' and 'prompt_token_ids'")
-    return prompt.get("prompt", prompt.get("prompt_token_ids")), prompt.get("multi_modal_data")
+    return (prompt.get("prompt", prompt.get("prompt_token_ids")), prompt.get("multi_modal_data"),
+            prompt.get("cache_salt"))
+
+
+def sibling_params(params: SamplingParams, j: int) -> SamplingParams:
+    """Sequence j of a request for n sequences: one engine request; a seeded one samples with
+    seed + j (wrapping), so the sequences differ and each is reproducible."""
+    if params.n == 1:
+        return params
+    seed = None if params.seed is None else (params.seed + j) % (MAX_SEED + 1)
+    return params.replace(n=1, seed=seed)
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

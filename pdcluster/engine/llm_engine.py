@@ -91,6 +91,9 @@ class LLMEngine:
             raise ValueError("this engine is encoder_only: it serves encode(), not generate()")
         ec_params = check_ec_params_list(tuple(ec_transfer_params or ()))
         params = params if params is not None else SamplingParams()
+        if params.n != 1:
+            raise ValueError(f"n must be 1 for one engine request (got {params.n}): LLM.generate and the HTTP "
+                             "frontend fan out n sequences; a gRPC Generate streams one")
         request_id = validate_request_id(request_id if request_id is not None else self.new_request_id())
         mm_prompt, pixels = None, None
         if multi_modal_data is not None:

@@ -185,3 +185,30 @@ def _demo_llm(path: str) -> LLM:
     if path not in _DEMO:
         _DEMO[path] = LLM(path, max_model_len=256)
     return _DEMO[path]
+
+
+def test_n_sequences_per_prompt(llama_case) -> None:
+    """vLLM's SamplingParams(n=...): n sequences of each prompt in one RequestOutput; sequence j of
+    a seeded request is the single-sequence run with seed + j; greedy ones are all alike."""
+    path, prompts, _ = llama_case
+    llm = LLM(path, dtype="float32", block_size=4)
+    sampled = SamplingParams(temperature=1.0, max_tokens=8, seed=11, ignore_eos=True)
+    outs = llm.generate(prompts[:2], sampled.replace(n=3))
+    assert [len(o.outputs) for o in outs] == [3, 3]
+    for o, prompt in zip(outs, prompts[:2], strict=True):
+        assert [c.index for c in o.outputs] == [0, 1, 2]
+        for j, seq in enumerate(o.outputs):
+            alone = llm.generate([prompt], sampled.replace(seed=11 + j))[0].outputs[0]
+            assert seq.token_ids == alone.token_ids, j
+        assert len({tuple(c.token_ids) for c in o.outputs}) > 1  # the seeds differ, so do the samples
+    greedy = llm.generate(prompts[:1], GREEDY.replace(n=2))[0]
+    assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids
+    with pytest.raises(ValueError, match=r"n must be in \[1, 16\]"):
+        SamplingParams(n=17)
+    with pytest.raises(ValueError, match="n must be 1 for one engine request"):
+        llm.engine.prepare_request(prompts[0], GREEDY.replace(n=2))
+    # vLLM's prompt dict may carry the cache salt.
+    salted = {"prompt_token_ids": prompts[-1], "cache_salt": "t1"}
+    llm.generate([salted], GREEDY)
+    assert llm.generate([salted], GREEDY)[0].num_cached_tokens > 0
+    assert llm.generate([{"prompt_token_ids": prompts[-1], "cache_salt": "t2"}], GREEDY)[0].num_cached_tokens == 0
