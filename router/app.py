@@ -86,7 +86,8 @@ class Router:
                                              params_cache_bytes=cfg.params_cache_bytes, **_model_limits(model),
                                              image_placeholders=load_image_placeholders(model),
                                              image_limits=ImageLimits(cfg.max_images_per_request, cfg.max_image_bytes),
-                                             max_message_bytes=cfg.max_message_bytes)
+                                             max_message_bytes=cfg.max_message_bytes,
+                                             max_json_depth=cfg.max_json_depth)
             self.orchestrator = Orchestrator(cfg, self.registry, self.policy, self.metrics)
             self.admission = Admission(cfg.max_inflight, self.orchestrator, self.metrics)
             self._on_workers_changed()

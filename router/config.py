@@ -14,6 +14,8 @@ DEFAULT_MAX_MESSAGE_BYTES = 4 << 20  # gRPC's own default; prompts of ~1M tokens
 WORKER_CHANNELS = ("stream", "call")
 DISAGG_MODES = ("sequential", "concurrent")
 
+DEFAULT_MAX_JSON_DEPTH = 32
+
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -60,7 +62,7 @@ class RouterConfig:
     worker_channel: str = "stream"
     # Bounds on request data (issue 16): each refusal names the field and the limit.
     max_stop_token_ids: int = DEFAULT_MAX_STOP_TOKEN_IDS
-    max_json_depth: int = 32                 # HTTP bodies nested deeper -> 400
+    max_json_depth: int = DEFAULT_MAX_JSON_DEPTH  # HTTP bodies / JSON fields nested deeper -> 400
     params_cache_bytes: int = 4 << 20        # memo of validated sampling params, bounded by bytes
     # Multimodal models: image_url parts per request and bytes per (decoded) image.
     max_images_per_request: int = 8

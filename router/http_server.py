@@ -32,6 +32,7 @@ from .admission import Admission
 from .auth import ApiKey
 from .config import RouterConfig
 from .errors import RouterError, invalid
+from .json_text import loads_bounded
 from .metrics import RouterMetrics
 from .openai_fanout import FanOut
 from .openai_protocol import OpenAIOptions, parse_chat, parse_completions
@@ -329,15 +330,7 @@ async def _read_json(request: web.Request, limit: int, max_depth: int) -> Any:
         raise RouterError(grpc.StatusCode.INVALID_ARGUMENT,
                           f"request body exceeds the limit of {limit} bytes",
                           "body", http_status=413) from None
-    try:
-        body = json.loads(raw)
-    except RecursionError:  # deeper than the parser's own stack allows
-        raise _too_deep(max_depth) from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise invalid("body", f"the request body is not valid JSON: {e}") from None
-    # No body can nest deeper than it has brackets: most are checked by two C-speed counts.
-    if raw.count(b"[") + raw.count(b"{") > max_depth and _depth(body, max_depth) > max_depth:
-        raise _too_deep(max_depth)
+    body = loads_bounded(raw, max_depth, "body", "the request body")
     # JSON may escape half a surrogate pair ("\ud800"): a str no tokenizer, protobuf field or
     # UTF-8 writer takes. Only such an escape can make one, so most bodies skip the walk.
     if (b"\\ud" in raw or b"\\uD" in raw) and isinstance(body, dict):
@@ -364,25 +357,6 @@ def _has_lone_surrogate(obj: Any) -> bool:
         elif isinstance(node, list):
             stack.extend(node)
     return False
-
-
-def _too_deep(max_depth: int) -> RouterError:
-    return invalid("body", f"the request body nests JSON deeper than the limit of {max_depth} levels")
-
-
-def _depth(obj: Any, limit: int) -> int:
-    """Nesting depth of parsed JSON, iteratively; stops counting once past limit."""
-    deepest = 0
-    stack = [(obj, 1)] if isinstance(obj, (dict, list)) else []
-    while stack:
-        node, d = stack.pop()
-        if d > deepest:
-            deepest = d
-            if deepest > limit:
-                return deepest
-        children = node.values() if isinstance(node, dict) else node
-        stack.extend((c, d + 1) for c in children if isinstance(c, (dict, list)))
-    return deepest
 
 
 # Build the app's runner with these: aiohttp would otherwise inflate a gzip/deflate/br body on the

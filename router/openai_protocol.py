@@ -11,6 +11,7 @@ GenerateRequest here is one prompt, sampled once.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,7 +54,7 @@ _COMMON_FIELDS = frozenset({"model", "max_tokens", "stop", "stop_token_ids", "st
                             "logit_bias", "user", "prompt_logprobs", *_SAMPLING_FIELDS, *_UNSUPPORTED,
                             *STRUCTURED_FIELDS})
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of"}
-CHAT_FIELDS = _COMMON_FIELDS | {"messages", "add_generation_prompt", "logprobs", "top_logprobs",
+CHAT_FIELDS = _COMMON_FIELDS | {"messages", "add_generation_prompt", "chat_template_kwargs", "logprobs", "top_logprobs",
                                 "max_completion_tokens", "parallel_tool_calls"}
 # Choices per request (n, best_of) and prompts per batch: each is a generation on the workers.
 MAX_PROMPTS = 64
@@ -174,6 +175,12 @@ def parse_chat(body: Any, default_model: str, image_limits: ImageLimits | None =
             msg.name = name
         chat_message_tool_fields(m, i, msg)
     req.chat.add_generation_prompt = _bool(body, "add_generation_prompt", True)
+    variables = body.get("chat_template_kwargs")
+    if variables is not None:  # the names are checked once, for both frontends, by the Preprocessor
+        if not isinstance(variables, dict):
+            raise invalid("chat_template_kwargs", "must be a JSON object of template variables")
+        if variables:
+            req.chat.template_kwargs_json = json.dumps(variables, ensure_ascii=False)
     logprobs = None
     if _bool(body, "logprobs", False):
         top = body.get("top_logprobs")

@@ -1,7 +1,7 @@
 """vLLM's /tokenize and /detokenize, answered by the router's own tokenizer (no worker involved).
 
     POST /tokenize    {"prompt": str, "add_special_tokens": bool = true}
-                      or {"messages": [...], "add_generation_prompt": bool = true}
+                      or {"messages": [...], "add_generation_prompt": bool = true, "chat_template_kwargs": {...}}
                       -> {"count", "max_model_len", "tokens", "token_strs"}
     POST /detokenize  {"tokens": [int, ...]} -> {"prompt": str}
 
@@ -25,9 +25,9 @@ async def tokenize(pre: Preprocessor, body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise invalid("body", "the request body must be a JSON object")
     if "messages" in body:
-        allowed = {"model", "messages", "add_generation_prompt", "return_token_strs"}
-        _check(body, allowed)
-        chat_body = {k: v for k, v in body.items() if k in ("model", "messages", "add_generation_prompt")}
+        chat_fields = ("model", "messages", "add_generation_prompt", "chat_template_kwargs")
+        _check(body, {*chat_fields, "return_token_strs"})
+        chat_body = {k: v for k, v in body.items() if k in chat_fields}
         if isinstance(body.get("messages"), list) and len(body["messages"]) > MAX_MESSAGES:
             raise invalid("messages", f"at most {MAX_MESSAGES} messages")
         req, _ = parse_chat(chat_body, pre.model_name)

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import secrets
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import jinja2
@@ -23,9 +23,10 @@ from pdcluster._proto import common_pb2, router_pb2
 from pdcluster.engine.tokenizer import Tokenizer
 from pdcluster.sampling_params import DEFAULT_MAX_STOP_TOKEN_IDS, SamplingParams
 
-from .config import DEFAULT_MAX_MESSAGE_BYTES
+from .config import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_MESSAGE_BYTES
 from .convert import sampling_params_from_proto
 from .errors import RouterError, invalid
+from .json_text import loads_bounded
 from .openai_images import (
     ImageLimits,
     ImagePlaceholders,
@@ -36,6 +37,9 @@ from .openai_images import (
 
 MAX_REQUEST_ID_LEN = 256
 MAX_CHAT_MESSAGES = 4096
+# chat_template_kwargs: extra variables for the template, never the ones the server sets.
+MAX_TEMPLATE_KWARGS = 32
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 # Prompts longer than this are tokenized off the event loop: other requests keep streaming.
 _OFFLOAD_CHARS = 16384
@@ -71,9 +75,11 @@ class Preprocessor:
                  params_cache_bytes: int = DEFAULT_PARAMS_CACHE_BYTES,
                  image_placeholders: ImagePlaceholders | None = None,
                  image_limits: ImageLimits | None = None,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 max_json_depth: int = DEFAULT_MAX_JSON_DEPTH) -> None:
         self.tokenizer = tokenizer
         self.max_message_bytes = max_message_bytes
+        self.max_json_depth = max_json_depth  # JSON in a request's string fields (tools, template variables)
         # A multimodal model's image token and count (None: text-only, images refused), and the
         # limits on images per request and bytes per image.
         self.image_placeholders = image_placeholders
@@ -94,6 +100,12 @@ class Preprocessor:
     @property
     def model_name(self) -> str:
         return self.served_model_names[0]
+
+    def _json_field(self, text: str, field: str, what: str) -> Any:
+        return loads_bounded(text, self.max_json_depth, field, what)
+
+    def _template_kwargs(self, text: str) -> dict[str, Any]:
+        return _check_template_kwargs(self._json_field(text, "chat_template_kwargs", "chat_template_kwargs"))
 
     def token_text(self, token_id: int) -> str:
         """One token's text (logprobs when the worker sent no decoded text)."""
@@ -210,11 +222,12 @@ class Preprocessor:
             if m.HasField("tool_call_id"):
                 msg["tool_call_id"] = m.tool_call_id
             if m.tool_calls_json:
-                msg["tool_calls"] = _json_field(m.tool_calls_json, f"messages[{i}].tool_calls_json")
+                msg["tool_calls"] = self._json_field(m.tool_calls_json, "messages", f"messages[{i}].tool_calls_json")
             messages.append(msg)
-        tools = _json_field(chat.tools_json, "tools_json") if chat.tools_json else None
+        tools = self._json_field(chat.tools_json, "tools", "tools_json") if chat.tools_json else None
+        variables = self._template_kwargs(chat.template_kwargs_json) if chat.template_kwargs_json else {}
         try:
-            render = functools.partial(self.tokenizer.apply_chat_template, tools=tools)
+            render = functools.partial(self.tokenizer.apply_chat_template, tools=tools, **variables)
             chars = sum(len(m["content"]) for m in messages) + len(chat.tools_json)
             if chars > _OFFLOAD_CHARS:  # the messages' text alone may be over the limit: no rendering then
                 await asyncio.to_thread(self._refuse_if_too_long, "\n".join(m["content"] for m in messages),
@@ -307,11 +320,17 @@ class Preprocessor:
                           f"maximum context length of {limit}")
 
 
-def _json_field(text: str, name: str) -> object:
-    try:
-        return json.loads(text)
-    except ValueError as e:
-        raise invalid("messages", f"{name} is not valid JSON: {e}") from None
+def _check_template_kwargs(value: object) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise invalid("chat_template_kwargs", "must be a JSON object of template variables")
+    if len(value) > MAX_TEMPLATE_KWARGS:
+        raise invalid("chat_template_kwargs", f"has {len(value)} variables; at most {MAX_TEMPLATE_KWARGS} allowed")
+    for name in value:
+        if not name.isidentifier():
+            raise invalid("chat_template_kwargs", f"{name[:64]!r} is not a template variable name")
+        if name in RESERVED_TEMPLATE_VARIABLES or name.startswith("_"):
+            raise invalid("chat_template_kwargs", f"{name!r} is set by the server, not by chat_template_kwargs")
+    return value
 
 
 def _check_request_id(request_id: str) -> str:

@@ -75,3 +75,47 @@ def test_the_router_renders_chats_with_it(cluster, reference) -> None:
     code, body = post(c, "/v1/responses", {"instructions": "Be short.", "input": "Hello there", "max_output_tokens": 4,
                                            "temperature": 0, "ignore_eos": True})
     assert code == 200 and body["output"][0]["content"][0]["text"] == want.text
+
+
+THINKING = ("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}[assistant]{% if enable_thinking is defined and not enable_thinking %}"
+            " <no-think>{% endif %} {% endif %}")
+
+
+def test_chat_template_kwargs(cluster, reference) -> None:
+    """vLLM's chat_template_kwargs (Qwen3's enable_thinking is the common one): extra template
+    variables on chat and /tokenize, over HTTP and gRPC; names the server sets, non-objects, too
+    many names and JSON deeper than the limit are refused naming the field."""
+    import grpc
+
+    from pdcluster._proto import common_pb2, router_pb2
+
+    c = cluster(1, chat_template=THINKING)
+    tok = c.router.preprocessor.tokenizer
+    plain = "[system] Be short.\n[user] Hello there\n[assistant] "
+    off = "[system] Be short.\n[user] Hello there\n[assistant] <no-think> "
+    for kwargs, text in (({}, plain), ({"enable_thinking": True}, plain), ({"enable_thinking": False}, off)):
+        code, body = post(c, "/tokenize", {"messages": MSGS, "chat_template_kwargs": kwargs})
+        assert code == 200 and body["tokens"] == tok.encode(text, add_special_tokens=False), kwargs
+    want = reference.generate(tok.encode(off, add_special_tokens=False), max_tokens=4)
+    code, body = post(c, "/v1/chat/completions", {"messages": MSGS, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+                                                  "chat_template_kwargs": {"enable_thinking": False}})
+    assert code == 200 and body["choices"][0]["message"]["content"] == want.text
+    assert body["usage"]["prompt_tokens"] == len(tok.encode(off, add_special_tokens=False))
+    bad = [(5, "JSON object"), ({"messages": []}, "set by the server"), ({"tools": 1}, "set by the server"),
+           ({"add_generation_prompt": False}, "set by the server"), ({"not a name": 1}, "not a template variable"),
+           ({f"v{i}": i for i in range(33)}, "at most 32")]
+    for kwargs, words in bad:
+        code, err = post(c, "/v1/chat/completions", {"messages": MSGS, "max_tokens": 1, "chat_template_kwargs": kwargs})
+        assert code == 400 and err["error"]["param"] == "chat_template_kwargs" and words in err["error"]["message"], err
+    # gRPC carries JSON text: nesting past the limit is refused by name, for the tools' JSON too.
+    deep = "[" * 5000 + "]" * 5000
+    for field, name in (("template_kwargs_json", "chat_template_kwargs"), ("tools_json", "tools")):
+        chat = router_pb2.ChatMessages(messages=[router_pb2.ChatMessage(role="user", content="hi")],
+                                       add_generation_prompt=True, **{field: deep})
+        req = router_pb2.GenerateRequest(chat=chat, sampling_params=common_pb2.SamplingParams(max_tokens=1))
+        with pytest.raises(grpc.RpcError) as e:
+            list(c.stub.Generate(req, timeout=30))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.details().startswith(name) and "deeper than the limit of 32" in e.value.details()
+    assert post(c, "/v1/chat/completions", {"messages": MSGS, "max_tokens": 1})[0] == 200

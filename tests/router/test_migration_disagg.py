@@ -138,8 +138,8 @@ THRESHOLD = 32
 
 def cached_tokens(c: Cluster, ids: list[int]) -> int:
     """What the router's conditional disaggregation sees as cached on the decode workers."""
-    probe = types.SimpleNamespace(request_id="probe", prep=types.SimpleNamespace(prompt_token_ids=ids, mm_offset=None),
-                                  block_hashes=None)
+    prep = types.SimpleNamespace(prompt_token_ids=ids, mm_offset=None, sampling_params=common_pb2.SamplingParams())
+    probe = types.SimpleNamespace(request_id="probe", prep=prep, block_hashes=None)
     return c.lt.call(lambda: c.router.orchestrator._best_cached_tokens(probe))
 
 
