@@ -87,6 +87,7 @@ class RouterSection:
     request_timeout_s: float = 600.0
     served_model_name: str | None = None
     chat_template: str | None = None     # the template text (the YAML may name a file: read at load)
+    reasoning_parser: str | None = None  # router/reasoning.py's names
 
 
 @dataclass(frozen=True)
@@ -303,6 +304,13 @@ def _parse_router(raw: Any) -> RouterSection:
         out["stall_timeout_s"] = _num(d["stall_timeout_s"], "router.stall_timeout_s", positive=False)
     if d.get("served_model_name") is not None:
         out["served_model_name"] = _str(d["served_model_name"], "router.served_model_name")
+    if d.get("reasoning_parser") is not None:
+        from pdcluster.router.reasoning import REASONING_PARSERS
+
+        out["reasoning_parser"] = _str(d["reasoning_parser"], "router.reasoning_parser")
+        if out["reasoning_parser"] not in REASONING_PARSERS:
+            raise ConfigError(f"router.reasoning_parser: {out['reasoning_parser']!r} is not one of "
+                              f"{sorted(REASONING_PARSERS)}")
     if d.get("chat_template") is not None:
         from pdcluster.engine.tokenizer import load_chat_template
 

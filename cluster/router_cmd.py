@@ -17,6 +17,8 @@ from typing import Any
 
 READY_PREFIX = "PDCLUSTER_READY"
 POLICIES = ("round_robin", "least_loaded", "power_of_two", "prefix_aware")
+# router/reasoning.py's parsers, spelled out so that `pdcluster --help` imports no router code.
+REASONING_PARSER_NAMES = ("deepseek_r1", "qwen3")
 log = logging.getLogger("pdcluster.serve")
 
 
@@ -25,6 +27,8 @@ def add_router_flags(p: argparse.ArgumentParser, *, grpc_port: int = 50051, http
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template file (or the template text) used instead of the model's own")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSER_NAMES, default=None,
+                   help="split the model's <think>...</think> thought into message.reasoning (vLLM's flag)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback; others are explicit)")
     p.add_argument("--grpc-port", type=int, default=grpc_port, help="0 picks a free port")
     p.add_argument("--http-port", "--port", dest="http_port", type=int, default=http_port,
@@ -119,6 +123,7 @@ def router_config(args: argparse.Namespace, workers: tuple[str, ...], key_dir: s
         api_key=api_key, insecure=args.insecure, **bounds,
         workers=workers, model=model, served_model_name=args.served_model_name, policy=args.policy,
         chat_template=args.chat_template,  # the text: check_router_flags read the file
+        reasoning_parser=args.reasoning_parser,
         host=args.host, grpc_port=args.grpc_port, http_port=None if args.http_port < 0 else args.http_port,
         max_inflight=args.max_inflight, max_retries=args.max_retries, max_migrations=args.max_migrations,
         stall_timeout_s=args.stall_timeout,

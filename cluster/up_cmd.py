@@ -28,6 +28,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from pdcluster.cluster.router_cmd import REASONING_PARSER_NAMES
+
 READY_PREFIX = "PDCLUSTER_READY"
 
 
@@ -115,6 +117,8 @@ def add_engine_overrides(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: the model path)")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template file (or the template text) used instead of the model's own")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSER_NAMES, default=None,
+                   help="split the model's <think>...</think> thought into message.reasoning (router.reasoning_parser)")
     add_forwarded_engine_flags(p)
 
 
@@ -145,7 +149,7 @@ def apply_engine_overrides(raw: dict[str, Any], args: argparse.Namespace) -> dic
                 pool["engine"] = _merge(pool.get("engine"), **engine)
             merged[role] = pool
         raw = {**raw, "pools": merged}
-    for name in ("served_model_name", "chat_template"):
+    for name in ("served_model_name", "chat_template", "reasoning_parser"):
         if getattr(args, name, None) is not None:
             raw = {**raw, "router": _merge(raw.get("router"), **{name: getattr(args, name)})}
     return raw

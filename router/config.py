@@ -9,6 +9,7 @@ from pdcluster.sampling_params import DEFAULT_MAX_STOP_TOKEN_IDS, MAX_STOP_TOKEN
 from pdcluster.worker.tls import TLSConfig
 
 from .policies import ROUTING_POLICIES
+from .reasoning import get_parser
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 20  # gRPC's own default; prompts of ~1M tokens still fit
 WORKER_CHANNELS = ("stream", "call")
@@ -25,6 +26,9 @@ class RouterConfig:
     # Jinja chat template text (vLLM's --chat-template, read by tokenizer.load_chat_template): used
     # instead of the model's own, e.g. for a checkpoint that has none. None = the model's.
     chat_template: str | None = None
+    # vLLM's --reasoning-parser (router/reasoning.py): chat answers carry the model's thought in
+    # message.reasoning, apart from the content. None = the text as generated.
+    reasoning_parser: str | None = None
     policy: str = "prefix_aware"             # falls back to least_loaded without KV events
     host: str = "127.0.0.1"                  # loopback by default; other addresses are explicit
     grpc_port: int = 50051                   # 0 = any free port
@@ -87,6 +91,8 @@ class RouterConfig:
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        if self.reasoning_parser is not None:
+            get_parser(self.reasoning_parser)
         if self.policy not in ROUTING_POLICIES:
             raise ValueError(f"policy: unknown routing policy {self.policy!r}; choose one of {ROUTING_POLICIES.names()}")
         for name in ("max_inflight", "eject_after_failures", "max_message_bytes", "max_json_depth",

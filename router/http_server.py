@@ -16,6 +16,7 @@ client disconnects (handler_cancellation), which aborts the request on its worke
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -41,6 +42,7 @@ from .openai_tokenize import detokenize, tokenize
 from .orchestrator import Orchestrator
 from .peer_limits import PeerLimits
 from .preprocess import Preprocessor
+from .reasoning import for_request
 from .registry import WorkerRegistry
 from .request_state import RequestState
 from .responses_api import ResponseShaper, parse_responses, rename_error
@@ -90,6 +92,11 @@ class HttpFrontend:
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_endpoint)
         return app
+
+    def _with_reasoning(self, opts: OpenAIOptions) -> OpenAIOptions:
+        forced = opts.tools is not None and opts.tools.choice in ("required", "named")
+        parser = for_request(self.config.reasoning_parser, opts.structured_field is not None, forced)
+        return dataclasses.replace(opts, reasoning=parser) if parser is not None else opts
 
     # -- simple endpoints -----------------------------------------------------------------------
     def _model_card(self, name: str) -> dict[str, Any]:
@@ -153,6 +160,7 @@ class HttpFrontend:
                 body = await _read_json(request, self.config.max_message_bytes, self.config.max_json_depth)
                 if chat:
                     greq, opts = parse_chat(body, self.pre.model_name, self.pre.image_limits)
+                    opts = self._with_reasoning(opts)
                     greqs = [greq]
                 else:
                     greqs, opts = parse_completions(body, self.pre.model_name)
@@ -241,6 +249,7 @@ class HttpFrontend:
             with self.admission.preparing("http"):
                 body = await _read_json(request, self.config.max_message_bytes, self.config.max_json_depth)
                 greq, opts, info = parse_responses(body, self.pre.model_name, self.pre.image_limits)
+                opts = self._with_reasoning(opts)
                 greq.request_id = request.headers.get("X-Request-Id", "")
                 try:
                     prep = await self.pre.prepare(greq, self.config.request_timeout_s, chat_max_tokens_default=True)
@@ -274,7 +283,7 @@ class HttpFrontend:
                     await _typed_event(resp, ev)
                 while True:
                     logprobs = shaper.add(delta)
-                    if delta.text and opts.tools is None:
+                    if delta.text and not shaper.held:
                         await _typed_event(resp, shaper.text_delta(delta.text, logprobs))
                     if delta.finished:
                         for ev in shaper.closing(delta.finish_reason, delta.error_message or "generation failed"):

@@ -29,6 +29,7 @@ from .openai_images import ImageLimits, chat_parts
 from .openai_structured import FIELDS as STRUCTURED_FIELDS
 from .openai_structured import parse_structured
 from .openai_tools import ToolMode, chat_message_tool_fields, parse_tools
+from .reasoning import ReasoningParser
 
 # JSON field -> (proto SamplingParams field, kind). The vLLM extras are honoured like the rest.
 _SAMPLING_FIELDS: dict[str, tuple[str, str]] = {
@@ -54,7 +55,8 @@ _COMMON_FIELDS = frozenset({"model", "max_tokens", "stop", "stop_token_ids", "st
                             "logit_bias", "user", "prompt_logprobs", *_SAMPLING_FIELDS, *_UNSUPPORTED,
                             *STRUCTURED_FIELDS})
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of"}
-CHAT_FIELDS = _COMMON_FIELDS | {"messages", "add_generation_prompt", "chat_template_kwargs", "logprobs", "top_logprobs",
+CHAT_FIELDS = _COMMON_FIELDS | {"messages", "add_generation_prompt", "chat_template_kwargs", "include_reasoning",
+                                "logprobs", "top_logprobs",
                                 "max_completion_tokens", "parallel_tool_calls"}
 # Choices per request (n, best_of) and prompts per batch: each is a generation on the workers.
 MAX_PROMPTS = 64
@@ -81,6 +83,8 @@ class OpenAIOptions:
     structured_field: str | None = None  # the structured-output field the client used
     tools: ToolMode | None = None  # chat with tools: how to read tool calls out of the answer
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: the prompt's logprobs in the answer
+    reasoning: ReasoningParser | None = None  # chat: split the thought out (the server's --reasoning-parser)
+    include_reasoning: bool = True  # vLLM's include_reasoning: false drops the thought from the answer
 
 
 def parse_completion(body: Any, default_model: str) -> tuple[router_pb2.GenerateRequest, OpenAIOptions]:
@@ -197,6 +201,7 @@ def parse_chat(body: Any, default_model: str, image_limits: ImageLimits | None =
             raise invalid("max_completion_tokens", f"must be an integer >= 1, got {limit!r}")
         body = {**body, "max_tokens": limit}
     opts = _common(body, req, default_model, chat=True, logprobs=logprobs)
+    opts = dataclasses.replace(opts, include_reasoning=_bool(body, "include_reasoning", True))
     tools = parse_tools(body, req.chat, req.sampling_params, opts.structured_field)
     if tools is not None:
         # A forced call compiles the tools' schemas: a worker's refusal of it names `tools`.

@@ -11,6 +11,7 @@ from pdcluster._proto import common_pb2, worker_pb2
 
 from .openai_protocol import OpenAIOptions
 from .openai_tools import extract_tool_calls
+from .reasoning import ReasoningSplitter, split
 
 FINISH_REASONS = {
     common_pb2.FINISH_REASON_STOP: "stop",
@@ -43,6 +44,8 @@ class ResponseBuilder:
         self._text_offset = 0
         self._first_prompt_token = first_prompt_token
         self.prompt_logprobs: list[common_pb2.SampleLogprobs] = []  # from the first delta, when asked
+        # --reasoning-parser: the streamed text's split (whole answers use reasoning.split)
+        self._splitter = ReasoningSplitter(opts.reasoning) if opts.reasoning is not None else None
 
     # -- pieces ---------------------------------------------------------------------------------
     def account(self, delta: worker_pb2.WorkerGenerateResponse) -> None:
@@ -119,20 +122,32 @@ class ResponseBuilder:
                stop_reason: int | str | None) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": self.index, "logprobs": self.logprobs(logprobs),
                                   "finish_reason": FINISH_REASONS.get(finish), "stop_reason": stop_reason}
-        if self.opts.chat and self.opts.tools is not None:
-            content, calls = extract_tool_calls(text, self.opts.tools)
-            choice["message"] = {"role": "assistant", "content": content}
-            if calls:
-                choice["message"]["tool_calls"] = calls
-                if choice["finish_reason"] == "stop":
-                    choice["finish_reason"] = "tool_calls"
-        elif self.opts.chat:
-            choice["message"] = {"role": "assistant", "content": text}
+        if self.opts.chat:
+            reasoning, text = self.split_reasoning(text)
+            if self.opts.tools is not None:
+                content, calls = extract_tool_calls(text, self.opts.tools)
+                choice["message"] = {"role": "assistant", "content": content}
+                if calls:
+                    choice["message"]["tool_calls"] = calls
+                    if choice["finish_reason"] == "stop":
+                        choice["finish_reason"] = "tool_calls"
+            else:
+                choice["message"] = {"role": "assistant", "content": text}
+            if self.opts.reasoning is not None:
+                choice["message"]["reasoning"] = reasoning
         else:
             choice["text"] = self._echo + text
             if self.opts.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = self.vllm_prompt_logprobs()
         return choice
+
+    def split_reasoning(self, text: str) -> tuple[str | None, str]:
+        """(thought or None, answer) of a whole chat answer; the thought is None when the request
+        has no parser or asked include_reasoning=false."""
+        if self.opts.reasoning is None:
+            return None, text
+        reasoning, content = split(self.opts.reasoning, text)
+        return (reasoning if self.opts.include_reasoning else None), content
 
     def full(self, text: str, finish: int, logprobs: list[common_pb2.SampleLogprobs],
              stop_reason: int | str | None) -> dict[str, Any]:
@@ -159,7 +174,11 @@ class ResponseBuilder:
         finish = FINISH_REASONS.get(delta.finish_reason) if delta.finished else None
         choice: dict[str, Any] = {"index": self.index, "logprobs": self.logprobs(delta.logprobs),
                                   "finish_reason": finish}
-        if self.opts.chat:
+        if self.opts.chat and self._splitter is not None:
+            choice["delta"] = self._reasoning_delta(delta)
+            if not choice["delta"] and not delta.finished and not delta.logprobs:
+                return None  # all of it held back (a tag may be starting)
+        elif self.opts.chat:
             choice["delta"] = {"content": delta.text} if delta.text or not delta.finished else {}
         else:
             choice["text"] = self._echo + delta.text
@@ -167,6 +186,19 @@ class ResponseBuilder:
         if delta.finished:
             choice["stop_reason"] = stop_reason(delta)
         return self._chunk(choice)
+
+    def _reasoning_delta(self, delta: worker_pb2.WorkerGenerateResponse) -> dict[str, Any]:
+        assert self._splitter is not None
+        reasoning, content = self._splitter.feed(delta.text)
+        if delta.finished:
+            more_reasoning, more_content = self._splitter.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        out: dict[str, Any] = {}
+        if reasoning and self.opts.include_reasoning:
+            out["reasoning"] = reasoning
+        if content:
+            out["content"] = content
+        return out
 
     def _tool_chunk(self, delta: worker_pb2.WorkerGenerateResponse) -> dict[str, Any] | None:
         mode = self.opts.tools
@@ -179,6 +211,8 @@ class ResponseBuilder:
         choice = self.choice("".join(self._held), delta.finish_reason, [], stop_reason(delta))
         message = choice.pop("message")
         out: dict[str, Any] = {}
+        if message.get("reasoning"):
+            out["reasoning"] = message["reasoning"]
         if message.get("content"):
             out["content"] = message["content"]
         if message.get("tool_calls"):

@@ -327,6 +327,9 @@ class ResponseShaper:
         self.builder = ResponseBuilder(request_id, opts, num_prompt_tokens, decode_token)
         self.id = "resp_" + request_id
         self.message_id = "msg_" + request_id
+        self.reasoning_id = "rs_" + request_id
+        # Tools and reasoning both need the whole text to tell its parts apart: held to the end.
+        self.held = opts.tools is not None or opts.reasoning is not None
         self.created_at = int(time.time())
         self.sequence_number = 0
         self.text: list[str] = []
@@ -364,9 +367,12 @@ class ResponseShaper:
         return new
 
     def output(self, status: str) -> list[dict[str, Any]]:
-        """The finished output items: the message (if it has text) and the function calls."""
-        text = "".join(self.text)
+        """The finished output items: the thought (with --reasoning-parser), the message (if it
+        has text) and the function calls."""
+        reasoning, text = self.builder.split_reasoning("".join(self.text))
         items: list[dict[str, Any]] = []
+        if reasoning is not None:
+            items.append(self.reasoning_item(reasoning))
         calls: list[dict[str, Any]] = []
         if self.opts.tools is not None:
             content, calls = extract_tool_calls(text, self.opts.tools)
@@ -376,6 +382,10 @@ class ResponseShaper:
             items.append(self.message(item_status, text))
         items.extend(function_call_item(c, item_status) for c in calls)
         return items
+
+    def reasoning_item(self, text: str) -> dict[str, Any]:
+        return {"type": "reasoning", "id": self.reasoning_id, "summary": [],
+                "content": [{"type": "reasoning_text", "text": text}]}
 
     def message(self, status: str, text: str | None = None) -> dict[str, Any]:
         content = [] if text is None else [self.text_part(text)]
@@ -398,17 +408,17 @@ class ResponseShaper:
     def opening(self) -> list[dict[str, Any]]:
         events = [self.event("response.created", response=self.response("in_progress", [], usage=False)),
                   self.event("response.in_progress", response=self.response("in_progress", [], usage=False))]
-        if self.opts.tools is None:  # with tools the text is held until it is known not to be a call
-            events += self._message_opening()
+        if not self.held:
+            events += self._message_opening(0)
         return events
 
-    def _message_opening(self) -> list[dict[str, Any]]:
-        return [self.event("response.output_item.added", output_index=0, item=self.message("in_progress")),
-                self.event("response.content_part.added", item_id=self.message_id, output_index=0, content_index=0,
-                           part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})]
+    def _message_opening(self, index: int) -> list[dict[str, Any]]:
+        return [self.event("response.output_item.added", output_index=index, item=self.message("in_progress")),
+                self.event("response.content_part.added", item_id=self.message_id, output_index=index,
+                           content_index=0, part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})]
 
-    def text_delta(self, text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
-        return self.event("response.output_text.delta", item_id=self.message_id, output_index=0, content_index=0,
+    def text_delta(self, text: str, logprobs: list[dict[str, Any]], index: int = 0) -> dict[str, Any]:
+        return self.event("response.output_text.delta", item_id=self.message_id, output_index=index, content_index=0,
                           delta=text, logprobs=logprobs)
 
     def closing(self, finish: int, error: str | None = None) -> list[dict[str, Any]]:
@@ -418,11 +428,20 @@ class ResponseShaper:
         items = self.output(status)
         events: list[dict[str, Any]] = []
         for index, item in enumerate(items):
-            if item["type"] == "message":
+            if item["type"] == "reasoning":
+                text = item["content"][0]["text"]
+                events += [
+                    self.event("response.output_item.added", output_index=index,
+                               item={**item, "content": []}),
+                    self.event("response.reasoning_text.delta", item_id=item["id"], output_index=index,
+                               content_index=0, delta=text),
+                    self.event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                               content_index=0, text=text)]
+            elif item["type"] == "message":
                 part = item["content"][0]
-                if self.opts.tools is not None:
-                    events += self._message_opening()
-                    events.append(self.text_delta(part["text"], self.logprobs))
+                if self.held:
+                    events += self._message_opening(index)
+                    events.append(self.text_delta(part["text"], self.logprobs, index))
                 events += [
                     self.event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
                                text=part["text"], logprobs=part["logprobs"]),
