@@ -105,7 +105,9 @@ class Preprocessor:
         return loads_bounded(text, self.max_json_depth, field, what)
 
     def _template_kwargs(self, text: str) -> dict[str, Any]:
-        return _check_template_kwargs(self._json_field(text, "chat_template_kwargs", "chat_template_kwargs"))
+        # The tokenizer's special tokens (bos_token, ...) are the server's to set too.
+        return _check_template_kwargs(self._json_field(text, "chat_template_kwargs", "chat_template_kwargs"),
+                                      RESERVED_TEMPLATE_VARIABLES.union(self.tokenizer.special_tokens))
 
     def token_text(self, token_id: int) -> str:
         """One token's text (logprobs when the worker sent no decoded text)."""
@@ -320,7 +322,7 @@ class Preprocessor:
                           f"maximum context length of {limit}")
 
 
-def _check_template_kwargs(value: object) -> dict[str, Any]:
+def _check_template_kwargs(value: object, reserved: Collection[str]) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise invalid("chat_template_kwargs", "must be a JSON object of template variables")
     if len(value) > MAX_TEMPLATE_KWARGS:
@@ -328,7 +330,7 @@ def _check_template_kwargs(value: object) -> dict[str, Any]:
     for name in value:
         if not name.isidentifier():
             raise invalid("chat_template_kwargs", f"{name[:64]!r} is not a template variable name")
-        if name in RESERVED_TEMPLATE_VARIABLES or name.startswith("_"):
+        if name in reserved or name.startswith("_"):
             raise invalid("chat_template_kwargs", f"{name!r} is set by the server, not by chat_template_kwargs")
     return value
 

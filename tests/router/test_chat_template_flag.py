@@ -103,7 +103,8 @@ def test_chat_template_kwargs(cluster, reference) -> None:
     assert code == 200 and body["choices"][0]["message"]["content"] == want.text
     assert body["usage"]["prompt_tokens"] == len(tok.encode(off, add_special_tokens=False))
     bad = [(5, "JSON object"), ({"messages": []}, "set by the server"), ({"tools": 1}, "set by the server"),
-           ({"add_generation_prompt": False}, "set by the server"), ({"not a name": 1}, "not a template variable"),
+           ({"add_generation_prompt": False}, "set by the server"), ({"eos_token": "x"}, "set by the server"),
+           ({"not a name": 1}, "not a template variable"),
            ({f"v{i}": i for i in range(33)}, "at most 32")]
     for kwargs, words in bad:
         code, err = post(c, "/v1/chat/completions", {"messages": MSGS, "max_tokens": 1, "chat_template_kwargs": kwargs})
