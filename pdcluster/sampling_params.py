@@ -29,6 +29,7 @@ MAX_LOGIT_BIAS = 1024
 MAX_LOGIT_BIAS_VALUE = 100.0
 # A tenant's id or a random token: long enough for either, short enough to hash per request.
 MAX_CACHE_SALT_CHARS = 256
+MAX_TRUNCATE_PROMPT_TOKENS = 2**31 - 1
 
 
 @dataclass(frozen=True, init=False)
@@ -65,6 +66,9 @@ class SamplingParams:
     # prefix index. Tenants that must not learn from each other's cache hits (TTFT) get
     # different salts. Encoder outputs are not salted.
     cache_salt: str | None = None
+    # vLLM's left truncation: keep only the prompt's last k tokens (-1: as many as the context
+    # holds beside max_tokens). None: a prompt too long for the context is refused.
+    truncate_prompt_tokens: int | None = None
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __init__(self, **kwargs: Any) -> None:
@@ -171,6 +175,9 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a boolean")
         self._set("logit_bias", _logit_bias(self.logit_bias))
         _check_cache_salt(self.cache_salt)
+        k = self.truncate_prompt_tokens
+        if k is not None and not (integer("truncate_prompt_tokens") == -1 or 1 <= k <= MAX_TRUNCATE_PROMPT_TOKENS):
+            raise ValueError(f"truncate_prompt_tokens must be -1 or in [1, {MAX_TRUNCATE_PROMPT_TOKENS}], got {k}")
         self._set("structured_outputs", StructuredOutputs.coerce(self.structured_outputs))
         if self.structured_outputs is not None:
             # The grammar ends at a stop token (eos or stop_token_ids): ignoring eos or banning
@@ -179,6 +186,15 @@ class SamplingParams:
                 raise ValueError("ignore_eos cannot be combined with structured_outputs")
             if self.min_tokens:
                 raise ValueError("min_tokens cannot be combined with structured_outputs")
+
+
+def truncated(ids: list[int], k: int | None, max_model_len: int | None, max_tokens: int) -> list[int]:
+    """The prompt ids that truncate_prompt_tokens=k keeps: the last k; -1: the last
+    max_model_len - max_tokens (at least 1), so the answer fits; unknown max_model_len: all."""
+    if k is None:
+        return ids
+    keep = (max(1, max_model_len - max_tokens) if max_model_len else len(ids)) if k == -1 else k
+    return ids[-keep:] if len(ids) > keep else ids
 
 
 def _check_cache_salt(salt: Any) -> None:

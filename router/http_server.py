@@ -174,7 +174,9 @@ class HttpFrontend:
             self.orch.count_refused("http", e)
             return _error(e)
         if len(preps) > 1 or opts.best_of > 1 or opts.echo:
-            echoes = [g.prompt if g.WhichOneof("input") == "prompt" else self.pre.tokenizer.decode(p.prompt_token_ids)
+            # The prompt as sent, unless truncate_prompt_tokens cut it: then what the model saw.
+            echoes = [g.prompt if g.WhichOneof("input") == "prompt" and not g.sampling_params.HasField(
+                "truncate_prompt_tokens") else self.pre.tokenizer.decode(p.prompt_token_ids)
                       for g, p in zip(greqs, preps)] if opts.echo else []
             return await FanOut(self, opts, preps, echoes).respond(request)
         prep = preps[0]

@@ -46,6 +46,7 @@ _SAMPLING_FIELDS: dict[str, tuple[str, str]] = {
     "include_stop_str_in_output": ("include_stop_str_in_output", "bool"),
     "skip_special_tokens": ("skip_special_tokens", "bool"),
     "cache_salt": ("cache_salt", "string"),
+    "truncate_prompt_tokens": ("truncate_prompt_tokens", "int"),
 }
 # Field -> the value that means "not used"; anything else is refused as unsupported.
 _UNSUPPORTED = {"suffix": None, "tools": None, "tool_choice": "none", "functions": None, "function_call": None}

@@ -21,7 +21,7 @@ import jinja2
 
 from pdcluster._proto import common_pb2, router_pb2
 from pdcluster.engine.tokenizer import Tokenizer
-from pdcluster.sampling_params import DEFAULT_MAX_STOP_TOKEN_IDS, SamplingParams
+from pdcluster.sampling_params import DEFAULT_MAX_STOP_TOKEN_IDS, SamplingParams, truncated
 
 from .config import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_MESSAGE_BYTES
 from .convert import sampling_params_from_proto
@@ -127,7 +127,12 @@ class Preprocessor:
         # 128 random bits as 32 hex digits, like uuid4().hex, at a seventh of its cost.
         request_id = _check_request_id(req.request_id) or secrets.token_hex(16)
         params = self._validate_params(req.sampling_params)
-        prompt_ids, images = await self._prompt_token_ids(req)
+        truncate = params.truncate_prompt_tokens
+        prompt_ids, images = await self._prompt_token_ids(req, refuse_long=truncate is None)
+        if truncate is not None:
+            if images:
+                raise invalid("truncate_prompt_tokens", "cannot be combined with images (a cut could split one)")
+            prompt_ids = truncated(prompt_ids, truncate, self.max_model_len, params.max_tokens)
         pb = common_pb2.SamplingParams()
         pb.CopyFrom(req.sampling_params)
         max_tokens = params.max_tokens
@@ -186,13 +191,15 @@ class Preprocessor:
         """The prompt's token ids as a generation would see them (/tokenize)."""
         return (await self._prompt_token_ids(req))[0]
 
-    async def _prompt_token_ids(self, req: router_pb2.GenerateRequest) -> tuple[list[int], list[bytes]]:
-        """-> (token ids, the chat's images in prompt order; [] for text)."""
+    async def _prompt_token_ids(self, req: router_pb2.GenerateRequest,
+                                refuse_long: bool = True) -> tuple[list[int], list[bytes]]:
+        """-> (token ids, the chat's images in prompt order; [] for text). refuse_long: refuse a
+        text far over the context from a prefix (not when the request truncates its prompt)."""
         which = req.WhichOneof("input")
         if which == "prompt":
             text = req.prompt
             if len(text) > _OFFLOAD_CHARS:
-                return await asyncio.to_thread(self._encode_long, text), []
+                return await asyncio.to_thread(self._encode_long, text, refuse_long), []
             return self.tokenizer.encode(text), []
         if which == "prompt_token_ids":
             ids = list(req.prompt_token_ids.ids)
@@ -205,10 +212,10 @@ class Preprocessor:
                 raise invalid("prompt_token_ids", f"token id {max(ids)} is out of range [0, {self.vocab_size})")
             return ids, []
         if which == "chat":
-            return await self._render_chat(req.chat)
+            return await self._render_chat(req.chat, refuse_long)
         raise invalid("input", "one of prompt, prompt_token_ids or chat is required")
 
-    async def _render_chat(self, chat: router_pb2.ChatMessages) -> tuple[list[int], list[bytes]]:
+    async def _render_chat(self, chat: router_pb2.ChatMessages, refuse_long: bool = True) -> tuple[list[int], list[bytes]]:
         if not chat.messages:
             raise invalid("messages", "must not be empty")
         if len(chat.messages) > MAX_CHAT_MESSAGES:
@@ -231,7 +238,7 @@ class Preprocessor:
         try:
             render = functools.partial(self.tokenizer.apply_chat_template, tools=tools, **variables)
             chars = sum(len(m["content"]) for m in messages) + len(chat.tools_json)
-            if chars > _OFFLOAD_CHARS:  # the messages' text alone may be over the limit: no rendering then
+            if chars > _OFFLOAD_CHARS and refuse_long:  # the messages' text alone may be over the limit: no rendering then
                 await asyncio.to_thread(self._refuse_if_too_long, "\n".join(m["content"] for m in messages),
                                         "messages")
             if images or chars > _OFFLOAD_CHARS:
@@ -265,11 +272,13 @@ class Preprocessor:
                 parts.append({"type": "text", "text": part.text})
         return parts
 
-    def _encode_long(self, text: str) -> list[int]:
+    def _encode_long(self, text: str, refuse_long: bool = True) -> list[int]:
         """A long prompt's ids, on a worker thread (the tokenizer holds the GIL while it encodes:
         measured, a 2 MB prompt held the router's loop for 2.2 s); one far over the context length
-        is refused from a prefix without encoding the rest."""
-        self._refuse_if_too_long(text, "prompt")
+        is refused from a prefix without encoding the rest (unless it is to be truncated: then all
+        of it is encoded, bounded by max_message_bytes)."""
+        if refuse_long:
+            self._refuse_if_too_long(text, "prompt")
         return self.tokenizer.encode(text)
 
     def _refuse_if_too_long(self, text: str, field: str) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from pdcluster.sampling_params import SamplingParams
+from pdcluster.sampling_params import SamplingParams, truncated
 
 if TYPE_CHECKING:
     from pdcluster.engine.tokenizer import Tokenizer
@@ -54,6 +54,7 @@ def process_prompt(
         raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
     if not ids:
         raise ValueError("prompt must not be empty (it tokenized to no tokens)")
+    ids = truncated(ids, params.truncate_prompt_tokens, max_model_len, params.max_tokens)
     # At least one position must remain for a generated token.
     if len(ids) >= max_model_len:
         raise ValueError(

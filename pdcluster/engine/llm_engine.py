@@ -97,6 +97,8 @@ class LLMEngine:
         request_id = validate_request_id(request_id if request_id is not None else self.new_request_id())
         mm_prompt, pixels = None, None
         if multi_modal_data is not None:
+            if params.truncate_prompt_tokens is not None:  # a cut could split an image's placeholders
+                raise ValueError("truncate_prompt_tokens cannot be combined with images")
             if self.mm_processor is None:
                 raise ValueError(f"multi_modal_data: model {self.config.model.architecture} takes no images")
             mm_prompt, pixels = self.mm_processor.preprocess(prompt, multi_modal_data)

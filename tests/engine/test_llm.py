@@ -212,3 +212,22 @@ def test_n_sequences_per_prompt(llama_case) -> None:
     llm.generate([salted], GREEDY)
     assert llm.generate([salted], GREEDY)[0].num_cached_tokens > 0
     assert llm.generate([{"prompt_token_ids": prompts[-1], "cache_salt": "t2"}], GREEDY)[0].num_cached_tokens == 0
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(llama_case) -> None:
+    """vLLM's truncate_prompt_tokens: the last k tokens (-1: as many as fit beside max_tokens)
+    generate exactly what those tokens alone generate; a prompt too long without it is refused."""
+    path, prompts, _ = llama_case
+    llm = LLM(path, dtype="float32", block_size=4, max_model_len=40)
+    long_prompt = prompts[3]  # 50 tokens: over this max_model_len
+    with pytest.raises(ValueError, match="max_model_len=40"):
+        llm.generate([long_prompt], GREEDY.replace(max_tokens=4))
+    out = llm.generate([long_prompt], GREEDY.replace(max_tokens=4, truncate_prompt_tokens=20))[0]
+    assert out.prompt_token_ids == long_prompt[-20:]
+    assert out.outputs[0].token_ids == llm.generate([long_prompt[-20:]], GREEDY.replace(max_tokens=4))[0].outputs[0].token_ids
+    out = llm.generate([long_prompt], GREEDY.replace(max_tokens=4, truncate_prompt_tokens=-1))[0]
+    assert out.prompt_token_ids == long_prompt[-36:] and len(out.outputs[0].token_ids) == 4
+    assert llm.generate([prompts[0]], GREEDY.replace(max_tokens=2, truncate_prompt_tokens=30))[0].prompt_token_ids == prompts[0]
+    for bad in (0, -2, 2**31):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens must be -1 or in"):
+            SamplingParams(truncate_prompt_tokens=bad)

@@ -388,3 +388,32 @@ def test_cache_salt_isolates_cached_prompts(cluster):
                            ("/v1/chat/completions", {"messages": msgs, "max_tokens": 1})):
             code, err = post(c, path, {**body, "model": _model(c), "cache_salt": bad})
             assert code == 400 and err["error"]["param"] == "cache_salt" and words in err["error"]["message"], err
+
+
+def test_truncate_prompt_tokens(cluster, reference):
+    """vLLM's truncate_prompt_tokens on completions and chat: the prompt's last k tokens; a text
+    far over the context is then encoded whole rather than refused from a prefix; echo shows what
+    the model saw; with images it is refused by name (not here: text model)."""
+    c = cluster(1)
+    oa = client(c)
+    tok = c.router.preprocessor.tokenizer
+    limit = c.router.preprocessor.max_model_len
+    text = "The quick brown fox jumps over the lazy dog. " * (limit // 4)
+    ids = tok.encode(text)
+    assert len(ids) > limit
+    code, err = post(c, "/v1/completions", {"prompt": text, "max_tokens": 2})
+    assert code == 400 and err["error"]["param"] == "prompt"
+    r = oa.completions.create(model=_model(c), prompt=text, max_tokens=3, temperature=0,
+                              extra_body={"ignore_eos": True, "truncate_prompt_tokens": 24})
+    assert r.usage.prompt_tokens == 24
+    assert r.choices[0].text == reference.generate(ids[-24:], max_tokens=3).text
+    r = oa.completions.create(model=_model(c), prompt=text, max_tokens=3, temperature=0, echo=True,
+                              extra_body={"ignore_eos": True, "truncate_prompt_tokens": -1})
+    assert r.usage.prompt_tokens == limit - 3
+    assert r.choices[0].text.startswith(tok.decode(ids[-(limit - 3):]))
+    chat = oa.chat.completions.create(model=_model(c), messages=[{"role": "user", "content": text}], max_tokens=2,
+                                      extra_body={"truncate_prompt_tokens": 40})
+    assert chat.usage.prompt_tokens == 40
+    for bad in (0, -5, "x", 1.5):
+        code, err = post(c, "/v1/completions", {"prompt": "x", "truncate_prompt_tokens": bad})
+        assert code == 400 and err["error"]["param"] == "truncate_prompt_tokens", err
