@@ -45,7 +45,8 @@ from .preprocess import Preprocessor
 from .reasoning import for_request
 from .registry import WorkerRegistry
 from .request_state import RequestState
-from .responses_api import ResponseShaper, parse_responses, rename_error
+from .responses_api import parse_responses, rename_error
+from .responses_shaper import ResponseShaper
 
 log = logging.getLogger(__name__)
 
