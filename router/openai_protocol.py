@@ -86,6 +86,7 @@ class OpenAIOptions:
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: the prompt's logprobs in the answer
     reasoning: ReasoningParser | None = None  # chat: split the thought out (the server's --reasoning-parser)
     include_reasoning: bool = True  # vLLM's include_reasoning: false drops the thought from the answer
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
 
 
 def parse_completion(body: Any, default_model: str) -> tuple[router_pb2.GenerateRequest, OpenAIOptions]:
@@ -250,17 +251,25 @@ def _common(body: dict, req: router_pb2.GenerateRequest, default_model: str, *, 
         _set(sp, "logprobs", logprobs, "logprobs" if not chat else "top_logprobs")
     stream = _bool(body, "stream", False)
     options = body.get("stream_options")
-    include_usage = False
+    include_usage = continuous_usage = False
     if options is not None:
         if not stream:
             raise invalid("stream_options", "only allowed when stream is true")
         if not isinstance(options, dict):
             raise invalid("stream_options", "must be an object")
+        unknown = sorted(set(options) - {"include_usage", "continuous_usage_stats"})
+        if unknown:
+            raise invalid("stream_options", f"unknown field(s) {unknown}; known: ['continuous_usage_stats', "
+                                            "'include_usage']")
         include_usage = _bool(options, "include_usage", False, "stream_options.include_usage")
+        # vLLM's: the running usage on every chunk (it implies the final usage chunk too).
+        continuous_usage = _bool(options, "continuous_usage_stats", False, "stream_options.continuous_usage_stats")
+        include_usage = include_usage or continuous_usage
     if stream and best_of > n:
         raise invalid("best_of", "best_of > n cannot be streamed (the best are known only at the end)")
     req.stream = stream
     return OpenAIOptions(model or default_model, stream, include_usage, logprobs, chat, n, best_of, echo, structured,
+                         continuous_usage=continuous_usage,
                          prompt_logprobs=prompt_logprobs)
 
 

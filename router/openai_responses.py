@@ -249,7 +249,9 @@ class ResponseBuilder:
     def _chunk(self, choice: dict[str, Any] | None) -> dict[str, Any]:
         chunk = {"id": self.id, "object": "chat.completion.chunk" if self.opts.chat else "text_completion",
                  "created": self.created, "model": self.opts.model, "choices": [choice] if choice else []}
-        if self.opts.include_usage:
+        if self.opts.continuous_usage and choice is not None:
+            chunk["usage"] = self.usage()  # vLLM's continuous_usage_stats: the counts so far
+        elif self.opts.include_usage:
             chunk["usage"] = None  # OpenAI: null on every chunk but the last
         return chunk
 

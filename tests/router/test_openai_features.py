@@ -417,3 +417,26 @@ def test_truncate_prompt_tokens(cluster, reference):
     for bad in (0, -5, "x", 1.5):
         code, err = post(c, "/v1/completions", {"prompt": "x", "truncate_prompt_tokens": bad})
         assert code == 400 and err["error"]["param"] == "truncate_prompt_tokens", err
+
+
+def test_stream_options_continuous_usage_stats(cluster):
+    """vLLM's stream_options.continuous_usage_stats: the running usage on every chunk, then the
+    final usage chunk; an unknown stream_options field is refused by name, never ignored."""
+    c = cluster(1)
+    for path, body in (("/v1/completions", {"prompt": [5, 6, 7]}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        host, port = c.http_url.removeprefix("http://").rsplit(":", 1)
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.request("POST", path, body=json.dumps({
+            **body, "model": _model(c), "max_tokens": 5, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"continuous_usage_stats": True}}).encode(), headers={"Content-Type": "application/json"})
+        lines = conn.getresponse().read().decode().splitlines()
+        conn.close()
+        chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        with_choices = [ch for ch in chunks if ch["choices"]]
+        counts = [ch["usage"]["completion_tokens"] for ch in with_choices]
+        assert counts == sorted(counts) and counts[-1] == 5, counts
+        assert all(ch["usage"]["prompt_tokens"] > 0 for ch in with_choices)
+        assert not chunks[-1]["choices"] and chunks[-1]["usage"]["completion_tokens"] == 5
+        code, err = post(c, path, {**body, "stream": True, "stream_options": {"include_usage": True, "extra": 1}})
+        assert code == 400 and err["error"]["param"] == "stream_options" and "extra" in err["error"]["message"]
