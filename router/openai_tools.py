@@ -141,7 +141,10 @@ def _call_for_template(call: Any, i: int) -> dict[str, Any]:
 
 
 def _loads(text: str) -> Any:
+    """Parsed JSON, or None when it is none. Nesting deeper than the parser's stack is none too:
+    a client's arguments string (inside a body whose own depth was bounded) or a model's output may
+    be "[[[[...". What is parsed goes on into tool_calls_json, whose depth the Preprocessor bounds."""
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None

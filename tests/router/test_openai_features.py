@@ -334,6 +334,17 @@ def test_tool_calls(cluster):
     r = oa.chat.completions.create(model=_model(c), messages=msgs, tools=TOOLS, tool_choice="none", max_tokens=3,
                                    temperature=0)
     assert r.choices[0].message.tool_calls is None
+    # Arguments are a JSON string inside the body, out of the body's depth check: a deep one is a
+    # 400 naming messages (its depth bounded where the template gets it), never a 500.
+    deep = [msgs[0], {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "[" * 100_000}}]}]
+    code, err = post(c, "/v1/chat/completions", {"model": _model(c), "messages": deep, "tools": TOOLS, "max_tokens": 1})
+    assert code == 200 or (code == 400 and err["error"]["param"] == "messages"), err
+    deeper = [msgs[0], {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "get_weather",
+                                                     "arguments": "[" * 500 + "]" * 500}}]}]
+    code, err = post(c, "/v1/chat/completions", {"model": _model(c), "messages": deeper, "tools": TOOLS, "max_tokens": 1})
+    assert code == 400 and err["error"]["param"] == "messages" and "deeper than the limit" in err["error"]["message"]
 
 
 def test_hermes_tool_call_parsing():
