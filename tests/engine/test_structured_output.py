@@ -79,7 +79,19 @@ def test_uncompilable_spec_is_a_value_error(llm, so, field):
         llm.generate(["hi"], SamplingParams(structured_outputs=so))
 
 
+def _nested(levels: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(levels - 1):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
 @pytest.mark.parametrize("kw,field", [({"structured_outputs": {"json": "{nope"}}, "structured_outputs.json"),
+                                      # deeper than json.loads' stack (was a RecursionError), and than
+                                      # what xgrammar compiles quickly (900 levels: 40 s), as text or object
+                                      ({"structured_outputs": {"json": "[" * 5000}}, "nests deeper than 64"),
+                                      ({"structured_outputs": {"json": _nested(65)}}, "nests deeper than 64"),
+                                      ({"structured_outputs": {"json": json.dumps(_nested(65))}}, "nests deeper"),
                                       ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
                                       ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "exactly one"),
                                       ({"structured_outputs": {"regex": "a"}, "ignore_eos": True}, "ignore_eos"),
@@ -190,3 +202,7 @@ def test_the_async_engine_compiles_grammars_off_the_event_loop(llm, monkeypatch)
         engine.shutdown()
     assert len(threads) == 1 and threads[0] is not loop_thread
     jsonschema.validate(json.loads("".join(o.outputs[0].text for o in outs)), SCHEMA)
+
+
+def test_a_deep_but_bounded_schema_is_taken():
+    assert SamplingParams(structured_outputs={"json": _nested(64)}).structured_outputs is not None
