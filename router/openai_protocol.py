@@ -180,6 +180,7 @@ def parse_chat(body: Any, default_model: str, image_limits: ImageLimits | None =
                 raise invalid("messages", f"messages[{i}].name must be a string")
             msg.name = name
         chat_message_tool_fields(m, i, msg)
+        _message_extras(m, i, msg)
     req.chat.add_generation_prompt = _bool(body, "add_generation_prompt", True)
     variables = body.get("chat_template_kwargs")
     if variables is not None:  # the names are checked once, for both frontends, by the Preprocessor
@@ -271,6 +272,30 @@ def _common(body: dict, req: router_pb2.GenerateRequest, default_model: str, *, 
     return OpenAIOptions(model or default_model, stream, include_usage, logprobs, chat, n, best_of, echo, structured,
                          continuous_usage=continuous_usage,
                          prompt_logprobs=prompt_logprobs)
+
+
+# A message's keys: those read above; the thought of an earlier answer; and what OpenAI's SDK
+# writes into an answer it hands back as history (null or empty there: nothing to honour).
+_MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "reasoning", "reasoning_content"})
+_EMPTY_MESSAGE_KEYS = frozenset({"refusal", "annotations", "audio", "function_call"})
+
+
+def _message_extras(m: dict, i: int, msg: Any) -> None:
+    """The thought of an earlier assistant answer goes to the template; any other key is refused
+    by name unless it is one of the SDK's empty ones."""
+    for key, value in m.items():
+        if key in _MESSAGE_KEYS:
+            continue
+        if key in _EMPTY_MESSAGE_KEYS and value in (None, "", [], {}):
+            continue
+        raise invalid("messages", f"messages[{i}].{str(key)[:64]} is not supported")
+    thought = m.get("reasoning_content", m.get("reasoning"))
+    if thought is not None:
+        if not isinstance(thought, str):
+            raise invalid("messages", f"messages[{i}].reasoning must be a string")
+        if m["role"] != "assistant":
+            raise invalid("messages", f"messages[{i}].reasoning: only an assistant message has one")
+        msg.reasoning_content = thought
 
 
 def _count(body: dict, name: str, default: int, low: int) -> int:

@@ -230,6 +230,8 @@ class Preprocessor:
                 msg["name"] = m.name
             if m.HasField("tool_call_id"):
                 msg["tool_call_id"] = m.tool_call_id
+            if m.HasField("reasoning_content"):
+                msg["reasoning_content"] = m.reasoning_content
             if m.tool_calls_json:
                 msg["tool_calls"] = self._json_field(m.tool_calls_json, "messages", f"messages[{i}].tool_calls_json")
             messages.append(msg)

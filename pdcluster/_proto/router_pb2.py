@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import common_pb2 as pdcluster_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdcluster/v1/router.proto\x12\x0cpdcluster.v1\x1a\x19pdcluster/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xb7\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x11\n\x04name\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x19\n\x0ctool_call_id\x18\x04 \x01(\tH\x01\x88\x01\x01\x12\x17\n\x0ftool_calls_json\x18\x05 \x01(\t\x12(\n\x05parts\x18\x06 \x03(\x0b\x32\x19.pdcluster.v1.ContentPartB\x07\n\x05_nameB\x0f\n\r_tool_call_id\"6\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x0f\n\x05image\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"\x8c\x01\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.pdcluster.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\x12\x12\n\ntools_json\x18\x03 \x01(\t\x12\x1c\n\x14template_kwargs_json\x18\x04 \x01(\t\"\x97\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x32\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x16.pdcluster.v1.TokenIdsH\x00\x12*\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1a.pdcluster.v1.ChatMessagesH\x00\x12\x35\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1c.pdcluster.v1.SamplingParams\x12\x0e\n\x06stream\x18\x06 \x01(\x08\x12\r\n\x05model\x18\x07 \x01(\t\x12\x1f\n\x17return_prompt_token_ids\x18\x08 \x01(\x08\x42\x07\n\x05input\"\x84\x01\n\tRouteInfo\x12\x19\n\x11prefill_worker_id\x18\x01 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x02 \x01(\t\x12\x15\n\rdisaggregated\x18\x03 \x01(\x08\x12\x13\n\x0bnum_retries\x18\x04 \x01(\r\x12\x16\n\x0enum_migrations\x18\x05 \x01(\r\"\xe3\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.pdcluster.v1.SampleLogprobs\x12\x1b\n\x13token_arrival_times\x18\x05 \x03(\x01\x12\x10\n\x08\x66inished\x18\x06 \x01(\x08\x12\x31\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x1a.pdcluster.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x08 \x01(\rH\x00\x12\x12\n\x08stop_str\x18\t \x01(\tH\x00\x12\"\n\x05usage\x18\n \x01(\x0b\x32\x13.pdcluster.v1.Usage\x12\x15\n\rerror_message\x18\x0b \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x0c \x03(\r\x12&\n\x05route\x18\r \x01(\x0b\x32\x17.pdcluster.v1.RouteInfo\x12\x18\n\x10\x66irst_token_time\x18\x0e \x01(\x01\x12\x35\n\x0fprompt_logprobs\x18\x0f \x03(\x0b\x32\x1c.pdcluster.v1.SampleLogprobsB\r\n\x0bstop_reason\"<\n\x12ListWorkersRequest\x12&\n\x04role\x18\x01 \x01(\x0e\x32\x18.pdcluster.v1.WorkerRole\"\xeb\x01\n\x0bWorkerEntry\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12&\n\x04role\x18\x03 \x01(\x0e\x32\x18.pdcluster.v1.WorkerRole\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12\x14\n\x0cnum_inflight\x18\x05 \x01(\r\x12(\n\x05stats\x18\x06 \x01(\x0b\x32\x19.pdcluster.v1.WorkerStats\x12\x13\n\x0bstats_age_s\x18\x07 \x01(\x01\x12\x13\n\x0b\x65\x63_endpoint\x18\x08 \x01(\t\x12\x15\n\rec_public_key\x18\t \x01(\x0c\"A\n\x13ListWorkersResponse\x12*\n\x07workers\x18\x01 \x03(\x0b\x32\x19.pdcluster.v1.WorkerEntry2\xeb\x01\n\x06Router\x12K\n\x08Generate\x12\x1d.pdcluster.v1.GenerateRequest\x1a\x1e.pdcluster.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.pdcluster.v1.AbortRequest\x1a\x1b.pdcluster.v1.AbortResponse\x12R\n\x0bListWorkers\x12 .pdcluster.v1.ListWorkersRequest\x1a!.pdcluster.v1.ListWorkersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdcluster/v1/router.proto\x12\x0cpdcluster.v1\x1a\x19pdcluster/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xed\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x11\n\x04name\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x19\n\x0ctool_call_id\x18\x04 \x01(\tH\x01\x88\x01\x01\x12\x17\n\x0ftool_calls_json\x18\x05 \x01(\t\x12(\n\x05parts\x18\x06 \x03(\x0b\x32\x19.pdcluster.v1.ContentPart\x12\x1e\n\x11reasoning_content\x18\x07 \x01(\tH\x02\x88\x01\x01\x42\x07\n\x05_nameB\x0f\n\r_tool_call_idB\x14\n\x12_reasoning_content\"6\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x0f\n\x05image\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"\x8c\x01\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.pdcluster.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\x12\x12\n\ntools_json\x18\x03 \x01(\t\x12\x1c\n\x14template_kwargs_json\x18\x04 \x01(\t\"\x97\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x32\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x16.pdcluster.v1.TokenIdsH\x00\x12*\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1a.pdcluster.v1.ChatMessagesH\x00\x12\x35\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1c.pdcluster.v1.SamplingParams\x12\x0e\n\x06stream\x18\x06 \x01(\x08\x12\r\n\x05model\x18\x07 \x01(\t\x12\x1f\n\x17return_prompt_token_ids\x18\x08 \x01(\x08\x42\x07\n\x05input\"\x84\x01\n\tRouteInfo\x12\x19\n\x11prefill_worker_id\x18\x01 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x02 \x01(\t\x12\x15\n\rdisaggregated\x18\x03 \x01(\x08\x12\x13\n\x0bnum_retries\x18\x04 \x01(\r\x12\x16\n\x0enum_migrations\x18\x05 \x01(\r\"\xe3\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.pdcluster.v1.SampleLogprobs\x12\x1b\n\x13token_arrival_times\x18\x05 \x03(\x01\x12\x10\n\x08\x66inished\x18\x06 \x01(\x08\x12\x31\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x1a.pdcluster.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x08 \x01(\rH\x00\x12\x12\n\x08stop_str\x18\t \x01(\tH\x00\x12\"\n\x05usage\x18\n \x01(\x0b\x32\x13.pdcluster.v1.Usage\x12\x15\n\rerror_message\x18\x0b \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x0c \x03(\r\x12&\n\x05route\x18\r \x01(\x0b\x32\x17.pdcluster.v1.RouteInfo\x12\x18\n\x10\x66irst_token_time\x18\x0e \x01(\x01\x12\x35\n\x0fprompt_logprobs\x18\x0f \x03(\x0b\x32\x1c.pdcluster.v1.SampleLogprobsB\r\n\x0bstop_reason\"<\n\x12ListWorkersRequest\x12&\n\x04role\x18\x01 \x01(\x0e\x32\x18.pdcluster.v1.WorkerRole\"\xeb\x01\n\x0bWorkerEntry\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12&\n\x04role\x18\x03 \x01(\x0e\x32\x18.pdcluster.v1.WorkerRole\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12\x14\n\x0cnum_inflight\x18\x05 \x01(\r\x12(\n\x05stats\x18\x06 \x01(\x0b\x32\x19.pdcluster.v1.WorkerStats\x12\x13\n\x0bstats_age_s\x18\x07 \x01(\x01\x12\x13\n\x0b\x65\x63_endpoint\x18\x08 \x01(\t\x12\x15\n\rec_public_key\x18\t \x01(\x0c\"A\n\x13ListWorkersResponse\x12*\n\x07workers\x18\x01 \x03(\x0b\x32\x19.pdcluster.v1.WorkerEntry2\xeb\x01\n\x06Router\x12K\n\x08Generate\x12\x1d.pdcluster.v1.GenerateRequest\x1a\x1e.pdcluster.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.pdcluster.v1.AbortRequest\x1a\x1b.pdcluster.v1.AbortResponse\x12R\n\x0bListWorkers\x12 .pdcluster.v1.ListWorkersRequest\x1a!.pdcluster.v1.ListWorkersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,23 +35,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=70
   _globals['_TOKENIDS']._serialized_end=93
   _globals['_CHATMESSAGE']._serialized_start=96
-  _globals['_CHATMESSAGE']._serialized_end=279
-  _globals['_CONTENTPART']._serialized_start=281
-  _globals['_CONTENTPART']._serialized_end=335
-  _globals['_CHATMESSAGES']._serialized_start=338
-  _globals['_CHATMESSAGES']._serialized_end=478
-  _globals['_GENERATEREQUEST']._serialized_start=481
-  _globals['_GENERATEREQUEST']._serialized_end=760
-  _globals['_ROUTEINFO']._serialized_start=763
-  _globals['_ROUTEINFO']._serialized_end=895
-  _globals['_GENERATERESPONSE']._serialized_start=898
-  _globals['_GENERATERESPONSE']._serialized_end=1381
-  _globals['_LISTWORKERSREQUEST']._serialized_start=1383
-  _globals['_LISTWORKERSREQUEST']._serialized_end=1443
-  _globals['_WORKERENTRY']._serialized_start=1446
-  _globals['_WORKERENTRY']._serialized_end=1681
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=1683
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=1748
-  _globals['_ROUTER']._serialized_start=1751
-  _globals['_ROUTER']._serialized_end=1986
+  _globals['_CHATMESSAGE']._serialized_end=333
+  _globals['_CONTENTPART']._serialized_start=335
+  _globals['_CONTENTPART']._serialized_end=389
+  _globals['_CHATMESSAGES']._serialized_start=392
+  _globals['_CHATMESSAGES']._serialized_end=532
+  _globals['_GENERATEREQUEST']._serialized_start=535
+  _globals['_GENERATEREQUEST']._serialized_end=814
+  _globals['_ROUTEINFO']._serialized_start=817
+  _globals['_ROUTEINFO']._serialized_end=949
+  _globals['_GENERATERESPONSE']._serialized_start=952
+  _globals['_GENERATERESPONSE']._serialized_end=1435
+  _globals['_LISTWORKERSREQUEST']._serialized_start=1437
+  _globals['_LISTWORKERSREQUEST']._serialized_end=1497
+  _globals['_WORKERENTRY']._serialized_start=1500
+  _globals['_WORKERENTRY']._serialized_end=1735
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=1737
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=1802
+  _globals['_ROUTER']._serialized_start=1805
+  _globals['_ROUTER']._serialized_end=2040
 # @@protoc_insertion_point(module_scope)

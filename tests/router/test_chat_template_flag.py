@@ -120,3 +120,30 @@ def test_chat_template_kwargs(cluster, reference) -> None:
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert e.value.details().startswith(name) and "deeper than the limit of 32" in e.value.details()
     assert post(c, "/v1/chat/completions", {"messages": MSGS, "max_tokens": 1})[0] == 200
+
+
+REASONING_TEMPLATE = ("{% for m in messages %}[{{ m.role }}]{% if m.reasoning_content is defined %}"
+                      "<think>{{ m.reasoning_content }}</think>{% endif %} {{ m.content }}\n{% endfor %}")
+
+
+def test_history_message_keys(cluster) -> None:
+    """An earlier answer's thought (`reasoning` / `reasoning_content`) reaches the template as
+    reasoning_content; the empty keys OpenAI's SDK writes into a message are taken; any other key
+    is refused by name, never ignored."""
+    c = cluster(1, chat_template=REASONING_TEMPLATE)
+    tok = c.router.preprocessor.tokenizer
+    for key in ("reasoning", "reasoning_content"):
+        history = [{"role": "user", "content": "2+2?"},
+                   {"role": "assistant", "content": "4", key: "add them", "refusal": None, "annotations": [],
+                    "audio": None, "function_call": None, "tool_calls": None},
+                   {"role": "user", "content": "and 3+3?"}]
+        code, body = post(c, "/tokenize", {"messages": history, "add_generation_prompt": False})
+        want = "[user] 2+2?\n[assistant]<think>add them</think> 4\n[user] and 3+3?\n"
+        assert code == 200 and body["tokens"] == tok.encode(want, add_special_tokens=False), key
+    bad = [({"role": "user", "content": "x", "weight": 2}, "messages[0].weight is not supported"),
+           ({"role": "user", "content": "x", "refusal": "no"}, "messages[0].refusal is not supported"),
+           ({"role": "user", "content": "x", "reasoning": "hm"}, "only an assistant message"),
+           ({"role": "assistant", "content": "x", "reasoning": 5}, "must be a string")]
+    for message, words in bad:
+        code, err = post(c, "/v1/chat/completions", {"messages": [message], "max_tokens": 1})
+        assert code == 400 and err["error"]["param"] == "messages" and words in err["error"]["message"], err
