@@ -13,7 +13,7 @@ the whole answer's fields. While the text might still be a tag (a chunk ending i
 tail is held back until the next chunk or the end says what it was.
 
 Structured output and forced tool calls constrain the output from its first token, so there is no
-room for a thought there: those requests are not split (see `applies`).
+room for a thought there: those requests are not split (see `for_request`).
 """
 
 from __future__ import annotations
