@@ -289,7 +289,9 @@ def _message_extras(m: dict, i: int, msg: Any) -> None:
         if key in _EMPTY_MESSAGE_KEYS and value in (None, "", [], {}):
             continue
         raise invalid("messages", f"messages[{i}].{str(key)[:64]} is not supported")
-    thought = m.get("reasoning_content", m.get("reasoning"))
+    thought = m.get("reasoning_content")
+    if thought is None:  # vLLM 0.32's name; a null reasoning_content beside it does not hide it
+        thought = m.get("reasoning")
     if thought is not None:
         if not isinstance(thought, str):
             raise invalid("messages", f"messages[{i}].reasoning must be a string")

@@ -132,14 +132,15 @@ def test_history_message_keys(cluster) -> None:
     is refused by name, never ignored."""
     c = cluster(1, chat_template=REASONING_TEMPLATE)
     tok = c.router.preprocessor.tokenizer
-    for key in ("reasoning", "reasoning_content"):
+    for keys in ({"reasoning": "add them"}, {"reasoning_content": "add them"},
+                 {"reasoning_content": None, "reasoning": "add them"}):
         history = [{"role": "user", "content": "2+2?"},
-                   {"role": "assistant", "content": "4", key: "add them", "refusal": None, "annotations": [],
+                   {"role": "assistant", "content": "4", **keys, "refusal": None, "annotations": [],
                     "audio": None, "function_call": None, "tool_calls": None},
                    {"role": "user", "content": "and 3+3?"}]
         code, body = post(c, "/tokenize", {"messages": history, "add_generation_prompt": False})
         want = "[user] 2+2?\n[assistant]<think>add them</think> 4\n[user] and 3+3?\n"
-        assert code == 200 and body["tokens"] == tok.encode(want, add_special_tokens=False), key
+        assert code == 200 and body["tokens"] == tok.encode(want, add_special_tokens=False), keys
     bad = [({"role": "user", "content": "x", "weight": 2}, "messages[0].weight is not supported"),
            ({"role": "user", "content": "x", "refusal": "no"}, "messages[0].refusal is not supported"),
            ({"role": "user", "content": "x", "reasoning": "hm"}, "only an assistant message"),
