@@ -188,6 +188,12 @@ class SamplingParams:
                 raise ValueError("min_tokens cannot be combined with structured_outputs")
 
 
+def sibling_seed(seed: int, j: int) -> int:
+    """Sequence j's seed when one request asks for n: seed + j, wrapping, so the sequences differ
+    and each is reproducible (LLM.generate and the HTTP fan-out agree on it)."""
+    return (seed + j) % (MAX_SEED + 1)
+
+
 def truncated(ids: list[int], k: int | None, max_model_len: int | None, max_tokens: int) -> list[int]:
     """The prompt ids that truncate_prompt_tokens=k keeps: the last k; -1: the last
     max_model_len - max_tokens (at least 1), so the answer fits; unknown max_model_len: all."""

@@ -13,8 +13,6 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from pdcluster.json_depth import depth
-
 # A spec is compiled once per engine and cached; big specs cost compile time and cache memory.
 MAX_SPEC_CHARS = 64 * 1024
 # xgrammar's compile time grows steeply with a schema's nesting (arrays of arrays, the demo
@@ -98,26 +96,27 @@ def _schema_text(value: Any) -> str:
             raise ValueError(f"structured_outputs.json nests deeper than {MAX_SCHEMA_DEPTH} levels") from None
         except ValueError as e:
             raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
-    if depth(value, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
-        raise ValueError(f"structured_outputs.json nests deeper than {MAX_SCHEMA_DEPTH} levels")
     if not isinstance(value, (dict, bool)):
         raise ValueError("structured_outputs.json must be a JSON schema (an object or a boolean)")
+    _check_schema_shape(value)  # before json.dumps, which recurses per level too
     text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     _text("json", text)
-    _check_optional_properties(value)
     return text
 
 
-def _check_optional_properties(schema: Any) -> None:
-    """ValueError when an object schema has more optional properties than MAX_OPTIONAL_PROPERTIES,
-    or the whole schema more than MAX_OPTIONAL_PROPERTIES_TOTAL. Iterative: any depth."""
-    total, stack = 0, [schema]
+def _check_schema_shape(schema: Any) -> None:
+    """ValueError when the schema nests deeper than MAX_SCHEMA_DEPTH, when an object schema has
+    more optional properties than MAX_OPTIONAL_PROPERTIES, or the whole schema more than
+    MAX_OPTIONAL_PROPERTIES_TOTAL. One iterative walk: any depth is counted, none recursed into."""
+    total, stack = 0, [(schema, 1)]
     while stack:
-        node = stack.pop()
-        if isinstance(node, list):
-            stack.extend(node)
+        node, level = stack.pop()
+        if not isinstance(node, (dict, list)):
             continue
-        if not isinstance(node, dict):
+        if level > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"structured_outputs.json nests deeper than {MAX_SCHEMA_DEPTH} levels")
+        if isinstance(node, list):
+            stack.extend((child, level + 1) for child in node)
             continue
         props = node.get("properties")
         if isinstance(props, dict):
@@ -131,7 +130,7 @@ def _check_optional_properties(schema: Any) -> None:
             if total > MAX_OPTIONAL_PROPERTIES_TOTAL:
                 raise ValueError(f"structured_outputs.json: the schema has more than {MAX_OPTIONAL_PROPERTIES_TOTAL} "
                                  "optional properties in all")
-        stack.extend(node.values())
+        stack.extend((child, level + 1) for child in node.values())
 
 
 def _choices(value: Any) -> tuple[str, ...]:

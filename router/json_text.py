@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pdcluster.json_depth import depth
-
 from .errors import RouterError, invalid
 
 
@@ -36,3 +34,16 @@ def too_deep(field: str, what: str, max_depth: int) -> RouterError:
     return invalid(field, f"{what} nests JSON deeper than the limit of {max_depth} levels")
 
 
+def depth(obj: Any, limit: int) -> int:
+    """Nesting depth of parsed JSON (a scalar is 0), iteratively; stops counting once past limit."""
+    deepest = 0
+    stack = [(obj, 1)] if isinstance(obj, (dict, list)) else []
+    while stack:
+        node, d = stack.pop()
+        if d > deepest:
+            deepest = d
+            if deepest > limit:
+                return deepest
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, d + 1) for c in children if isinstance(c, (dict, list)))
+    return deepest

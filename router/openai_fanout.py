@@ -26,7 +26,7 @@ import grpc
 from aiohttp import web
 
 from pdcluster._proto import common_pb2, worker_pb2
-from pdcluster.sampling_params import MAX_SEED
+from pdcluster.sampling_params import sibling_seed
 
 from .errors import RouterError
 from .openai_protocol import OpenAIOptions
@@ -202,7 +202,7 @@ def _sibling(prep: PreparedRequest, request_id: str, j: int, *, force_logprobs: 
     sp = common_pb2.SamplingParams()
     sp.CopyFrom(prep.sampling_params)
     if j and sp.HasField("seed"):
-        sp.seed = (sp.seed + j) % (MAX_SEED + 1)
+        sp.seed = sibling_seed(sp.seed, j)
     if force_logprobs and not sp.HasField("logprobs"):
         sp.logprobs = 0  # the sampled token's logprob: best_of ranks by their sum
     return replace(prep, request_id=request_id, sampling_params=sp)

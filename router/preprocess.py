@@ -80,6 +80,8 @@ class Preprocessor:
         self.tokenizer = tokenizer
         self.max_message_bytes = max_message_bytes
         self.max_json_depth = max_json_depth  # JSON in a request's string fields (tools, template variables)
+        # chat_template_kwargs may not set these; the tokenizer's special tokens are the server's too.
+        self._reserved_variables = RESERVED_TEMPLATE_VARIABLES.union(tokenizer.special_tokens)
         # A multimodal model's image token and count (None: text-only, images refused), and the
         # limits on images per request and bytes per image.
         self.image_placeholders = image_placeholders
@@ -105,9 +107,8 @@ class Preprocessor:
         return loads_bounded(text, self.max_json_depth, field, what)
 
     def _template_kwargs(self, text: str) -> dict[str, Any]:
-        # The tokenizer's special tokens (bos_token, ...) are the server's to set too.
         return _check_template_kwargs(self._json_field(text, "chat_template_kwargs", "chat_template_kwargs"),
-                                      RESERVED_TEMPLATE_VARIABLES.union(self.tokenizer.special_tokens))
+                                      self._reserved_variables)
 
     def token_text(self, token_id: int) -> str:
         """One token's text (logprobs when the worker sent no decoded text)."""

@@ -8,7 +8,7 @@ from typing import Any
 from pdcluster.config import EngineArgs
 from pdcluster.engine.llm_engine import LLMEngine
 from pdcluster.engine.outputs import RequestOutput
-from pdcluster.sampling_params import MAX_SEED, SamplingParams
+from pdcluster.sampling_params import SamplingParams, sibling_seed
 
 # A text prompt, token ids, or vLLM's dict {"prompt": str, "multi_modal_data": {"image": ...}}.
 PromptType = str | Sequence[int] | dict[str, Any]
@@ -118,11 +118,10 @@ def _unpack(prompt: dict[str, Any]) -> tuple[Any, Any, Any]:
 
 
 def sibling_params(params: SamplingParams, j: int) -> SamplingParams:
-    """Sequence j of a request for n sequences: one engine request; a seeded one samples with
-    seed + j (wrapping), so the sequences differ and each is reproducible."""
+    """Sequence j of a request for n sequences: one engine request, seeded with sibling_seed."""
     if params.n == 1:
         return params
-    seed = None if params.seed is None else (params.seed + j) % (MAX_SEED + 1)
+    seed = None if params.seed is None else sibling_seed(params.seed, j)
     return params.replace(n=1, seed=seed)
 
 
