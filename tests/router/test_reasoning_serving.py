@@ -74,10 +74,9 @@ def test_the_flag_reaches_every_router(tmp_path):
 
     from pdcluster.cluster.cli import build_parser
     from pdcluster.cluster.config import ConfigError
+    from pdcluster.cluster.router_cmd import REASONING_PARSER_NAMES
     from pdcluster.cluster.up_cmd import add_up_commands, build_config
     from pdcluster.router.config import RouterConfig
-
-    from pdcluster.cluster.router_cmd import REASONING_PARSER_NAMES
     from pdcluster.router.reasoning import REASONING_PARSERS
 
     assert sorted(REASONING_PARSER_NAMES) == sorted(REASONING_PARSERS)  # the CLI's import-free copy
