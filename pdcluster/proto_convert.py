@@ -45,8 +45,11 @@ ROLE_TO_PROTO = {
 }
 ROLE_FROM_PROTO = {v: k for k, v in ROLE_TO_PROTO.items()}
 
-_SP_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name != "extra")
-_SP_REPEATED = frozenset({"stop", "stop_token_ids"})
+# Derived by the engine that receives the request (from bad_words): never on the wire.
+ENGINE_ONLY_FIELDS = frozenset({"bad_words_token_ids"})
+_SP_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams)
+                   if f.name != "extra" and f.name not in ENGINE_ONLY_FIELDS)
+_SP_REPEATED = frozenset({"stop", "stop_token_ids", "allowed_token_ids", "bad_words"})
 _SP_MESSAGES = frozenset({"structured_outputs", "logit_bias"})  # converted by hand below
 _SO_FIELDS = ("json", "regex", "choice", "grammar", "json_object")
 _KV_FIELDS = frozenset(f.name for f in dataclasses.fields(KVTransferParams)) - {"extra"}

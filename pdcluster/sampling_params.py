@@ -30,6 +30,14 @@ MAX_LOGIT_BIAS_VALUE = 100.0
 # A tenant's id or a random token: long enough for either, short enough to hash per request.
 MAX_CACHE_SALT_CHARS = 256
 MAX_TRUNCATE_PROMPT_TOKENS = 2**31 - 1
+# allowed_token_ids masks every other logit each step (O(vocab) per row): enough for any choice
+# among words or labels, bounded like the other per-step lists.
+MAX_ALLOWED_TOKEN_IDS = 4096
+# bad_words are tokenized once per request (each word with and without a leading space) and
+# matched against the output's tail every step.
+MAX_BAD_WORDS = 64
+MAX_BAD_WORD_CHARS = 256
+MAX_BAD_WORD_TOKENS = 4 * MAX_BAD_WORD_CHARS + 1  # byte-level BPE: at worst a token per byte, plus the space
 
 
 @dataclass(frozen=True, init=False)
@@ -69,6 +77,14 @@ class SamplingParams:
     # vLLM's left truncation: keep only the prompt's last k tokens (-1: as many as the context
     # holds beside max_tokens). None: a prompt too long for the context is refused.
     truncate_prompt_tokens: int | None = None
+    # vLLM's allowed_token_ids: only these tokens may be sampled (sorted, unique); () = any.
+    allowed_token_ids: tuple[int, ...] = ()
+    # vLLM's bad_words: a word's last token is banned whenever the output so far ends with the
+    # tokens before it (a one-token word is banned always). The engine tokenizes the words, each
+    # as written and with a leading space, into bad_words_token_ids (bad_words.py); a value given
+    # for that field is replaced there, and it never travels on the wire.
+    bad_words: tuple[str, ...] = ()
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __init__(self, **kwargs: Any) -> None:
@@ -98,6 +114,9 @@ class SamplingParams:
         # Lists, not maps: msgpack transport (step_codec) refuses non-string map keys.
         out["logit_bias"] = [[t, b] for t, b in self.logit_bias]
         out["structured_outputs"] = self.structured_outputs.to_dict() if self.structured_outputs else None
+        out["allowed_token_ids"] = list(self.allowed_token_ids)
+        out["bad_words"] = list(self.bad_words)
+        out["bad_words_token_ids"] = [list(ids) for ids in self.bad_words_token_ids]
         return out
 
     def replace(self, **changes: Any) -> SamplingParams:
@@ -178,6 +197,9 @@ class SamplingParams:
         k = self.truncate_prompt_tokens
         if k is not None and not (integer("truncate_prompt_tokens") == -1 or 1 <= k <= MAX_TRUNCATE_PROMPT_TOKENS):
             raise ValueError(f"truncate_prompt_tokens must be -1 or in [1, {MAX_TRUNCATE_PROMPT_TOKENS}], got {k}")
+        self._set("allowed_token_ids", _allowed_token_ids(self.allowed_token_ids))
+        self._set("bad_words", _bad_words(self.bad_words))
+        self._set("bad_words_token_ids", _bad_words_token_ids(self.bad_words_token_ids))
         self._set("structured_outputs", StructuredOutputs.coerce(self.structured_outputs))
         if self.structured_outputs is not None:
             # The grammar ends at a stop token (eos or stop_token_ids): ignoring eos or banning
@@ -186,6 +208,10 @@ class SamplingParams:
                 raise ValueError("ignore_eos cannot be combined with structured_outputs")
             if self.min_tokens:
                 raise ValueError("min_tokens cannot be combined with structured_outputs")
+            # The grammar may need the very token these forbid, leaving nothing to sample.
+            for name in ("allowed_token_ids", "bad_words"):
+                if getattr(self, name):
+                    raise ValueError(f"{name} cannot be combined with structured_outputs")
 
 
 def sibling_seed(seed: int, j: int) -> int:
@@ -214,6 +240,47 @@ def _check_cache_salt(salt: Any) -> None:
         salt.encode("utf-8")
     except UnicodeEncodeError:
         raise ValueError("cache_salt must be valid Unicode (no unpaired surrogates)") from None
+
+
+def _token_id_list(name: str, value: Any, limit: int) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} must be a list of token ids")
+    if len(value) > limit:  # before scanning them
+        raise ValueError(f"{name} has {len(value)} ids; at most {limit} allowed")
+    for t in value:
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise ValueError(f"{name} must be a list of non-negative token ids, got {t!r}")
+    return tuple(value)
+
+
+def _allowed_token_ids(value: Any) -> tuple[int, ...]:
+    return tuple(sorted(set(_token_id_list("allowed_token_ids", value, MAX_ALLOWED_TOKEN_IDS))))
+
+
+def _bad_words(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise ValueError("bad_words must be a list of strings")
+    if len(value) > MAX_BAD_WORDS:
+        raise ValueError(f"bad_words has {len(value)} words; at most {MAX_BAD_WORDS} allowed")
+    for w in value:
+        if not isinstance(w, str) or not w.strip():
+            raise ValueError("bad_words must be non-empty strings")
+        if len(w) > MAX_BAD_WORD_CHARS:
+            raise ValueError(f"bad_words has a word of {len(w)} characters; at most {MAX_BAD_WORD_CHARS} allowed")
+        try:
+            w.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("bad_words must be valid Unicode (no unpaired surrogates)") from None
+    return tuple(value)
+
+
+def _bad_words_token_ids(value: Any) -> tuple[tuple[int, ...], ...]:
+    if not isinstance(value, (list, tuple)) or len(value) > 2 * MAX_BAD_WORDS:
+        raise ValueError(f"bad_words_token_ids must be a list of at most {2 * MAX_BAD_WORDS} token id lists")
+    out = tuple(_token_id_list("bad_words_token_ids", ids, MAX_BAD_WORD_TOKENS) for ids in value)
+    if any(not ids for ids in out):
+        raise ValueError("bad_words_token_ids must not hold an empty list")
+    return out
 
 
 def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:

@@ -73,10 +73,12 @@ def test_kvstore_master_methods():
 
 def test_sampling_params_message_mirrors_dataclass():
     from pdcluster._proto import common_pb2
+    from pdcluster.proto_convert import ENGINE_ONLY_FIELDS
     from pdcluster.sampling_params import SamplingParams
 
     fields = common_pb2.SamplingParams.DESCRIPTOR.fields_by_name
-    py_fields = {f.name: f for f in dataclasses.fields(SamplingParams) if f.name != "extra"}
+    py_fields = {f.name: f for f in dataclasses.fields(SamplingParams)
+                 if f.name != "extra" and f.name not in ENGINE_ONLY_FIELDS}
     assert set(fields) == set(py_fields), "proto SamplingParams and the dataclass differ"
     for name, f in fields.items():
         is_list = f.is_repeated

@@ -60,3 +60,30 @@ def process_prompt(
         raise ValueError(
             f"prompt is {len(ids)} tokens; it must be shorter than max_model_len={max_model_len}")
     return text, ids
+
+
+def resolve_token_masks(params: SamplingParams, tokenizer: Tokenizer | None, vocab_size: int,
+                        eos_token_ids: Sequence[int]) -> SamplingParams:
+    """allowed_token_ids checked against the vocabulary, bad_words tokenized into
+    bad_words_token_ids, and the requests that could only ever sample from nothing refused."""
+    allowed = params.allowed_token_ids
+    if allowed and allowed[-1] >= vocab_size:
+        raise ValueError(f"allowed_token_ids: token id {allowed[-1]} is outside the vocabulary [0, {vocab_size})")
+    if params.bad_words:
+        if tokenizer is None:
+            raise ValueError("bad_words: this engine has no tokenizer to spell them with")
+        from pdcluster.bad_words import tokenize_bad_words
+
+        seqs = tokenize_bad_words(params.bad_words, lambda text: tokenizer.encode(text, add_special_tokens=False))
+        params = params.replace(bad_words_token_ids=[list(s) for s in seqs])
+    elif params.bad_words_token_ids:
+        params = params.replace(bad_words_token_ids=[])  # derived here only, never taken as given
+    if allowed:
+        always_banned = {s[0] for s in params.bad_words_token_ids if len(s) == 1}
+        if set(allowed) <= always_banned:
+            raise ValueError("allowed_token_ids: every allowed token is a bad_words token")
+        if params.min_tokens:
+            until_min = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+            if set(allowed) <= until_min:
+                raise ValueError("allowed_token_ids: every allowed token is a stop token, which min_tokens forbids")
+    return params

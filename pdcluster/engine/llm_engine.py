@@ -13,7 +13,7 @@ from pdcluster.engine.ec_engine import ECConnectorArg, EngineEC, build_ec_connec
 from pdcluster.engine.ec_transfer_params import ECTransferParams, check_ec_params_list
 from pdcluster.engine.engine_core import ConnectorArg, EngineCore
 from pdcluster.engine.executor import ExecutorFactory, default_executor
-from pdcluster.engine.input_processor import process_prompt, validate_request_id
+from pdcluster.engine.input_processor import process_prompt, resolve_token_masks, validate_request_id
 from pdcluster.engine.kv_transfer_params import KVTransferParams
 from pdcluster.engine.mm_inputs import make_mm_processor
 from pdcluster.engine.outputs import EngineCoreOutput, RequestOutput
@@ -116,6 +116,7 @@ class LLMEngine:
         if params.logit_bias and params.logit_bias[-1][0] >= self.config.model.vocab_size:
             raise ValueError(f"logit_bias: token id {params.logit_bias[-1][0]} is outside the vocabulary "
                              f"[0, {self.config.model.vocab_size})")
+        params = resolve_token_masks(params, self.tokenizer, self.config.model.vocab_size, self.eos_token_ids)
         if params.structured_outputs is not None and compile_grammar:
             self.check_grammar(params)
         req = Request(request_id, ids, params, eos_token_ids=self.eos_token_ids,

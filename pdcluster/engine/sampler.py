@@ -4,9 +4,11 @@ Pipeline per step (each stage runs only on the rows that use it, vectorised over
 
     raw logits[:, :vocab_size]                -> logprobs (log_softmax of the raw logits, vLLM v1 default)
       -> structured-output grammar masks (one batched bitmask, engine/structured_output.py)
+      -> allowed_token_ids (every other logit -inf)
       -> logit_bias
       -> penalties (repetition, presence, frequency)
       -> min_tokens mask (eos / stop_token_ids forbidden until min_tokens outputs exist)
+      -> bad_words bans (lifted for a row they would leave with no token at all)
       -> greedy rows: argmax
       -> random rows: / temperature -> min_p -> top_k -> top_p -> softmax -> inverse CDF
 
@@ -29,6 +31,7 @@ from typing import Any
 
 import torch
 
+from pdcluster.bad_words import banned_ids
 from pdcluster.engine.logprobs import token_logprobs
 from pdcluster.engine.outputs import SampleLogprobs
 from pdcluster.env_flags import env_enabled
@@ -80,6 +83,9 @@ class SamplingState:
             return p.stop_token_ids
         return p.stop_token_ids + self.eos_token_ids
 
+    def bad_words_banned_ids(self) -> list[int]:
+        return banned_ids(self.params.bad_words_token_ids, self.output_token_ids) if self.params.bad_words else []
+
 
 def seeded_uniform_bits(seed: int, position: int) -> int:
     """32 random bits for (request seed, output position), the same on every process and platform
@@ -117,26 +123,29 @@ class Sampler:
         # Columns past vocab_size are padding of the LM head: never sampled, never in logprobs.
         logits = logits[:, : self.vocab_size].to(self.device)
         banned = [s.min_tokens_banned_ids() for s in states]
+        bad = [s.bad_words_banned_ids() for s in states]
         constrained = any(s.grammar is not None for s in states)
-        biased = any(s.params.logit_bias for s in states)
+        biased = any(s.params.logit_bias or s.params.allowed_token_ids for s in states)
         plain = all(s.is_greedy and not s.has_penalties and s.params.logprobs is None for s in states)
-        if plain and not any(banned) and not constrained and not biased:
+        if plain and not any(banned) and not any(bad) and not constrained and not biased:
             return self._argmax(logits).tolist(), [None] * len(states)
 
         raw = logits.float()
         # Masks, biases, penalties and bans edit in place: copy only then (raw stays intact for
         # logprobs). Every (B, V) copy or gather costs as much as a softmax, so stages skip them
         # where they can.
-        edits = any(banned) or any(s.has_penalties for s in states) or constrained or biased
+        edits = any(banned) or any(bad) or any(s.has_penalties for s in states) or constrained or biased
         x = raw.clone() if edits else raw
         if edits:
             if constrained:
                 from pdcluster.engine.structured_output import apply_grammar_masks  # lazy: imports xgrammar
 
                 apply_grammar_masks(x, [s.grammar for s in states])
+            self._apply_allowed(x, states)
             self._apply_logit_bias(x, states)
             self._apply_penalties(x, states)
             self._apply_bans(x, banned)
+            self._apply_bad_words(x, bad)
         greedy = [i for i, s in enumerate(states) if s.is_greedy]
         random = [i for i, s in enumerate(states) if not s.is_greedy]
         if not random:
@@ -173,6 +182,28 @@ class Sampler:
         idx = self._index(rows)
         x[idx] = fn(x[idx], *args)
         return x
+
+    def _apply_allowed(self, x: torch.Tensor, states: list[SamplingState]) -> None:
+        for i, s in enumerate(states):
+            ids = s.params.allowed_token_ids
+            if ids:
+                cols = self._index([t for t in ids if t < self.vocab_size])
+                kept = x[i, cols]
+                x[i].fill_(float("-inf"))
+                x[i, cols] = kept
+
+    def _apply_bad_words(self, x: torch.Tensor, bad: list[list[int]]) -> None:
+        """A bad word's ban is lifted for a row it would leave with no token at all (every allowed
+        token is the end of a matched bad word): the request goes on rather than sampling from
+        nothing. The static cases are refused when the request arrives (LLMEngine)."""
+        for i, ids in enumerate(bad):
+            if not ids:
+                continue
+            cols = self._index([t for t in ids if t < self.vocab_size])
+            kept = x[i, cols].clone()
+            x[i, cols] = float("-inf")
+            if bool(torch.isneginf(x[i].max())):
+                x[i, cols] = kept
 
     def _apply_logit_bias(self, x: torch.Tensor, states: list[SamplingState]) -> None:
         triples = [(i, t, b) for i, s in enumerate(states) for t, b in s.params.logit_bias if t < self.vocab_size]

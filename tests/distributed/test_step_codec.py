@@ -21,7 +21,8 @@ from pdcluster.security.envelope import MalformedMessage
 
 def sample_output() -> SchedulerOutput:
     sp = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=123, stop=["x y"], stop_token_ids=[7],
-                        max_tokens=9, logprobs=2, repetition_penalty=1.1)
+                        max_tokens=9, logprobs=2, repetition_penalty=1.1, allowed_token_ids=[3, 1, 7],
+                        bad_words=["no way"], bad_words_token_ids=[[4, 5], [6]])
     new = [NewRequestData("a", [1, 2, 3], [], sp, [4, 5], 0, (2,)),
            NewRequestData("b-resumed", [9] * 20, [11, 12], SamplingParams(), [1, 2], 16, ())]
     cached = [CachedRequestData("c", [8], 33), CachedRequestData("d", [], 40)]
