@@ -9,6 +9,7 @@ No torch anywhere in this process: the tokenizer is the `tokenizers`-only one fr
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import json
 import logging
@@ -78,6 +79,8 @@ class Router:
         try:
             await self.registry.start()
             model = await self._model_path()
+            # The path asked of a worker is the model's from now on (/v1/models' `root`).
+            self.config = cfg = dataclasses.replace(cfg, model=model)
             tokenizer = self._tokenizer or await asyncio.to_thread(Tokenizer.from_pretrained, model)
             if cfg.chat_template is not None:
                 tokenizer.chat_template = cfg.chat_template

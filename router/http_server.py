@@ -27,7 +27,7 @@ import grpc
 from aiohttp import web
 
 from pdcluster import __version__
-from pdcluster._proto import common_pb2, worker_pb2
+from pdcluster._proto import common_pb2, router_pb2, worker_pb2
 
 from .admission import Admission
 from .auth import ApiKey
@@ -36,12 +36,12 @@ from .errors import RouterError, invalid
 from .json_text import loads_bounded
 from .metrics import RouterMetrics
 from .openai_fanout import FanOut
-from .openai_protocol import OpenAIOptions, parse_chat, parse_completions
+from .openai_protocol import OpenAIOptions, chat_echo_text, parse_chat, parse_completions
 from .openai_responses import FINISH_REASONS, ResponseBuilder, stop_reason
 from .openai_tokenize import detokenize, tokenize
 from .orchestrator import Orchestrator
 from .peer_limits import PeerLimits
-from .preprocess import Preprocessor
+from .preprocess import PreparedRequest, Preprocessor
 from .reasoning import for_request
 from .registry import WorkerRegistry
 from .request_state import RequestState
@@ -98,6 +98,15 @@ class HttpFrontend:
         forced = opts.tools is not None and opts.tools.choice in ("required", "named")
         parser = for_request(self.config.reasoning_parser, opts.structured_field is not None, forced)
         return dataclasses.replace(opts, reasoning=parser) if parser is not None else opts
+
+    def _echo_text(self, greq: router_pb2.GenerateRequest, prep: PreparedRequest) -> str:
+        """echo's text: a chat's final assistant message; a prompt as sent, unless
+        truncate_prompt_tokens cut it or it came as token ids: then what the model saw."""
+        if greq.WhichOneof("input") == "chat":
+            return chat_echo_text(greq)
+        if greq.WhichOneof("input") == "prompt" and not greq.sampling_params.HasField("truncate_prompt_tokens"):
+            return greq.prompt
+        return self.pre.tokenizer.decode(prep.prompt_token_ids)
 
     # -- simple endpoints -----------------------------------------------------------------------
     def _model_card(self, name: str) -> dict[str, Any]:
@@ -165,7 +174,7 @@ class HttpFrontend:
                     greqs = [greq]
                 else:
                     greqs, opts = parse_completions(body, self.pre.model_name)
-                header_id = request.headers.get("X-Request-Id", "")
+                header_id = request.headers.get("X-Request-Id", "") or greqs[0].request_id
                 preps = []
                 for greq in greqs:  # every prompt is valid before any runs
                     greq.request_id = header_id or preps[0].request_id if preps else header_id
@@ -176,16 +185,15 @@ class HttpFrontend:
             return _error(e)
         if len(preps) > 1 or opts.best_of > 1 or opts.echo:
             # The prompt as sent, unless truncate_prompt_tokens cut it: then what the model saw.
-            echoes = [g.prompt if g.WhichOneof("input") == "prompt" and not g.sampling_params.HasField(
-                "truncate_prompt_tokens") else self.pre.tokenizer.decode(p.prompt_token_ids)
-                      for g, p in zip(greqs, preps)] if opts.echo else []
+            echoes = [self._echo_text(g, p) for g, p in zip(greqs, preps)] if opts.echo else []
             return await FanOut(self, opts, preps, echoes).respond(request)
         prep = preps[0]
         try:
             state = self.orch.open_request(prep, "http")
         except RouterError as e:
             return _error(e)
-        builder = ResponseBuilder(prep.request_id, opts, len(prep.prompt_token_ids), self.pre.token_text)
+        builder = ResponseBuilder(prep.request_id, opts, len(prep.prompt_token_ids), self.pre.token_text,
+                                  prompt_token_ids=prep.prompt_token_ids)
         async with aclosing(self.orch.stream(state)) as deltas:
             try:
                 first = await anext(deltas)

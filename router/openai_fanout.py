@@ -66,7 +66,8 @@ class FanOut:
                 sub = _sibling(prep, f"{base}-{len(self.gens)}", j, force_logprobs=opts.best_of > opts.n)
                 builder = ResponseBuilder(base, opts, len(prep.prompt_token_ids), front.pre.token_text,
                                           index=p * opts.n + j, echo=echo_texts[p] if opts.echo else "",
-                                          first_prompt_token=prep.prompt_token_ids[0])
+                                          first_prompt_token=prep.prompt_token_ids[0],
+                                          prompt_token_ids=prep.prompt_token_ids)
                 self.gens.append(_Gen(p, j, sub, builder))
         self.head = self.gens[0].builder
         self._queue: asyncio.Queue = asyncio.Queue()

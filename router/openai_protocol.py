@@ -17,6 +17,8 @@ from typing import Any
 
 from pdcluster._proto import common_pb2, router_pb2
 from pdcluster.sampling_params import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORDS,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_N,
@@ -53,10 +55,12 @@ _UNSUPPORTED = {"suffix": None, "tools": None, "tool_choice": "none", "functions
 # Every field a body may carry; anything else is refused by name. `user` is an opaque end-user id
 # (nothing to honour); `parallel_tool_calls` only qualifies tools, which are refused.
 _COMMON_FIELDS = frozenset({"model", "max_tokens", "stop", "stop_token_ids", "stream", "stream_options", "n",
+                            "allowed_token_ids", "bad_words", "return_token_ids", "request_id",
                             "logit_bias", "user", "prompt_logprobs", *_SAMPLING_FIELDS, *_UNSUPPORTED,
                             *STRUCTURED_FIELDS})
-COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of"}
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of", "add_special_tokens"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "add_generation_prompt", "chat_template_kwargs", "include_reasoning",
+                                "continue_final_message", "add_special_tokens", "echo",
                                 "logprobs", "top_logprobs",
                                 "max_completion_tokens", "parallel_tool_calls"}
 # Choices per request (n, best_of) and prompts per batch: each is a generation on the workers.
@@ -80,13 +84,14 @@ class OpenAIOptions:
     chat: bool
     n: int = 1             # choices returned per prompt
     best_of: int = 1       # generations per prompt (>= n); the n with the highest cumulative logprob win
-    echo: bool = False     # completions: the prompt's text before each choice's text
+    echo: bool = False     # the prompt's text (chat: a final assistant message's) before each choice's text
     structured_field: str | None = None  # the structured-output field the client used
     tools: ToolMode | None = None  # chat with tools: how to read tool calls out of the answer
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: the prompt's logprobs in the answer
     reasoning: ReasoningParser | None = None  # chat: split the thought out (the server's --reasoning-parser)
     include_reasoning: bool = True  # vLLM's include_reasoning: false drops the thought from the answer
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
+    return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids in the answer
 
 
 def parse_completion(body: Any, default_model: str) -> tuple[router_pb2.GenerateRequest, OpenAIOptions]:
@@ -125,6 +130,15 @@ def parse_completions(body: Any, default_model: str) -> tuple[list[router_pb2.Ge
         req.sampling_params.prompt_logprobs = logprobs  # the echoed prompt's tokens carry logprobs too
     if opts.n * opts.best_of * len(reqs) > MAX_GENERATIONS:
         raise invalid("prompt", f"{len(reqs)} prompts x best_of={opts.best_of} exceed {MAX_GENERATIONS} generations")
+    special = body.get("add_special_tokens")
+    if special is not None:
+        if not isinstance(special, bool):
+            raise invalid("add_special_tokens", "must be a boolean")
+        texts = [r for r in reqs if r.WhichOneof("input") == "prompt"]  # token ids are taken as given
+        if special and not texts:
+            raise invalid("add_special_tokens", "a prompt of token ids is taken as given: nothing is added to it")
+        for r in texts:
+            r.add_special_tokens = special
     for other in reqs[1:]:
         other.model = req.model
         other.stream = req.stream
@@ -182,6 +196,9 @@ def parse_chat(body: Any, default_model: str, image_limits: ImageLimits | None =
         chat_message_tool_fields(m, i, msg)
         _message_extras(m, i, msg)
     req.chat.add_generation_prompt = _bool(body, "add_generation_prompt", True)
+    req.chat.continue_final_message = _bool(body, "continue_final_message", False)
+    if body.get("add_special_tokens") is not None:
+        req.add_special_tokens = _bool(body, "add_special_tokens", False)
     variables = body.get("chat_template_kwargs")
     if variables is not None:  # the names are checked once, for both frontends, by the Preprocessor
         if not isinstance(variables, dict):
@@ -203,9 +220,11 @@ def parse_chat(body: Any, default_model: str, image_limits: ImageLimits | None =
         if not _is_int(limit) or limit < 1:
             raise invalid("max_completion_tokens", f"must be an integer >= 1, got {limit!r}")
         body = {**body, "max_tokens": limit}
-    opts = _common(body, req, default_model, chat=True, logprobs=logprobs)
+    opts = _common(body, req, default_model, chat=True, logprobs=logprobs, echo=_bool(body, "echo", False))
     opts = dataclasses.replace(opts, include_reasoning=_bool(body, "include_reasoning", True))
     tools = parse_tools(body, req.chat, req.sampling_params, opts.structured_field)
+    if tools is not None and opts.echo:
+        raise invalid("echo", "echo cannot be combined with tools (an answer may be tool calls, not text)")
     if tools is not None:
         # A forced call compiles the tools' schemas: a worker's refusal of it names `tools`.
         field = "tools" if tools.choice in ("required", "named") else opts.structured_field
@@ -225,6 +244,11 @@ def _common(body: dict, req: router_pb2.GenerateRequest, default_model: str, *, 
     if model is not None and not isinstance(model, str):
         raise invalid("model", "must be a string")
     req.model = model or ""
+    request_id = body.get("request_id")  # vLLM's; an X-Request-Id header wins, as there
+    if request_id is not None:
+        if not isinstance(request_id, str):
+            raise invalid("request_id", "must be a string")
+        req.request_id = request_id  # its length and characters: the Preprocessor's check
     user = body.get("user")  # an opaque end-user id: nothing to honour, but it must be one
     if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_CHARS):
         raise invalid("user", f"must be a string of at most {MAX_USER_CHARS} characters")
@@ -271,7 +295,8 @@ def _common(body: dict, req: router_pb2.GenerateRequest, default_model: str, *, 
     req.stream = stream
     return OpenAIOptions(model or default_model, stream, include_usage, logprobs, chat, n, best_of, echo, structured,
                          continuous_usage=continuous_usage,
-                         prompt_logprobs=prompt_logprobs)
+                         prompt_logprobs=prompt_logprobs,
+                         return_token_ids=_bool(body, "return_token_ids", False))
 
 
 # A message's keys: those read above; the thought of an earlier answer; and what OpenAI's SDK
@@ -338,13 +363,21 @@ def _fill_sampling(body: dict, sp: common_pb2.SamplingParams) -> None:
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
             raise invalid("stop", "must be a string or a list of strings")
         sp.stop.extend(stop)
-    ids = body.get("stop_token_ids")
-    if ids is not None:
-        if isinstance(ids, list) and len(ids) > MAX_STOP_TOKEN_IDS:
-            raise invalid("stop_token_ids", f"stop_token_ids has {len(ids)} ids; at most {MAX_STOP_TOKEN_IDS} allowed")
-        if not isinstance(ids, list) or not all(_is_int(t) and 0 <= t <= _MAX_TOKEN_ID for t in ids):
-            raise invalid("stop_token_ids", "must be a list of non-negative integers")
-        sp.stop_token_ids.extend(ids)
+    for name, limit in (("stop_token_ids", MAX_STOP_TOKEN_IDS), ("allowed_token_ids", MAX_ALLOWED_TOKEN_IDS)):
+        ids = body.get(name)
+        if ids is not None:
+            if isinstance(ids, list) and len(ids) > limit:
+                raise invalid(name, f"{name} has {len(ids)} ids; at most {limit} allowed")
+            if not isinstance(ids, list) or not all(_is_int(t) and 0 <= t <= _MAX_TOKEN_ID for t in ids):
+                raise invalid(name, "must be a list of non-negative integers")
+            getattr(sp, name).extend(ids)
+    words = body.get("bad_words")
+    if words is not None:
+        if isinstance(words, list) and len(words) > MAX_BAD_WORDS:
+            raise invalid("bad_words", f"bad_words has {len(words)} words; at most {MAX_BAD_WORDS} allowed")
+        if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+            raise invalid("bad_words", "must be a list of strings")
+        sp.bad_words.extend(words)
     bias = body.get("logit_bias")
     if bias is not None:
         if not isinstance(bias, dict):
@@ -404,3 +437,12 @@ def _bool(body: dict, name: str, default: bool, label: str | None = None) -> boo
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def chat_echo_text(req: router_pb2.GenerateRequest) -> str:
+    """What a chat answer's echo puts before it: the final message's text when the model speaks
+    in its role (an assistant message, continued), otherwise nothing (vLLM's rule)."""
+    last = req.chat.messages[-1]
+    if last.role != "assistant":
+        return ""
+    return "".join(p.text for p in last.parts if p.WhichOneof("part") == "text") if last.parts else last.content

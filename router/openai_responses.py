@@ -27,10 +27,12 @@ class ResponseBuilder:
     """Shapes one request's answer; holds the id, creation time and running usage counts."""
 
     def __init__(self, request_id: str, opts: OpenAIOptions, num_prompt_tokens: int, decode_token: TokenDecoder,
-                 *, index: int = 0, echo: str = "", first_prompt_token: int | None = None) -> None:
+                 *, index: int = 0, echo: str = "", first_prompt_token: int | None = None,
+                 prompt_token_ids: Sequence[int] = ()) -> None:
         """index: the choice's index (n > 1, batched prompts); echo: text put before the choice's
         own (completions' echo: the prompt), in the whole answer or the stream's first chunk;
-        first_prompt_token: the prompt's first token id (echo with logprobs lists it, without one)."""
+        first_prompt_token: the prompt's first token id (echo with logprobs lists it, without one);
+        prompt_token_ids: what return_token_ids reports for the prompt."""
         self.id = ("chatcmpl-" if opts.chat else "cmpl-") + request_id
         self.index = index
         self._echo = echo
@@ -46,12 +48,20 @@ class ResponseBuilder:
         self.prompt_logprobs: list[common_pb2.SampleLogprobs] = []  # from the first delta, when asked
         # --reasoning-parser: the streamed text's split (whole answers use reasoning.split)
         self._splitter = ReasoningSplitter(opts.reasoning) if opts.reasoning is not None else None
+        # return_token_ids: the prompt's ids, every output id so far, and those no chunk carried yet
+        self._prompt_ids = list(prompt_token_ids) if opts.return_token_ids else None
+        self._ids: list[int] = []
+        self._unsent_ids: list[int] = []
+        self._ids_started = False
 
     # -- pieces ---------------------------------------------------------------------------------
     def account(self, delta: worker_pb2.WorkerGenerateResponse) -> None:
         if delta.prompt_logprobs:
             self.prompt_logprobs = list(delta.prompt_logprobs)
         self.num_completion_tokens += len(delta.token_ids)
+        if self._prompt_ids is not None:
+            self._ids.extend(delta.token_ids)
+            self._unsent_ids.extend(delta.token_ids)
         if delta.HasField("usage"):
             u = delta.usage
             self.num_prompt_tokens = u.prompt_tokens or self.num_prompt_tokens
@@ -132,13 +142,17 @@ class ResponseBuilder:
                     if choice["finish_reason"] == "stop":
                         choice["finish_reason"] = "tool_calls"
             else:
-                choice["message"] = {"role": "assistant", "content": text}
+                choice["message"] = {"role": "assistant", "content": self._echo + text}
             if self.opts.reasoning is not None:
                 choice["message"]["reasoning"] = reasoning
         else:
             choice["text"] = self._echo + text
             if self.opts.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = self.vllm_prompt_logprobs()
+            if self._prompt_ids is not None:
+                choice["prompt_token_ids"] = self._prompt_ids
+        if self._prompt_ids is not None:
+            choice["token_ids"] = list(self._ids)
         return choice
 
     def split_reasoning(self, text: str) -> tuple[str | None, str]:
@@ -159,13 +173,19 @@ class ResponseBuilder:
                 "choices": choices, "usage": usage}
         if self.opts.chat and self.opts.prompt_logprobs is not None:
             body["prompt_logprobs"] = self.vllm_prompt_logprobs()  # vLLM's place for chat: the response
+        if self.opts.chat and self._prompt_ids is not None:
+            body["prompt_token_ids"] = self._prompt_ids  # likewise
         return body
 
     # -- stream chunks --------------------------------------------------------------------------
     def role_chunk(self) -> dict[str, Any]:
         """Chat streams open with the assistant role, as OpenAI's do."""
-        return self._chunk({"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                            "finish_reason": None})
+        echo, self._echo = self._echo, ""  # chat's echo: the continued message, before any new text
+        chunk = self._chunk({"index": self.index, "delta": {"role": "assistant", "content": echo}, "logprobs": None,
+                             "finish_reason": None}, ids=False)
+        if self._prompt_ids is not None:
+            chunk["prompt_token_ids"] = self._prompt_ids  # vLLM's: on the first chunk
+        return chunk
 
     def delta_chunk(self, delta: worker_pb2.WorkerGenerateResponse) -> dict[str, Any] | None:
         """The chunk for one delta; None while a chat with tools holds its text back."""
@@ -246,7 +266,14 @@ class ResponseBuilder:
         chunk["usage"] = usage or self.usage()
         return chunk
 
-    def _chunk(self, choice: dict[str, Any] | None) -> dict[str, Any]:
+    def _chunk(self, choice: dict[str, Any] | None, ids: bool = True) -> dict[str, Any]:
+        if choice is not None and ids and self._prompt_ids is not None:
+            # The ids of the text this chunk carries: all taken since the last chunk (a chat with
+            # tools holds text back, and its ids with it).
+            choice["token_ids"], self._unsent_ids = self._unsent_ids, []
+            if not self.opts.chat and not self._ids_started:
+                choice["prompt_token_ids"] = self._prompt_ids  # completions: on the first chunk's choice
+            self._ids_started = True
         chunk = {"id": self.id, "object": "chat.completion.chunk" if self.opts.chat else "text_completion",
                  "created": self.created, "model": self.opts.model, "choices": [choice] if choice else []}
         if self.opts.continuous_usage and choice is not None:

@@ -1,7 +1,8 @@
 """vLLM's /tokenize and /detokenize, answered by the router's own tokenizer (no worker involved).
 
     POST /tokenize    {"prompt": str, "add_special_tokens": bool = true}
-                      or {"messages": [...], "add_generation_prompt": bool = true, "chat_template_kwargs": {...}}
+                      or {"messages": [...], "add_generation_prompt": bool = true, "chat_template_kwargs": {...},
+                          "continue_final_message": bool = false, "add_special_tokens": bool = false}
                       -> {"count", "max_model_len", "tokens", "token_strs"}
     POST /detokenize  {"tokens": [int, ...]} -> {"prompt": str}
 
@@ -25,7 +26,8 @@ async def tokenize(pre: Preprocessor, body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise invalid("body", "the request body must be a JSON object")
     if "messages" in body:
-        chat_fields = ("model", "messages", "add_generation_prompt", "chat_template_kwargs")
+        chat_fields = ("model", "messages", "add_generation_prompt", "chat_template_kwargs", "continue_final_message",
+                       "add_special_tokens")
         _check(body, {*chat_fields, "return_token_strs"})
         chat_body = {k: v for k, v in body.items() if k in chat_fields}
         if isinstance(body.get("messages"), list) and len(body["messages"]) > MAX_MESSAGES:
@@ -40,10 +42,7 @@ async def tokenize(pre: Preprocessor, body: Any) -> dict[str, Any]:
         add_special = body.get("add_special_tokens", True)
         if not isinstance(add_special, bool):
             raise invalid("add_special_tokens", "must be a boolean")
-        if not add_special:
-            pre.check_model(req.model)
-            ids = pre.tokenizer.encode(prompt, add_special_tokens=False)
-            return _answer(pre, ids, body)
+        req.add_special_tokens = add_special
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise invalid("model", "must be a string")

@@ -21,7 +21,12 @@ import jinja2
 
 from pdcluster._proto import common_pb2, router_pb2
 from pdcluster.engine.tokenizer import Tokenizer
-from pdcluster.sampling_params import DEFAULT_MAX_STOP_TOKEN_IDS, SamplingParams, truncated
+from pdcluster.sampling_params import (
+    DEFAULT_MAX_STOP_TOKEN_IDS,
+    MAX_ALLOWED_TOKEN_IDS,
+    SamplingParams,
+    truncated,
+)
 
 from .config import DEFAULT_MAX_JSON_DEPTH, DEFAULT_MAX_MESSAGE_BYTES
 from .convert import sampling_params_from_proto
@@ -154,8 +159,12 @@ class Preprocessor:
         params = self._params_cache.get(key)
         if params is None:
             self._check_stop_token_ids(pb.stop_token_ids)
-            if pb.logit_bias and max(pb.logit_bias) >= self.vocab_size:
-                raise invalid("logit_bias", f"token id {max(pb.logit_bias)} is out of range [0, {self.vocab_size})")
+            if len(pb.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:  # before anything scans them
+                raise invalid("allowed_token_ids", f"allowed_token_ids has {len(pb.allowed_token_ids)} ids; at most "
+                              f"{MAX_ALLOWED_TOKEN_IDS} allowed")
+            for name, ids in (("logit_bias", pb.logit_bias), ("allowed_token_ids", pb.allowed_token_ids)):
+                if ids and max(ids) >= self.vocab_size:
+                    raise invalid(name, f"token id {max(ids)} is out of range [0, {self.vocab_size})")
             params = sampling_params_from_proto(pb)
             if params.n != 1:  # the HTTP frontend fans n out before it gets here (openai_fanout.py)
                 raise invalid("n", f"n must be 1 on gRPC (got {params.n}): a Generate stream carries one "
@@ -199,10 +208,13 @@ class Preprocessor:
         which = req.WhichOneof("input")
         if which == "prompt":
             text = req.prompt
+            special = req.add_special_tokens if req.HasField("add_special_tokens") else True
             if len(text) > _OFFLOAD_CHARS:
-                return await asyncio.to_thread(self._encode_long, text, refuse_long), []
-            return self.tokenizer.encode(text), []
+                return await asyncio.to_thread(self._encode_long, text, refuse_long, special), []
+            return self.tokenizer.encode(text, add_special_tokens=special), []
         if which == "prompt_token_ids":
+            if req.add_special_tokens:
+                raise invalid("add_special_tokens", "a prompt of token ids is taken as given: nothing is added to it")
             ids = list(req.prompt_token_ids.ids)
             if not ids:
                 raise invalid("prompt_token_ids", "must not be empty")
@@ -213,12 +225,16 @@ class Preprocessor:
                 raise invalid("prompt_token_ids", f"token id {max(ids)} is out of range [0, {self.vocab_size})")
             return ids, []
         if which == "chat":
-            return await self._render_chat(req.chat, refuse_long)
+            return await self._render_chat(req.chat, refuse_long, req.add_special_tokens)
         raise invalid("input", "one of prompt, prompt_token_ids or chat is required")
 
-    async def _render_chat(self, chat: router_pb2.ChatMessages, refuse_long: bool = True) -> tuple[list[int], list[bytes]]:
+    async def _render_chat(self, chat: router_pb2.ChatMessages, refuse_long: bool = True,
+                           add_special_tokens: bool = False) -> tuple[list[int], list[bytes]]:
         if not chat.messages:
             raise invalid("messages", "must not be empty")
+        if chat.continue_final_message and chat.add_generation_prompt:
+            raise invalid("continue_final_message", "cannot be combined with add_generation_prompt: set "
+                          "add_generation_prompt to false to continue the final message")
         if len(chat.messages) > MAX_CHAT_MESSAGES:
             raise invalid("messages", f"at most {MAX_CHAT_MESSAGES} messages")
         messages = []
@@ -239,7 +255,9 @@ class Preprocessor:
         tools = self._json_field(chat.tools_json, "tools", "tools_json") if chat.tools_json else None
         variables = self._template_kwargs(chat.template_kwargs_json) if chat.template_kwargs_json else {}
         try:
-            render = functools.partial(self.tokenizer.apply_chat_template, tools=tools, **variables)
+            render = functools.partial(self.tokenizer.apply_chat_template, tools=tools,
+                                       continue_final_message=chat.continue_final_message,
+                                       add_special_tokens=add_special_tokens, **variables)
             chars = sum(len(m["content"]) for m in messages) + len(chat.tools_json)
             if chars > _OFFLOAD_CHARS and refuse_long:  # the messages' text alone may be over the limit: no rendering then
                 await asyncio.to_thread(self._refuse_if_too_long, "\n".join(m["content"] for m in messages),
@@ -250,6 +268,8 @@ class Preprocessor:
                 ids = render(messages, chat.add_generation_prompt, True)
         except (jinja2.TemplateError, ValueError, TypeError) as e:
             # Templates reject shapes they do not support ("roles must alternate", ...).
+            if str(e).startswith("continue_final_message"):
+                raise invalid("continue_final_message", str(e)) from None
             raise invalid("messages", f"chat template: {e}") from None
         if not ids:
             raise invalid("messages", "the chat template rendered an empty prompt")
@@ -275,14 +295,14 @@ class Preprocessor:
                 parts.append({"type": "text", "text": part.text})
         return parts
 
-    def _encode_long(self, text: str, refuse_long: bool = True) -> list[int]:
+    def _encode_long(self, text: str, refuse_long: bool = True, add_special_tokens: bool = True) -> list[int]:
         """A long prompt's ids, on a worker thread (the tokenizer holds the GIL while it encodes:
         measured, a 2 MB prompt held the router's loop for 2.2 s); one far over the context length
         is refused from a prefix without encoding the rest (unless it is to be truncated: then all
         of it is encoded, bounded by max_message_bytes)."""
         if refuse_long:
             self._refuse_if_too_long(text, "prompt")
-        return self.tokenizer.encode(text)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def _refuse_if_too_long(self, text: str, field: str) -> None:
         """Encode growing prefixes (x4 each time, cut at whitespace) and refuse as soon as one alone

@@ -49,8 +49,9 @@ RESPONSES_FIELDS = frozenset({
     "model", "input", "instructions", "max_output_tokens", "stream", "store", "metadata", "text", "tools",
     "tool_choice", "parallel_tool_calls", "user", "truncation", "previous_response_id", "reasoning",
     "background", "include", "top_logprobs", "service_tier",
-    "stop", "stop_token_ids", "logit_bias", *_SAMPLING_FIELDS})
-_CHAT_PASSTHROUGH = ("model", "user", "parallel_tool_calls", "stop", "stop_token_ids", "logit_bias", *_SAMPLING_FIELDS)
+    "stop", "stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words", *_SAMPLING_FIELDS})
+_CHAT_PASSTHROUGH = ("model", "user", "parallel_tool_calls", "stop", "stop_token_ids", "logit_bias",
+                     "allowed_token_ids", "bad_words", *_SAMPLING_FIELDS)
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 MAX_METADATA = 16          # OpenAI's limits on metadata: 16 pairs, keys <= 64, values <= 512 chars
 MAX_METADATA_KEY = 64

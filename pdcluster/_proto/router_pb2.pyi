@@ -40,19 +40,21 @@ class ContentPart(_message.Message):
     def __init__(self, text: _Optional[str] = ..., image: _Optional[bytes] = ...) -> None: ...
 
 class ChatMessages(_message.Message):
-    __slots__ = ("messages", "add_generation_prompt", "tools_json", "template_kwargs_json")
+    __slots__ = ("messages", "add_generation_prompt", "tools_json", "template_kwargs_json", "continue_final_message")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
     TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
     TEMPLATE_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
+    CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     add_generation_prompt: bool
     tools_json: str
     template_kwargs_json: str
-    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ..., tools_json: _Optional[str] = ..., template_kwargs_json: _Optional[str] = ...) -> None: ...
+    continue_final_message: bool
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ..., tools_json: _Optional[str] = ..., template_kwargs_json: _Optional[str] = ..., continue_final_message: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "chat", "sampling_params", "stream", "model", "return_prompt_token_ids")
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "chat", "sampling_params", "stream", "model", "return_prompt_token_ids", "add_special_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +63,7 @@ class GenerateRequest(_message.Message):
     STREAM_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     RETURN_PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     prompt_token_ids: TokenIds
@@ -69,7 +72,8 @@ class GenerateRequest(_message.Message):
     stream: bool
     model: str
     return_prompt_token_ids: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stream: _Optional[bool] = ..., model: _Optional[str] = ..., return_prompt_token_ids: _Optional[bool] = ...) -> None: ...
+    add_special_tokens: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stream: _Optional[bool] = ..., model: _Optional[str] = ..., return_prompt_token_ids: _Optional[bool] = ..., add_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class RouteInfo(_message.Message):
     __slots__ = ("prefill_worker_id", "decode_worker_id", "disaggregated", "num_retries", "num_migrations")

@@ -97,10 +97,19 @@ class LLM:
             first.outputs.append(seq)
         return first
 
-    def chat(self, messages: list[dict[str, str]], sampling_params: SamplingParams | None = None) -> RequestOutput:
-        prompt = self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        ids = self.engine.tokenizer.encode(prompt, add_special_tokens=False)
-        return self.generate([ids], sampling_params)[0]
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """vLLM's LLM.chat: one conversation (a list of messages) or several, each rendered with
+        the chat template and generated; one RequestOutput per conversation."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.engine.tokenizer
+        prompts: list[Any] = [tok.apply_chat_template(
+            list(conv), add_generation_prompt, True, tools=tools, chat_template=chat_template,
+            continue_final_message=continue_final_message, **(chat_template_kwargs or {})) for conv in convs]
+        return self.generate(prompts, sampling_params)
 
 
 _PROMPT_KEYS = ("cache_salt", "multi_modal_data", "prompt", "prompt_token_ids")

@@ -166,15 +166,20 @@ class Tokenizer:
         tools: list[dict[str, Any]] | None = None,
         documents: list[dict[str, Any]] | None = None,
         chat_template: str | None = None,
+        continue_final_message: bool = False,
+        add_special_tokens: bool = False,
         **template_kwargs: Any,
     ) -> str | list[int]:
         """Render messages with the model's chat template (or `chat_template`: a template name from
         the config's list, or the template text). Extra keyword arguments become template variables,
-        as in transformers. With tokenize=True returns ids encoded without adding special tokens
-        (the template writes them)."""
+        as in transformers. With tokenize=True returns ids, encoded without adding special tokens
+        unless add_special_tokens (the template writes them). continue_final_message: the text ends
+        with the last message's content, left open (no end-of-turn), so the model continues it."""
         template = self._resolve_template(chat_template)
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise ValueError("chat messages must be a list of dicts")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be set")
         # Like transformers: keys set to None are dropped; templates test for presence, not None.
         chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
         variables = {**self.special_tokens, **template_kwargs}
@@ -191,7 +196,9 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             **variables,
         )
-        return self.encode(text, add_special_tokens=False) if tokenize else text
+        if continue_final_message:
+            text = _cut_after_final_message(text, chat[-1] if chat else {})
+        return self.encode(text, add_special_tokens=add_special_tokens) if tokenize else text
 
     def _resolve_template(self, chat_template: str | None) -> str:
         if chat_template is not None:
@@ -203,6 +210,23 @@ class Tokenizer:
 
 
 # -- config helpers ---------------------------------------------------------------------------
+def _cut_after_final_message(text: str, final: dict[str, Any]) -> str:
+    """The rendered chat up to the end of the final message's content (its last occurrence; the
+    template may strip the content's edges). Whatever the template writes after it (end of turn,
+    eos) goes, so the model continues the message."""
+    content = final.get("content")
+    if isinstance(content, list):  # typed parts: the last text part ends the message
+        texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        content = texts[-1] if texts else None
+    if not isinstance(content, str) or not content.strip():
+        raise ValueError("continue_final_message: the final message has no text to continue")
+    for piece in (content, content.strip()):
+        at = text.rfind(piece)
+        if at >= 0:
+            return text[: at + len(piece)]
+    raise ValueError("continue_final_message: the chat template does not write the final message's text as given")
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}

@@ -206,6 +206,28 @@ def test_chat_template_matches_transformers(pair) -> None:
         assert '"description": "Weather <in> a city & more"' in expected  # tojson does not HTML-escape
 
 
+def test_continue_final_message_matches_transformers(pair) -> None:
+    """The prompt ends inside the final (assistant) message, as transformers cuts it."""
+    _, ours, hf = pair
+    for chat in ([{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Well, I"}],
+                 [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": " padded words  "}]):
+        try:
+            expected = hf.apply_chat_template(chat, tokenize=False, add_generation_prompt=False,
+                                              continue_final_message=True)
+        except ValueError:  # a template that does not write the message: refused alike
+            with pytest.raises(ValueError, match="continue_final_message: the chat template does not write"):
+                ours.apply_chat_template(chat, add_generation_prompt=False, continue_final_message=True)
+            continue
+        got = ours.apply_chat_template(chat, add_generation_prompt=False, continue_final_message=True)
+        assert got == expected and got.endswith((chat[-1]["content"], chat[-1]["content"].strip()))
+        assert ours.apply_chat_template(chat, False, True, continue_final_message=True) == ours.encode(
+            expected, add_special_tokens=False)
+    with pytest.raises(ValueError, match="continue_final_message and add_generation_prompt"):
+        ours.apply_chat_template(CHATS[0], add_generation_prompt=True, continue_final_message=True)
+    with pytest.raises(ValueError, match="continue_final_message: the final message has no text"):
+        ours.apply_chat_template([{"role": "user", "content": "  "}], False, continue_final_message=True)
+
+
 def test_llama3_layout_details(tmp_path: pathlib.Path) -> None:
     path = save_llama3(tmp_path)
     assert (path / "chat_template.jinja").is_file()  # transformers' save format

@@ -66,7 +66,8 @@ def cluster(loop_thread: LoopThread, worker_pool: WorkerPool, demo_model: str) -
 
     def make(num_workers: int = 2, *, wait: bool = True, **router_overrides: Any) -> Cluster:
         workers = worker_pool.take(num_workers)
-        c = router_cluster(loop_thread, workers, demo_model, request_timeout_s=60.0, **router_overrides)
+        model = router_overrides.pop("model", demo_model)  # None: the router asks a worker, as under `up`
+        c = router_cluster(loop_thread, workers, model, request_timeout_s=60.0, **router_overrides)
         made.append(c)
         if wait:
             assert c.wait_healthy(num_workers), "the workers did not become healthy"
@@ -118,7 +119,7 @@ class Reference:
 
         params.setdefault("temperature", 0.0)
         params.setdefault("ignore_eos", True)
-        return self.llm.chat(messages, SamplingParams(**params)).outputs[0]
+        return self.llm.chat(messages, SamplingParams(**params))[0].outputs[0]
 
 
 @pytest.fixture(scope="session")

@@ -76,6 +76,14 @@ def test_health_and_metrics(cluster):
     assert wait_until(lambda: get(c, "/health")[0] == 503)
 
 
+def test_model_root_is_the_path_asked_of_a_worker(cluster, demo_model):
+    """A router started without --model (as under `up`) learns the path from a worker; its model
+    card's root names that path rather than null."""
+    c = cluster(1, model=None)
+    models = client(c).models.list().data
+    assert [m.id for m in models] == [demo_model] and models[0].root == demo_model
+
+
 def test_openai_completions(cluster, reference):
     c = cluster(1)
     oa = client(c)

@@ -62,7 +62,7 @@ def test_structured_output_disaggregated(served, offline):
     r = oa.chat.completions.create(model=model, messages=MSGS, response_format=fmt, max_tokens=60, temperature=0.8,
                                    seed=3)
     want = offline.chat(MSGS, SamplingParams(structured_outputs={"json": SCHEMA}, max_tokens=60, temperature=0.8,
-                                             seed=3)).outputs[0]
+                                             seed=3))[0].outputs[0]
     assert r.choices[0].message.content == want.text and r.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
     chunks = list(oa.chat.completions.create(model=model, messages=MSGS, response_format=fmt, max_tokens=60,
@@ -83,7 +83,7 @@ def test_logprobs_and_refusals_disaggregated(served, offline):
     model = _model(oa)
     r = oa.chat.completions.create(model=model, messages=MSGS, max_tokens=4, temperature=0, logprobs=True,
                                    top_logprobs=3, extra_body={"ignore_eos": True})
-    want = offline.chat(MSGS, SamplingParams(max_tokens=4, temperature=0, logprobs=3, ignore_eos=True)).outputs[0]
+    want = offline.chat(MSGS, SamplingParams(max_tokens=4, temperature=0, logprobs=3, ignore_eos=True))[0].outputs[0]
     content = r.choices[0].logprobs.content
     assert len(content) == 4  # the prefill leg's token and the decode leg's
     for got, w in zip(content, want.logprobs):

@@ -228,7 +228,7 @@ def test_prompt_logprobs_and_echo_with_logprobs(cluster, reference):
     assert lp["token_logprobs"][1:] == pytest.approx(want, abs=1e-4)
     assert lp["text_offset"] == sorted(lp["text_offset"])
     # chat: on the response, over the rendered conversation.
-    full = reference.llm.chat(MSGS, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=2, prompt_logprobs=0))
+    full = reference.llm.chat(MSGS, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=2, prompt_logprobs=0))[0]
     code, body = post(c, "/v1/chat/completions", {"messages": MSGS, "max_tokens": 2, "temperature": 0,
                                                   "ignore_eos": True, "prompt_logprobs": 0})
     assert code == 200, body
@@ -249,6 +249,124 @@ def test_echo_and_logit_bias(cluster, reference):
                               logit_bias={str(tok): 100}, extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 3
     assert r.choices[0].text == reference.llm.tokenizer.decode([tok] * 3)
+
+
+def test_allowed_token_ids_and_bad_words(cluster, reference):
+    """vLLM's two sampling masks over HTTP: the offline engine's output under the same masks, no
+    bad word's tokens in it, and a bad list refused naming the field."""
+    c = cluster(1)
+    oa = client(c)
+    tok = reference.llm.tokenizer
+    allowed = sorted({t for w in ("the", " cat", " sat", ".") for t in tok.encode(w, add_special_tokens=False)})
+    r = oa.completions.create(model=_model(c), prompt="Hello", max_tokens=8, temperature=0,
+                              extra_body={"ignore_eos": True, "allowed_token_ids": allowed})
+    want = reference.generate("Hello", max_tokens=8, allowed_token_ids=allowed)
+    assert set(want.token_ids) <= set(allowed) and r.choices[0].text == want.text
+    free = reference.generate("Hello", max_tokens=16)
+    word = tok.decode(list(free.token_ids[2:4])).strip()
+    banned = reference.generate("Hello", max_tokens=16, bad_words=[word])
+    r = oa.chat.completions.create(model=_model(c), messages=[{"role": "user", "content": "Hello"}], max_tokens=8,
+                                   temperature=0, extra_body={"bad_words": [word], "ignore_eos": True})
+    chat = reference.llm.tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], True, True)
+    assert r.choices[0].message.content == reference.generate(chat, max_tokens=8, bad_words=[word]).text
+    seqs = [tok.encode(w, add_special_tokens=False) for w in (word, " " + word)]
+    ids = list(banned.token_ids)
+    assert banned.token_ids != free.token_ids
+    assert not any(ids[i:i + len(s)] == s for s in seqs for i in range(len(ids)))
+    for extra, param in [({"allowed_token_ids": [10**7]}, "allowed_token_ids"),
+                         ({"allowed_token_ids": list(range(5000))}, "allowed_token_ids"),
+                         ({"bad_words": "the"}, "bad_words"), ({"bad_words": [""]}, "bad_words"),
+                         ({"bad_words": ["x"], "guided_choice": ["a"]}, "bad_words")]:
+        code, err = post(c, "/v1/completions", {"model": _model(c), "prompt": "x", "max_tokens": 2, **extra})
+        assert code == 400 and err["error"]["param"] == param, err
+
+
+def test_continue_final_message_echo_and_add_special_tokens(cluster, reference):
+    """vLLM's prompt-shaping fields: a chat whose prompt ends inside the final assistant message,
+    echoed before the continuation (whole and streamed), equal to the offline LLM.chat; a
+    completion without the tokenizer's BOS; their misuses refused by name."""
+    c = cluster(1)
+    oa = client(c)
+    msgs = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My favourite is"}]
+    extra = {"continue_final_message": True, "add_generation_prompt": False, "echo": True, "ignore_eos": True}
+    from pdcluster import SamplingParams
+
+    want = reference.llm.chat(msgs, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                              add_generation_prompt=False, continue_final_message=True)[0].outputs[0].text
+    r = oa.chat.completions.create(model=_model(c), messages=msgs, max_tokens=6, temperature=0, extra_body=extra)
+    assert r.choices[0].message.content == "My favourite is" + want
+    chunks = list(oa.chat.completions.create(model=_model(c), messages=msgs, max_tokens=6, temperature=0,
+                                             stream=True, extra_body=extra))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == "My favourite is" + want
+    code, body = post(c, "/tokenize", {"messages": msgs, "continue_final_message": True,
+                                       "add_generation_prompt": False})
+    tok = reference.llm.tokenizer
+    assert code == 200 and body["tokens"] == tok.apply_chat_template(msgs, False, True, continue_final_message=True)
+    assert tok.decode(body["tokens"]).endswith("My favourite is")
+    # Echo of a chat that ends with the user's turn: nothing before the answer (vLLM's rule).
+    r = oa.chat.completions.create(model=_model(c), messages=msgs[:1], max_tokens=3, temperature=0,
+                                   extra_body={"echo": True, "ignore_eos": True})
+    assert r.choices[0].message.content == reference.chat(msgs[:1], max_tokens=3).text
+    # add_special_tokens=false on a completion: the prompt without BOS, one token fewer.
+    bos = tok.encode("Hello there")[0]
+    assert bos not in tok.encode("Hello there", add_special_tokens=False)
+    r = oa.completions.create(model=_model(c), prompt="Hello there", max_tokens=3, temperature=0,
+                              extra_body={"add_special_tokens": False, "ignore_eos": True})
+    plain = tok.encode("Hello there", add_special_tokens=False)
+    assert r.usage.prompt_tokens == len(plain) and r.choices[0].text == reference.generate(plain, max_tokens=3).text
+    for path, body, param in [
+            ("/v1/chat/completions", {"messages": msgs, "continue_final_message": True}, "continue_final_message"),
+            ("/v1/chat/completions", {"messages": msgs[:1] + [{"role": "assistant", "content": " "}],
+                                      "continue_final_message": True, "add_generation_prompt": False},
+             "continue_final_message"),
+            ("/v1/chat/completions", {"messages": msgs, "echo": True, "tools": [
+                {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "echo"),
+            ("/v1/completions", {"prompt": [5, 6], "add_special_tokens": True}, "add_special_tokens"),
+            ("/v1/completions", {"prompt": "x", "add_special_tokens": "no"}, "add_special_tokens")]:
+        code, err = post(c, path, {"model": _model(c), "max_tokens": 2, **body})
+        assert code == 400 and err["error"]["param"] == param, (body, err)
+
+
+def test_return_token_ids_and_request_id(cluster, reference):
+    """vLLM's return_token_ids: the prompt's ids and each choice's output ids, whole and streamed
+    (the streamed pieces add up to the whole); vLLM's request_id body field names the answer."""
+    c = cluster(1)
+    oa = client(c)
+    tok = reference.llm.tokenizer
+    want = list(reference.generate("Hello there", max_tokens=5).token_ids)
+    code, body = post(c, "/v1/completions", {"model": _model(c), "prompt": "Hello there", "max_tokens": 5,
+                                             "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+                                             "request_id": "mine-1"})
+    assert code == 200 and body["id"] == "cmpl-mine-1"
+    assert body["choices"][0]["prompt_token_ids"] == tok.encode("Hello there")
+    assert body["choices"][0]["token_ids"] == want
+    chunks = list(oa.completions.create(model=_model(c), prompt="Hello there", max_tokens=5, temperature=0,
+                                        stream=True, extra_body={"ignore_eos": True, "return_token_ids": True}))
+    assert chunks[0].choices[0].prompt_token_ids == tok.encode("Hello there")
+    assert [t for ch in chunks for t in ch.choices[0].token_ids] == want
+    msgs = [{"role": "user", "content": "Hi"}]
+    chat_ids = tok.apply_chat_template(msgs, True, True)
+    want = list(reference.chat(msgs, max_tokens=4).token_ids)
+    code, body = post(c, "/v1/chat/completions", {"model": _model(c), "messages": msgs, "max_tokens": 4,
+                                                  "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+    assert code == 200 and body["prompt_token_ids"] == chat_ids and body["choices"][0]["token_ids"] == want
+    chunks = list(oa.chat.completions.create(model=_model(c), messages=msgs, max_tokens=4, temperature=0, stream=True,
+                                             extra_body={"ignore_eos": True, "return_token_ids": True}))
+    assert chunks[0].prompt_token_ids == chat_ids
+    assert [t for ch in chunks[1:] for t in ch.choices[0].token_ids] == want
+    code, body = post(c, "/v1/completions", {"model": _model(c), "prompt": "x", "max_tokens": 1})
+    assert code == 200 and "token_ids" not in body["choices"][0]  # only when asked
+    code, body = post(c, "/v1/completions", {"model": _model(c), "prompt": ["a b", "c"], "n": 2, "max_tokens": 3,
+                                             "temperature": 1.0, "seed": 2, "ignore_eos": True,
+                                             "return_token_ids": True})
+    assert code == 200 and len(body["choices"]) == 4
+    for ch in body["choices"]:  # each choice its own ids, each prompt its own
+        assert len(ch["token_ids"]) == 3 and tok.decode(ch["token_ids"]) == ch["text"]
+        assert ch["prompt_token_ids"] == tok.encode(["a b", "c"][ch["index"] // 2])
+    for bad, param in [({"return_token_ids": 1}, "return_token_ids"), ({"request_id": 7}, "request_id"),
+                       ({"request_id": "x" * 300}, "request_id")]:
+        code, err = post(c, "/v1/completions", {"model": _model(c), "prompt": "x", "max_tokens": 1, **bad})
+        assert code == 400 and err["error"]["param"] == param, err
 
 
 def test_tokenize_and_detokenize(cluster):

@@ -88,6 +88,22 @@ def test_stream_and_unary(cluster, reference, channel):
     out = gen(c.stub, prompt_token_ids=None, chat=chat, sampling_params=sampling(3), return_prompt_token_ids=True)
     assert list(out[0].prompt_token_ids) == tok.apply_chat_template(messages, True, True)
     assert tokens(out) == list(reference.chat(messages, max_tokens=3).token_ids)
+    # The prompt-shaping fields: a final message continued; a text prompt without BOS.
+    messages.append({"role": "assistant", "content": "Well"})
+    chat = router_pb2.ChatMessages(messages=[router_pb2.ChatMessage(**m) for m in messages],
+                                   continue_final_message=True)
+    out = gen(c.stub, prompt_token_ids=None, chat=chat, sampling_params=sampling(2), return_prompt_token_ids=True)
+    assert list(out[0].prompt_token_ids) == tok.apply_chat_template(messages, False, True, continue_final_message=True)
+    out = gen(c.stub, prompt_token_ids=None, prompt="Hello world", add_special_tokens=False,
+              sampling_params=sampling(2), return_prompt_token_ids=True)
+    assert list(out[0].prompt_token_ids) == tok.encode("Hello world", add_special_tokens=False)
+    for bad, field in [(dict(add_special_tokens=True), "add_special_tokens"),
+                       (dict(prompt_token_ids=None, chat=router_pb2.ChatMessages(
+                           messages=chat.messages, continue_final_message=True, add_generation_prompt=True)),
+                        "continue_final_message")]:
+        with pytest.raises(grpc.RpcError) as e:
+            gen(c.stub, sampling_params=sampling(2), **bad)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details()
 
 
 def test_prompt_logprobs_on_the_first_response(cluster, reference):
