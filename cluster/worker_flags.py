@@ -62,14 +62,17 @@ ENGINE_FLAGS: tuple[tuple[str, str, Any], ...] = (
     ("--kv-cache-memory-bytes", "kv_cache_memory_bytes", int), ("--num-kv-blocks", "num_kv_blocks", int),
     ("--seed", "seed", int), ("--enable-prefix-caching", "enable_prefix_caching", bool),
     ("--enforce-eager", "enforce_eager", bool), ("--enable-expert-parallel", "enable_expert_parallel", bool),
+    ("--scheduling-policy", "scheduling_policy", str),
 )
 ENGINE_DEFAULTS = {"dtype": "auto", "kv_cache_dtype": "auto", "device": "auto", "block_size": 16, "max_num_seqs": 64,
-                   "seed": 0}
+                   "seed": 0, "scheduling_policy": "fcfs"}
 ENGINE_HELP = {
     "kv_cache_memory_bytes": "KV cache budget in bytes (default: from free memory); --num-kv-blocks overrides it",
     "max_model_len": "context length (default: the model's)",
     "enforce_eager": "run the forward eagerly: no torch.compile (engine/compiled_forward.py)",
     "enable_expert_parallel": "MoE models: partition the experts across the tensor-parallel ranks",
+    "scheduling_policy": "fcfs (default) or priority: requests' `priority` (lower first) orders admission and "
+                         "preemption",
 }
 POOL_PREFIXES = ("prefill", "decode", "encode")
 

@@ -41,6 +41,12 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     enable_chunked_prefill: bool = True
+    # vLLM's --scheduling-policy: "fcfs", or "priority" (SamplingParams.priority, lower first:
+    # the waiting queue and the running batch in (priority, arrival) order, the last preempted).
+    policy: str = "fcfs"
+
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass(frozen=True)
@@ -105,6 +111,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"  # vLLM's flag: "fcfs" | "priority" (SchedulerConfig.policy)
     kv_cache_memory_bytes: int | None = None
     num_kv_blocks: int | None = None  # overrides the memory budget (tests force tiny caches)
     kv_cache_dtype: str = "auto"
@@ -169,6 +176,8 @@ class EngineArgs:
         if not self.enable_chunked_prefill and mnbt < max_len:
             raise ValueError(
                 f"max_num_batched_tokens ({mnbt}) must be >= max_model_len ({max_len}) without chunked prefill")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         kv_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, model_cfg.dtype)
         _check_tp_shapes(model_cfg, tp)
         if model_cfg.architecture == "LlavaForConditionalGeneration" and tp > 1:
@@ -189,7 +198,8 @@ class EngineArgs:
         return EngineConfig(
             model=model_cfg,
             cache=cache_cfg,
-            scheduler=SchedulerConfig(self.max_num_seqs, mnbt, max_len, self.enable_chunked_prefill),
+            scheduler=SchedulerConfig(self.max_num_seqs, mnbt, max_len, self.enable_chunked_prefill,
+                                      self.scheduling_policy),
             parallel=ParallelConfig(tp, float(tp_timeout)),
             device=device,
             attention_backend=auto_backend if self.attention_backend == "auto" else self.attention_backend,

@@ -37,6 +37,7 @@ MAX_ALLOWED_TOKEN_IDS = 4096
 # matched against the output's tail every step.
 MAX_BAD_WORDS = 64
 MAX_BAD_WORD_CHARS = 256
+MIN_PRIORITY, MAX_PRIORITY = -(2**31), 2**31 - 1  # the wire's int32
 MAX_BAD_WORD_TOKENS = 4 * MAX_BAD_WORD_CHARS + 1  # byte-level BPE: at worst a token per byte, plus the space
 
 
@@ -85,6 +86,10 @@ class SamplingParams:
     # for that field is replaced there, and it never travels on the wire.
     bad_words: tuple[str, ...] = ()
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    # vLLM's request priority (lower is served first) under --scheduling-policy priority; an
+    # fcfs engine refuses any other value than 0. It rides with the sampling parameters so that
+    # every leg, migration and TP rank of a request sees it.
+    priority: int = 0
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __init__(self, **kwargs: Any) -> None:
@@ -197,6 +202,8 @@ class SamplingParams:
         k = self.truncate_prompt_tokens
         if k is not None and not (integer("truncate_prompt_tokens") == -1 or 1 <= k <= MAX_TRUNCATE_PROMPT_TOKENS):
             raise ValueError(f"truncate_prompt_tokens must be -1 or in [1, {MAX_TRUNCATE_PROMPT_TOKENS}], got {k}")
+        if not MIN_PRIORITY <= integer("priority") <= MAX_PRIORITY:
+            raise ValueError(f"priority must be in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {self.priority}")
         self._set("allowed_token_ids", _allowed_token_ids(self.allowed_token_ids))
         self._set("bad_words", _bad_words(self.bad_words))
         self._set("bad_words_token_ids", _bad_words_token_ids(self.bad_words_token_ids))

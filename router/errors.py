@@ -8,7 +8,11 @@ status code, the HTTP frontend into an OpenAI-style error body:
 
 from __future__ import annotations
 
+import dataclasses
+
 import grpc
+
+from pdcluster.sampling_params import SamplingParams
 
 # gRPC code -> (HTTP status, OpenAI error type). 499 is nginx's "client closed request".
 _HTTP = {
@@ -57,6 +61,21 @@ def invalid(field: str, message: str) -> RouterError:
     clients (which only see the text) know which one."""
     text = message if message.startswith(field) else f"{field}: {message}"
     return RouterError(grpc.StatusCode.INVALID_ARGUMENT, text, field)
+
+
+_SAMPLING_FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - {"extra"}
+
+
+def worker_verdict(code: grpc.StatusCode, message: str) -> RouterError:
+    """A worker's refusal of the request itself. Engine refusals start with the sampling field
+    they concern ("priority=3: ...", "allowed_token_ids: ..."): that field becomes the error's,
+    so HTTP clients get it as `param` as they do for the router's own checks."""
+    field = None
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        head = message.removeprefix("sampling_params.").split(" ", 1)[0]
+        head = head.split(":", 1)[0].split("=", 1)[0].split(".", 1)[0]
+        field = head if head in _SAMPLING_FIELD_NAMES else None
+    return RouterError(code, message, field)
 
 
 def unavailable(message: str) -> RouterError:

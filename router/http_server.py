@@ -328,7 +328,7 @@ def _failed(last: worker_pb2.WorkerGenerateResponse) -> RouterError:
 
 def _client_field(err: RouterError, opts: OpenAIOptions | None) -> RouterError:
     """A worker's refusal of the structured-output spec (it compiles it) under the field the client used."""
-    if (opts is not None and opts.structured_field and err.field is None
+    if (opts is not None and opts.structured_field and err.field in (None, "structured_outputs")
             and err.code == grpc.StatusCode.INVALID_ARGUMENT and "structured_outputs" in err.message):
         return RouterError(err.code, err.message, opts.structured_field)
     return err

@@ -23,7 +23,7 @@ from pdcluster._proto import common_pb2, worker_pb2
 from pdcluster.handoff_trace import trace
 
 from .config import RouterConfig
-from .errors import RouterError, unavailable
+from .errors import RouterError, unavailable, worker_verdict
 from .metrics import RouterMetrics
 from .policies import RouteRequest, RoutingPolicy
 from .registry import WorkerHandle, WorkerRegistry
@@ -177,7 +177,7 @@ class LegRunner:
             return RouterError(grpc.StatusCode.UNAVAILABLE, f"worker {handle.worker_id} failed: {code.name}: "
                                f"{e.details()}")
         # The worker's verdict on the request itself (INVALID_ARGUMENT, ...) reaches the client.
-        return RouterError(code, e.details() or code.name)
+        return worker_verdict(code, e.details() or code.name)
 
     @staticmethod
     def _record_route(state: RequestState, handle: WorkerHandle, leg: str) -> None:

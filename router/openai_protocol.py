@@ -49,6 +49,7 @@ _SAMPLING_FIELDS: dict[str, tuple[str, str]] = {
     "skip_special_tokens": ("skip_special_tokens", "bool"),
     "cache_salt": ("cache_salt", "string"),
     "truncate_prompt_tokens": ("truncate_prompt_tokens", "int"),
+    "priority": ("priority", "int"),
 }
 # Field -> the value that means "not used"; anything else is refused as unsupported.
 _UNSUPPORTED = {"suffix": None, "tools": None, "tool_choice": "none", "functions": None, "function_call": None}

@@ -51,6 +51,7 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (strings, lists of token ids, or dicts with "prompt" or
         "prompt_token_ids" and optional "multi_modal_data": {"image": PIL image or a list} and
@@ -59,7 +60,9 @@ class LLM:
 
         `n` > 1 runs n sequences of the prompt as n engine requests (the later ones find the
         prompt's blocks in the prefix cache) and returns them as one RequestOutput's `outputs`,
-        index 0..n-1; with a seed, sequence j samples with seed + j, as the HTTP frontend does."""
+        index 0..n-1; with a seed, sequence j samples with seed + j, as the HTTP frontend does.
+        priority: one per prompt (lower first), for an engine built with
+        scheduling_policy="priority"."""
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompt_list)
@@ -67,6 +70,10 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):
                 raise ValueError(f"sampling_params has {len(params_list)} entries for {len(prompt_list)} prompts")
+        if priority is not None:  # vLLM's per-prompt list (--scheduling-policy priority)
+            if len(priority) != len(prompt_list):
+                raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts")
+            params_list = [sp.replace(priority=p) for sp, p in zip(params_list, priority)]
         groups = [self._prepare(p, sp) for p, sp in zip(prompt_list, params_list)]
         for group in groups:
             for req, text in group:

@@ -116,6 +116,9 @@ class LLMEngine:
         if params.logit_bias and params.logit_bias[-1][0] >= self.config.model.vocab_size:
             raise ValueError(f"logit_bias: token id {params.logit_bias[-1][0]} is outside the vocabulary "
                              f"[0, {self.config.model.vocab_size})")
+        if params.priority and self.config.scheduler.policy != "priority":
+            raise ValueError(f"priority={params.priority}: this engine schedules first come, first served; start it "
+                             "with --scheduling-policy priority to order requests by priority")
         params = resolve_token_masks(params, self.tokenizer, self.config.model.vocab_size, self.eos_token_ids)
         if params.structured_outputs is not None and compile_grammar:
             self.check_grammar(params)

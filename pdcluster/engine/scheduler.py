@@ -9,6 +9,7 @@ even an empty one; finish_requests() and add_request() are called between steps.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections import deque
@@ -35,6 +36,11 @@ from pdcluster.engine.step_plan import AdmitOutcome, StepPlan
 logger = logging.getLogger(__name__)
 
 
+def _priority_key(req: Request) -> tuple[int, float]:
+    """--scheduling-policy priority: lower priority values first, then earlier arrivals."""
+    return req.sampling_params.priority, req.arrival_time
+
+
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  connector: KVConnectorBase | None = None, log_stats: bool = True,
@@ -51,8 +57,13 @@ class Scheduler:
         self.connector = connector
         self.log_stats = log_stats
         self.requests: dict[str, Request] = {}  # every unfinished request, whatever its state
-        self.waiting: deque[Request] = deque()  # WAITING and PREEMPTED, FCFS; preempted at the front
-        self.running: list[Request] = []  # admission order: the tail is preempted first
+        # fcfs: arrival order, preempted at the front; running in admission order.
+        # priority: both in (priority, arrival) order, so the running tail is still the first
+        # preempted and the running loop, which goes front to back, never preempts a request it
+        # has scheduled this step.
+        self.by_priority = scheduler_config.policy == "priority"
+        self.waiting: deque[Request] = deque()  # WAITING and PREEMPTED
+        self.running: list[Request] = []  # the tail is preempted first
         self.remote = RemoteKV(self.kv, connector, cache_config.block_size)  # loads and hand-offs
         self._finished_ids: set[str] = set()  # runner state to drop; sent with the next schedule()
         self._pending_outputs: list[EngineCoreOutput] = []  # errors raised outside update()
@@ -76,7 +87,10 @@ class Scheduler:
             return
         request.status = RequestStatus.WAITING
         self.requests[request_id] = request
-        self.waiting.append(request)
+        if self.by_priority:
+            bisect.insort(self.waiting, request, key=_priority_key)
+        else:
+            self.waiting.append(request)
 
     def drop_unadmitted(self, request: Request) -> None:
         """A request carrying connector params that never entered the queues (refused at
@@ -129,7 +143,10 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self._num_preemptions += 1
-        self.waiting.appendleft(req)
+        if self.by_priority:  # behind the waiting requests that outrank it
+            bisect.insort(self.waiting, req, key=_priority_key)
+        else:
+            self.waiting.appendleft(req)
         self._finished_ids.add(req.request_id)
 
     # == schedule ==================================================================================
@@ -249,7 +266,10 @@ class Scheduler:
         req.num_computed_tokens = num_computed
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = num_computed
-        self.running.append(req)
+        if self.by_priority:  # after the running loop: inserting mid-list disturbs nothing
+            bisect.insort(self.running, req, key=_priority_key)
+        else:
+            self.running.append(req)
         step.new_reqs.append(NewRequestData(
             req.request_id, req.prompt_token_ids, list(req.output_token_ids), req.sampling_params,
             block_ids, num_computed, req.eos_token_ids, req.mm_features))

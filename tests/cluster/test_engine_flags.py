@@ -21,12 +21,14 @@ def test_serve_worker_takes_vllm_names():
     p = build_parser()
     args = p.parse_args(["serve-worker", "--max-model-len", "512", "--max-num-seqs", "8", "--max-num-batched-tokens",
                          "256", "--block-size", "32", "--dtype", "float32", "--kv-cache-dtype", "fp8", "--seed", "3",
-                         "--kv-cache-memory-bytes", "1000000", "--no-enable-prefix-caching", "--enforce-eager"])
+                         "--kv-cache-memory-bytes", "1000000", "--no-enable-prefix-caching", "--enforce-eager",
+                         "--scheduling-policy", "priority"])
     engine = worker_config(args).engine
     assert {k: engine[k] for k in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "dtype",
                                    "kv_cache_dtype", "seed", "kv_cache_memory_bytes", "enable_prefix_caching")} == {
         "max_model_len": 512, "max_num_seqs": 8, "max_num_batched_tokens": 256, "block_size": 32, "dtype": "float32",
         "kv_cache_dtype": "fp8", "seed": 3, "kv_cache_memory_bytes": 1000000, "enable_prefix_caching": False}
+    assert engine["scheduling_policy"] == "priority"
     assert worker_config(p.parse_args(["serve-worker", "--enable-prefix-caching"])).engine["enable_prefix_caching"]
     defaults = worker_config(p.parse_args(["serve-worker"])).engine  # as before the vLLM names
     assert defaults["enable_prefix_caching"] and p.parse_args(["serve-worker"]).enforce_eager is False
@@ -72,7 +74,7 @@ def test_serve_workers_get_the_flags(tmp_path):
     model = str(ensure_demo_model(tmp_path / "model"))
     proc, ready = start_serve(["--model", model, "--prefill", "1", "--decode", "1", "--max-model-len", "200",
                                "--block-size", "32", "--prefill-num-kv-blocks", "40", "--decode-num-kv-blocks", "50",
-                               "--served-model-name", "svc",
+                               "--served-model-name", "svc", "--scheduling-policy", "priority",
                                "--insecure-internal"])  # _info reads the workers' GetInfo in plaintext
     try:
         got = sorted((i.role, i.max_model_len, i.block_size, i.num_kv_blocks_total)
@@ -80,5 +82,11 @@ def test_serve_workers_get_the_flags(tmp_path):
         assert got == [(common_pb2.WORKER_ROLE_PREFILL, 200, 32, 40), (common_pb2.WORKER_ROLE_DECODE, 200, 32, 50)]
         models = json.loads(urllib.request.urlopen(ready["http"] + "/v1/models", timeout=10).read())
         assert models["data"][0]["id"] == "svc" and models["data"][0]["max_model_len"] == 200
+        # --scheduling-policy priority reached both legs: a request's priority is taken by each.
+        body = json.dumps({"model": "svc", "prompt": "Hello", "max_tokens": 3, "priority": -4}).encode()
+        req = urllib.request.Request(ready["http"] + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        answer = json.loads(urllib.request.urlopen(req, timeout=60).read())
+        assert answer["usage"]["completion_tokens"] >= 1
     finally:
         stop_serve(proc)

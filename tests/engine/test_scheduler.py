@@ -24,8 +24,8 @@ EOS = 2
 
 def make(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8, budget: int = 32,
          max_model_len: int = 128, chunked: bool = True, caching: bool = True,
-         connector: KVConnectorBase | None = None) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len, chunked),
+         connector: KVConnectorBase | None = None, policy: str = "fcfs") -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len, chunked, policy),
                      CacheConfig(block_size, num_blocks, 0, "float32", caching), connector=connector)
 
 
@@ -164,6 +164,47 @@ def test_preempted_request_goes_to_the_front_of_the_queue() -> None:
     assert [r.request_id for r in s.waiting] == ["b", "c"] and s.waiting[0].status == RequestStatus.PREEMPTED
     run_all(s)
     assert_no_leaks(s)
+
+
+# == --scheduling-policy priority ====================================================================
+def test_priority_orders_admission_lower_first_then_arrival() -> None:
+    s = make(max_num_seqs=2, policy="priority")
+    for rid, prio in (("a", 5), ("b", 0), ("c", -1), ("d", 0)):
+        s.add_request(req(rid, 3, priority=prio))
+    so, _ = step(s)
+    assert [n.request_id for n in so.scheduled_new_reqs] == ["c", "b"]
+    assert [r.request_id for r in s.waiting] == ["d", "a"]
+    assert list(run_all(s)) and [r.request_id for r in s.waiting] == []
+    assert_no_leaks(s)
+
+
+def test_priority_preempts_the_lowest_not_the_latest() -> None:
+    """b (priority 1) is admitted first, a (priority 0) after it: when a needs a block, b goes
+    (fcfs would take a, the most recent); b waits behind c (priority 0) that outranks it."""
+    s = make(num_blocks=4, budget=64, max_num_seqs=2, policy="priority")
+    s.add_request(req("b", 4, start=50, max_tokens=8, priority=1))
+    step(s)
+    s.add_request(req("a", 4, max_tokens=8))
+    s.add_request(req("c", 4, start=80, max_tokens=1))
+    for _ in range(4):
+        step(s)
+    assert [r.request_id for r in s.running] == ["a", "b"]  # by priority, not admission order
+    for _ in range(8):
+        so, _ = step(s)
+        if so.finished_request_ids:
+            break
+    assert so.finished_request_ids == {"b"} and "a" in so.num_scheduled_tokens
+    assert [r.request_id for r in s.waiting] == ["c", "b"]
+    run_all(s)
+    assert_no_leaks(s)
+
+
+def test_fcfs_keeps_the_running_order_whatever_the_priority() -> None:
+    s = make(max_num_seqs=2)
+    s.add_request(req("a", 3, priority=0))
+    s.add_request(req("b", 3, priority=0))
+    step(s)
+    assert [r.request_id for r in s.running] == ["a", "b"]
 
 
 # == stop checks ===================================================================================
@@ -498,7 +539,8 @@ def _random_reports(s: Scheduler, rng) -> dict:
 
 
 @pytest.mark.parametrize("seed", range(10))
-def test_random_workload_keeps_invariants_and_drains(seed: int) -> None:
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_random_workload_keeps_invariants_and_drains(seed: int, policy: str) -> None:
     import random
 
     rng = random.Random(seed)
@@ -506,7 +548,8 @@ def test_random_workload_keeps_invariants_and_drains(seed: int) -> None:
     conn = ScriptedConnector(matches, delay_free=rng.random() < 0.5,
                              failure_policy=rng.choice(["fail", "recompute"]))
     s = make(num_blocks=rng.randint(12, 24), block_size=rng.choice([1, 2, 4]), budget=rng.choice([4, 16, 64]),
-             max_num_seqs=rng.randint(1, 6), max_model_len=48, chunked=rng.random() < 0.8, connector=conn)
+             max_num_seqs=rng.randint(1, 6), max_model_len=48, chunked=rng.random() < 0.8, connector=conn,
+             policy=policy)
     runner = FakeRunner(s, lambda: rng.choice([EOS] + [5, 6, 7] * 4))
     prefixes = [[rng.randrange(3, 50) for _ in range(12)] for _ in range(3)]
     outputs: dict[str, list[int]] = {}
@@ -514,7 +557,8 @@ def test_random_workload_keeps_invariants_and_drains(seed: int) -> None:
     for _ in range(3000):
         if added < 40 and rng.random() < 0.3:
             prompt = rng.choice(prefixes)[: rng.randint(1, 12)] + [rng.randrange(3, 50) for _ in range(rng.randint(0, 8))]
-            s.add_request(Request(f"r{added}", prompt, SamplingParams(max_tokens=rng.randint(1, 12)),
+            prio = rng.randint(-2, 2) if policy == "priority" else 0
+            s.add_request(Request(f"r{added}", prompt, SamplingParams(max_tokens=rng.randint(1, 12), priority=prio),
                                   eos_token_ids=(EOS,)))
             added += 1
         if s.requests and rng.random() < 0.05:
@@ -523,6 +567,9 @@ def test_random_workload_keeps_invariants_and_drains(seed: int) -> None:
         for o in s.update(so, runner.execute(so, **_random_reports(s, rng))):
             outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
         _check_invariants(s)
+        if policy == "priority":  # the running batch in (priority, arrival) order: its tail goes first
+            keys = [(r.sampling_params.priority, r.arrival_time) for r in s.running]
+            assert keys == sorted(keys)
         for rid, st in runner.state.items():  # what the client saw is what the runner computed
             if rid in s.requests and s.requests[rid].status == RequestStatus.RUNNING:
                 assert s.requests[rid].all_token_ids == st["tokens"]

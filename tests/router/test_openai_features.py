@@ -363,7 +363,11 @@ def test_return_token_ids_and_request_id(cluster, reference):
     for ch in body["choices"]:  # each choice its own ids, each prompt its own
         assert len(ch["token_ids"]) == 3 and tok.decode(ch["token_ids"]) == ch["text"]
         assert ch["prompt_token_ids"] == tok.encode(["a b", "c"][ch["index"] // 2])
+    # priority: 0 is every fcfs engine's; another value is refused by these (fcfs) workers by name.
+    code, body = post(c, "/v1/completions", {"model": _model(c), "prompt": "x", "max_tokens": 1, "priority": 0})
+    assert code == 200
     for bad, param in [({"return_token_ids": 1}, "return_token_ids"), ({"request_id": 7}, "request_id"),
+                       ({"priority": 3}, "priority"), ({"priority": 2**40}, "priority"),
                        ({"request_id": "x" * 300}, "request_id")]:
         code, err = post(c, "/v1/completions", {"model": _model(c), "prompt": "x", "max_tokens": 1, **bad})
         assert code == 400 and err["error"]["param"] == param, err
