@@ -88,6 +88,7 @@ class RouterSection:
     served_model_name: str | None = None
     chat_template: str | None = None     # the template text (the YAML may name a file: read at load)
     reasoning_parser: str | None = None  # router/reasoning.py's names
+    tool_call_parser: str = "hermes"     # router/tool_parsers.py's names, or a plugin's module:function
 
 
 @dataclass(frozen=True)
@@ -311,6 +312,14 @@ def _parse_router(raw: Any) -> RouterSection:
         if out["reasoning_parser"] not in REASONING_PARSERS:
             raise ConfigError(f"router.reasoning_parser: {out['reasoning_parser']!r} is not one of "
                               f"{sorted(REASONING_PARSERS)}")
+    if d.get("tool_call_parser") is not None:
+        from pdcluster.cluster.router_cmd import check_tool_call_parser
+
+        out["tool_call_parser"] = _str(d["tool_call_parser"], "router.tool_call_parser")
+        try:
+            check_tool_call_parser(out["tool_call_parser"])
+        except ValueError as e:
+            raise ConfigError(f"router.tool_call_parser: {e}") from None
     if d.get("chat_template") is not None:
         from pdcluster.engine.tokenizer import load_chat_template
 

@@ -22,6 +22,15 @@ REASONING_PARSER_NAMES = ("deepseek_r1", "qwen3")
 log = logging.getLogger("pdcluster.serve")
 
 
+def add_tool_flags(p: argparse.ArgumentParser) -> None:
+    """vLLM's tool-calling flags (router/tool_parsers.py)."""
+    p.add_argument("--tool-call-parser", default="hermes",
+                   help="how tool_choice auto reads calls out of an answer: hermes (default), llama3_json, mistral, "
+                        "pythonic, or a plugin's package.module:function (vLLM's flag)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM command lines: tool_choice auto is always served here")
+
+
 def add_router_flags(p: argparse.ArgumentParser, *, grpc_port: int = 50051, http_port: int = 8000) -> None:
     p.add_argument("--model", default=None, help="model directory (tokenizer); default: from the workers")
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
@@ -29,6 +38,7 @@ def add_router_flags(p: argparse.ArgumentParser, *, grpc_port: int = 50051, http
                    help="a Jinja chat template file (or the template text) used instead of the model's own")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSER_NAMES, default=None,
                    help="split the model's <think>...</think> thought into message.reasoning (vLLM's flag)")
+    add_tool_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback; others are explicit)")
     p.add_argument("--grpc-port", type=int, default=grpc_port, help="0 picks a free port")
     p.add_argument("--http-port", "--port", dest="http_port", type=int, default=http_port,
@@ -123,7 +133,7 @@ def router_config(args: argparse.Namespace, workers: tuple[str, ...], key_dir: s
         api_key=api_key, insecure=args.insecure, **bounds,
         workers=workers, model=model, served_model_name=args.served_model_name, policy=args.policy,
         chat_template=args.chat_template,  # the text: check_router_flags read the file
-        reasoning_parser=args.reasoning_parser,
+        reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
         host=args.host, grpc_port=args.grpc_port, http_port=None if args.http_port < 0 else args.http_port,
         max_inflight=args.max_inflight, max_retries=args.max_retries, max_migrations=args.max_migrations,
         stall_timeout_s=args.stall_timeout,
@@ -145,9 +155,20 @@ def check_router_flags(args: argparse.Namespace) -> None:
                    api_key=bool(args.api_key or os.environ.get("PDCLUSTER_API_KEY")))
     if args.chat_template is not None:
         args.chat_template = load_chat_template(args.chat_template)
+    check_tool_call_parser(args.tool_call_parser)
     # A taken port is found now, not after the workers loaded the model (the router binds last).
     for flag, port in (("--grpc-port", args.grpc_port), ("--http-port", args.http_port)):
         check_port_free(args.host, port, flag)
+
+
+def check_tool_call_parser(name: str) -> None:
+    """ValueError naming --tool-call-parser when it resolves to no parser (before workers start)."""
+    from pdcluster.router.tool_parsers import TOOL_CALL_PARSERS
+
+    try:
+        TOOL_CALL_PARSERS.get(name)
+    except ValueError as e:
+        raise ValueError(f"--tool-call-parser: {e}") from None
 
 
 def check_port_free(host: str, port: int, flag: str) -> None:

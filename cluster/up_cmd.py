@@ -119,6 +119,10 @@ def add_engine_overrides(p: argparse.ArgumentParser) -> None:
                    help="a Jinja chat template file (or the template text) used instead of the model's own")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSER_NAMES, default=None,
                    help="split the model's <think>...</think> thought into message.reasoning (router.reasoning_parser)")
+    p.add_argument("--tool-call-parser", default=None,
+                   help="how tool_choice auto reads calls out of an answer (router.tool_call_parser; default hermes)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM command lines: tool_choice auto is always served here")
     add_forwarded_engine_flags(p)
 
 
@@ -149,7 +153,7 @@ def apply_engine_overrides(raw: dict[str, Any], args: argparse.Namespace) -> dic
                 pool["engine"] = _merge(pool.get("engine"), **engine)
             merged[role] = pool
         raw = {**raw, "pools": merged}
-    for name in ("served_model_name", "chat_template", "reasoning_parser"):
+    for name in ("served_model_name", "chat_template", "reasoning_parser", "tool_call_parser"):
         if getattr(args, name, None) is not None:
             raw = {**raw, "router": _merge(raw.get("router"), **{name: getattr(args, name)})}
     return raw

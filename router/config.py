@@ -29,6 +29,9 @@ class RouterConfig:
     # vLLM's --reasoning-parser (router/reasoning.py): chat answers carry the model's thought in
     # message.reasoning, apart from the content. None = the text as generated.
     reasoning_parser: str | None = None
+    # vLLM's --tool-call-parser (router/tool_parsers.py): how tool_choice "auto" reads calls out
+    # of an answer (hermes, llama3_json, mistral, pythonic, or a plugin's "module:function").
+    tool_call_parser: str = "hermes"
     policy: str = "prefix_aware"             # falls back to least_loaded without KV events
     host: str = "127.0.0.1"                  # loopback by default; other addresses are explicit
     grpc_port: int = 50051                   # 0 = any free port
@@ -93,6 +96,12 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.reasoning_parser is not None:
             get_parser(self.reasoning_parser)
+        from .tool_parsers import TOOL_CALL_PARSERS
+
+        try:
+            TOOL_CALL_PARSERS.get(self.tool_call_parser)
+        except ValueError as e:
+            raise ValueError(f"tool_call_parser: {e}") from None
         if self.policy not in ROUTING_POLICIES:
             raise ValueError(f"policy: unknown routing policy {self.policy!r}; choose one of {ROUTING_POLICIES.names()}")
         for name in ("max_inflight", "eject_after_failures", "max_message_bytes", "max_json_depth",

@@ -94,10 +94,15 @@ class HttpFrontend:
         app.router.add_get("/metrics", self.metrics_endpoint)
         return app
 
-    def _with_reasoning(self, opts: OpenAIOptions) -> OpenAIOptions:
+    def _with_parsers(self, opts: OpenAIOptions) -> OpenAIOptions:
+        """The server's reading of answers: its --reasoning-parser and --tool-call-parser."""
         forced = opts.tools is not None and opts.tools.choice in ("required", "named")
         parser = for_request(self.config.reasoning_parser, opts.structured_field is not None, forced)
-        return dataclasses.replace(opts, reasoning=parser) if parser is not None else opts
+        if parser is not None:
+            opts = dataclasses.replace(opts, reasoning=parser)
+        if opts.tools is not None and opts.tools.choice == "auto":
+            opts = dataclasses.replace(opts, tools=dataclasses.replace(opts.tools, parser=self.config.tool_call_parser))
+        return opts
 
     def _echo_text(self, greq: router_pb2.GenerateRequest, prep: PreparedRequest) -> str:
         """echo's text: a chat's final assistant message; a prompt as sent, unless
@@ -170,7 +175,7 @@ class HttpFrontend:
                 body = await _read_json(request, self.config.max_message_bytes, self.config.max_json_depth)
                 if chat:
                     greq, opts = parse_chat(body, self.pre.model_name, self.pre.image_limits)
-                    opts = self._with_reasoning(opts)
+                    opts = self._with_parsers(opts)
                     greqs = [greq]
                 else:
                     greqs, opts = parse_completions(body, self.pre.model_name)
@@ -260,7 +265,7 @@ class HttpFrontend:
             with self.admission.preparing("http"):
                 body = await _read_json(request, self.config.max_message_bytes, self.config.max_json_depth)
                 greq, opts, info = parse_responses(body, self.pre.model_name, self.pre.image_limits)
-                opts = self._with_reasoning(opts)
+                opts = self._with_parsers(opts)
                 greq.request_id = request.headers.get("X-Request-Id", "")
                 try:
                     prep = await self.pre.prepare(greq, self.config.request_timeout_s, chat_max_tokens_default=True)

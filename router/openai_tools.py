@@ -4,8 +4,8 @@
                     given to the chat template (ChatMessages.tools_json) unless tool_choice is "none"
     tool_choice     "none" | "auto" (default with tools) | "required" | {"type": "function",
                     "function": {"name": ...}}
-    answer          auto: hermes-style `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
-                    blocks parsed out of the text; required: the output is forced by the grammar
+    answer          auto: the calls the server's --tool-call-parser reads out of the text
+                    (tool_parsers.py; hermes by default); required: the output is forced by the grammar
                     engine to a JSON list of {"name", "parameters"} of the tools (vLLM's way);
                     named: forced to the JSON of that function's parameters. Either way the
                     arguments validate against the function's schema.
@@ -26,10 +26,11 @@ from typing import Any
 from pdcluster._proto import common_pb2
 
 from .errors import invalid
+from .tool_parsers import TOOL_CALL_PARSERS
+from .tool_parsers import loads as _loads
 
 MAX_TOOLS = 128
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-_HERMES = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class ToolMode:
     choice: str  # "auto" | "required" | "named"
     names: tuple[str, ...]
     name: str | None = None  # the forced function (named)
+    parser: str = "hermes"  # auto: the server's --tool-call-parser (tool_parsers.py)
 
 
 def parse_tools(body: dict, chat: Any, sp: common_pb2.SamplingParams, structured: str | None) -> ToolMode | None:
@@ -101,12 +103,7 @@ def extract_tool_calls(text: str, mode: ToolMode) -> tuple[str | None, list[dict
             calls = [(c.get("name", ""), c.get("parameters")) for c in parsed if isinstance(c, dict)]
             content = None
     else:
-        for m in _HERMES.finditer(text):
-            call = _loads(m.group(1))
-            if isinstance(call, dict) and call.get("name") in mode.names:
-                calls.append((call["name"], call.get("arguments", call.get("parameters", {}))))
-        if calls:
-            content = text[: text.find("<tool_call>")].strip() or None
+        content, calls = TOOL_CALL_PARSERS.get(mode.parser)(text, mode.names)
     out = [{"id": f"call_{secrets.token_hex(12)}", "type": "function",
             "function": {"name": name, "arguments": args if isinstance(args, str) else json.dumps(args)}}
            for name, args in calls]
@@ -134,17 +131,8 @@ def _call_for_template(call: Any, i: int) -> dict[str, Any]:
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         raise invalid("messages", f"messages[{i}].tool_calls: each needs function.name")
     args = fn.get("arguments", {})
-    if isinstance(args, str):
+    if isinstance(args, str):  # what parses goes on into tool_calls_json, whose depth the Preprocessor bounds
         parsed = _loads(args)
         args = parsed if parsed is not None else args
     return {"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}}
 
-
-def _loads(text: str) -> Any:
-    """Parsed JSON, or None when it is none. Nesting deeper than the parser's stack is none too:
-    a client's arguments string (inside a body whose own depth was bounded) or a model's output may
-    be "[[[[...". What is parsed goes on into tool_calls_json, whose depth the Preprocessor bounds."""
-    try:
-        return json.loads(text)
-    except (ValueError, RecursionError):
-        return None
