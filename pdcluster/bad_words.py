@@ -9,6 +9,7 @@ one-token sequence is banned always. Pure Python: the engine tokenizes, the samp
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 Encode = Callable[[str], list[int]]  # text -> token ids, no special tokens
@@ -26,14 +27,26 @@ def tokenize_bad_words(words: Sequence[str], encode: Encode) -> tuple[tuple[int,
     return tuple(seen)
 
 
-def banned_ids(sequences: Sequence[tuple[int, ...]], output: Sequence[int]) -> list[int]:
-    """The tokens these sequences forbid as the next token after `output`."""
-    out = []
+def banned_ids(sequences: tuple[tuple[int, ...], ...], output: Sequence[int]) -> list[int]:
+    """The tokens these sequences forbid as the next token after `output`: one dictionary lookup
+    per distinct sequence length, whatever the number of words (asked every step, every row)."""
+    always, by_length = _index(sequences)
+    out = list(always)
     n = len(output)
-    for seq in sequences:
-        k = len(seq) - 1
-        if k == 0:
-            out.append(seq[0])
-        elif k <= n and all(output[n - k + j] == seq[j] for j in range(k)):
-            out.append(seq[-1])
+    for k, last_of in by_length:
+        if k <= n:
+            out.extend(last_of.get(tuple(output[n - k:]), ()))
     return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _index(sequences: tuple[tuple[int, ...], ...]
+           ) -> tuple[tuple[int, ...], tuple[tuple[int, dict[tuple[int, ...], list[int]]], ...]]:
+    """(one-token words, [(prefix length k, {the k tokens before: last tokens})]), built once per
+    distinct set of sequences (SamplingParams holds them as a hashable tuple)."""
+    always = tuple(dict.fromkeys(s[0] for s in sequences if len(s) == 1))
+    by_length: dict[int, dict[tuple[int, ...], list[int]]] = {}
+    for s in sequences:
+        if len(s) > 1:
+            by_length.setdefault(len(s) - 1, {}).setdefault(s[:-1], []).append(s[-1])
+    return always, tuple(sorted(by_length.items()))

@@ -22,6 +22,7 @@ the same distribution for a fraction of the random numbers, and no per-row gener
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from collections.abc import Callable
@@ -183,34 +184,60 @@ class Sampler:
         x[idx] = fn(x[idx], *args)
         return x
 
+    def _pairs(self, ids_per_row: list[tuple[int, ...]] | list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, cols) index tensors of every (row, id) pair: one gather or scatter for the
+        whole batch, whatever its size."""
+        pairs = [(i, t) for i, ids in enumerate(ids_per_row) for t in ids if t < self.vocab_size]
+        rows, cols = zip(*pairs, strict=True) if pairs else ((), ())
+        return self._index(list(rows)), self._index(list(cols))
+
     def _apply_allowed(self, x: torch.Tensor, states: list[SamplingState]) -> None:
-        for i, s in enumerate(states):
-            ids = s.params.allowed_token_ids
-            if ids:
-                cols = self._index([t for t in ids if t < self.vocab_size])
-                kept = x[i, cols]
-                x[i].fill_(float("-inf"))
-                x[i, cols] = kept
+        allowed = [s.params.allowed_token_ids for s in states]
+        if not any(allowed):
+            return
+        # Rows share few distinct sets: each set's index tensor is built once, not every step.
+        per_row = [self._id_tensor(ids) for ids in allowed if ids]
+        rows = torch.repeat_interleave(self._index([i for i, ids in enumerate(allowed) if ids]),
+                                       self._index([len(t) for t in per_row]))
+        cols = torch.cat(per_row)
+        kept = x[rows, cols]
+        x.index_fill_(0, self._index([i for i, ids in enumerate(allowed) if ids]), float("-inf"))
+        x[rows, cols] = kept
+
+    @functools.lru_cache(maxsize=256)  # noqa: B019 - one Sampler per runner, for the process' life
+    def _id_tensor(self, ids: tuple[int, ...]) -> torch.Tensor:
+        return self._index([t for t in ids if t < self.vocab_size])
 
     def _apply_bad_words(self, x: torch.Tensor, bad: list[list[int]]) -> None:
         """A bad word's ban is lifted for a row it would leave with no token at all (every allowed
         token is the end of a matched bad word): the request goes on rather than sampling from
         nothing. The static cases are refused when the request arrives (LLMEngine)."""
-        for i, ids in enumerate(bad):
-            if not ids:
-                continue
-            cols = self._index([t for t in ids if t < self.vocab_size])
-            kept = x[i, cols].clone()
-            x[i, cols] = float("-inf")
-            if bool(torch.isneginf(x[i].max())):
-                x[i, cols] = kept
+        if not any(bad):
+            return
+        rows, cols = self._pairs(bad)
+        kept = x[rows, cols]
+        x[rows, cols] = float("-inf")
+        banned_rows = self._index([i for i, ids in enumerate(bad) if ids])
+        dead = banned_rows[torch.isneginf(x[banned_rows].amax(dim=-1))]
+        if dead.numel():  # rare: put those rows' logits back
+            lift = torch.isin(rows, dead)
+            x[rows[lift], cols[lift]] = kept[lift]
 
     def _apply_logit_bias(self, x: torch.Tensor, states: list[SamplingState]) -> None:
-        triples = [(i, t, b) for i, s in enumerate(states) for t, b in s.params.logit_bias if t < self.vocab_size]
-        if triples:
-            rows, cols, bias = zip(*triples, strict=True)
-            x.index_put_((self._index(list(rows)), self._index(list(cols))),
-                         torch.tensor(bias, dtype=x.dtype, device=self.device), accumulate=True)
+        biased = [(i, self._bias_tensors(s.params.logit_bias)) for i, s in enumerate(states) if s.params.logit_bias]
+        if not biased:
+            return
+        rows = torch.repeat_interleave(self._index([i for i, _ in biased]),
+                                       self._index([len(cols) for _, (cols, _) in biased]))
+        cols = torch.cat([cols for _, (cols, _) in biased])
+        bias = torch.cat([b for _, (_, b) in biased]).to(x.dtype)
+        x.index_put_((rows, cols), bias, accumulate=True)
+
+    @functools.lru_cache(maxsize=256)  # noqa: B019 - as _id_tensor
+    def _bias_tensors(self, pairs: tuple[tuple[int, float], ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        kept = [(t, b) for t, b in pairs if t < self.vocab_size]
+        return (self._index([t for t, _ in kept]),
+                torch.tensor([b for _, b in kept], dtype=torch.float32, device=self.device))
 
     def _apply_penalties(self, x: torch.Tensor, states: list[SamplingState]) -> None:
         rows = [i for i, s in enumerate(states) if s.has_penalties]
