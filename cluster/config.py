@@ -89,6 +89,7 @@ class RouterSection:
     chat_template: str | None = None     # the template text (the YAML may name a file: read at load)
     reasoning_parser: str | None = None  # router/reasoning.py's names
     tool_call_parser: str = "hermes"     # router/tool_parsers.py's names, or a plugin's module:function
+    generation_config: str = "auto"      # auto | vllm | a folder (pdcluster/generation_defaults.py)
 
 
 @dataclass(frozen=True)
@@ -320,6 +321,8 @@ def _parse_router(raw: Any) -> RouterSection:
             check_tool_call_parser(out["tool_call_parser"])
         except ValueError as e:
             raise ConfigError(f"router.tool_call_parser: {e}") from None
+    if d.get("generation_config") is not None:
+        out["generation_config"] = _str(d["generation_config"], "router.generation_config")
     if d.get("chat_template") is not None:
         from pdcluster.engine.tokenizer import load_chat_template
 

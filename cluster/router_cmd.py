@@ -31,6 +31,12 @@ def add_tool_flags(p: argparse.ArgumentParser) -> None:
                    help="accepted for vLLM command lines: tool_choice auto is always served here")
 
 
+def add_generation_config_flag(p: argparse.ArgumentParser, default: str | None = "auto") -> None:
+    p.add_argument("--generation-config", default=default,
+                   help="sampling defaults for fields a request leaves out: auto (the model's generation_config.json, "
+                        "the default), vllm (none) or a folder holding one (vLLM's flag)")
+
+
 def add_router_flags(p: argparse.ArgumentParser, *, grpc_port: int = 50051, http_port: int = 8000) -> None:
     p.add_argument("--model", default=None, help="model directory (tokenizer); default: from the workers")
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
@@ -39,6 +45,7 @@ def add_router_flags(p: argparse.ArgumentParser, *, grpc_port: int = 50051, http
     p.add_argument("--reasoning-parser", choices=REASONING_PARSER_NAMES, default=None,
                    help="split the model's <think>...</think> thought into message.reasoning (vLLM's flag)")
     add_tool_flags(p)
+    add_generation_config_flag(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback; others are explicit)")
     p.add_argument("--grpc-port", type=int, default=grpc_port, help="0 picks a free port")
     p.add_argument("--http-port", "--port", dest="http_port", type=int, default=http_port,
@@ -134,6 +141,7 @@ def router_config(args: argparse.Namespace, workers: tuple[str, ...], key_dir: s
         workers=workers, model=model, served_model_name=args.served_model_name, policy=args.policy,
         chat_template=args.chat_template,  # the text: check_router_flags read the file
         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+        generation_config=args.generation_config,
         host=args.host, grpc_port=args.grpc_port, http_port=None if args.http_port < 0 else args.http_port,
         max_inflight=args.max_inflight, max_retries=args.max_retries, max_migrations=args.max_migrations,
         stall_timeout_s=args.stall_timeout,
@@ -156,6 +164,10 @@ def check_router_flags(args: argparse.Namespace) -> None:
     if args.chat_template is not None:
         args.chat_template = load_chat_template(args.chat_template)
     check_tool_call_parser(args.tool_call_parser)
+    if args.generation_config not in ("auto", "vllm"):  # a folder: read now ("auto" needs the model)
+        from pdcluster.generation_defaults import load_generation_defaults
+
+        load_generation_defaults(args.generation_config, None)
     # A taken port is found now, not after the workers loaded the model (the router binds last).
     for flag, port in (("--grpc-port", args.grpc_port), ("--http-port", args.http_port)):
         check_port_free(args.host, port, flag)

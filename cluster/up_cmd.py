@@ -28,7 +28,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from pdcluster.cluster.router_cmd import REASONING_PARSER_NAMES
+from pdcluster.cluster.router_cmd import REASONING_PARSER_NAMES, add_generation_config_flag
 
 READY_PREFIX = "PDCLUSTER_READY"
 
@@ -123,6 +123,7 @@ def add_engine_overrides(p: argparse.ArgumentParser) -> None:
                    help="how tool_choice auto reads calls out of an answer (router.tool_call_parser; default hermes)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM command lines: tool_choice auto is always served here")
+    add_generation_config_flag(p, default=None)
     add_forwarded_engine_flags(p)
 
 
@@ -153,7 +154,7 @@ def apply_engine_overrides(raw: dict[str, Any], args: argparse.Namespace) -> dic
                 pool["engine"] = _merge(pool.get("engine"), **engine)
             merged[role] = pool
         raw = {**raw, "pools": merged}
-    for name in ("served_model_name", "chat_template", "reasoning_parser", "tool_call_parser"):
+    for name in ("served_model_name", "chat_template", "reasoning_parser", "tool_call_parser", "generation_config"):
         if getattr(args, name, None) is not None:
             raw = {**raw, "router": _merge(raw.get("router"), **{name: getattr(args, name)})}
     return raw

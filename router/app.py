@@ -21,6 +21,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from pdcluster.engine.tokenizer import Tokenizer
+from pdcluster.generation_defaults import load_generation_defaults
 from pdcluster.security.keys import load_allowed_public_keys, load_keypair
 from pdcluster.security.tls_audit import HandshakeAudit
 from pdcluster.worker.tls import TLSConfig
@@ -90,7 +91,8 @@ class Router:
                                              image_placeholders=load_image_placeholders(model),
                                              image_limits=ImageLimits(cfg.max_images_per_request, cfg.max_image_bytes),
                                              max_message_bytes=cfg.max_message_bytes,
-                                             max_json_depth=cfg.max_json_depth)
+                                             max_json_depth=cfg.max_json_depth,
+                                             generation_defaults=load_generation_defaults(cfg.generation_config, model))
             self.orchestrator = Orchestrator(cfg, self.registry, self.policy, self.metrics)
             self.admission = Admission(cfg.max_inflight, self.orchestrator, self.metrics)
             self._on_workers_changed()

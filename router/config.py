@@ -32,6 +32,9 @@ class RouterConfig:
     # vLLM's --tool-call-parser (router/tool_parsers.py): how tool_choice "auto" reads calls out
     # of an answer (hermes, llama3_json, mistral, pythonic, or a plugin's "module:function").
     tool_call_parser: str = "hermes"
+    # vLLM's --generation-config (pdcluster/generation_defaults.py): "auto" (the model's
+    # generation_config.json sampling defaults), "vllm" (none) or a folder holding the file.
+    generation_config: str = "auto"
     policy: str = "prefix_aware"             # falls back to least_loaded without KV events
     host: str = "127.0.0.1"                  # loopback by default; other addresses are explicit
     grpc_port: int = 50051                   # 0 = any free port

@@ -21,6 +21,7 @@ import jinja2
 
 from pdcluster._proto import common_pb2, router_pb2
 from pdcluster.engine.tokenizer import Tokenizer
+from pdcluster.generation_defaults import GenerationDefaults
 from pdcluster.sampling_params import (
     DEFAULT_MAX_STOP_TOKEN_IDS,
     MAX_ALLOWED_TOKEN_IDS,
@@ -81,8 +82,12 @@ class Preprocessor:
                  image_placeholders: ImagePlaceholders | None = None,
                  image_limits: ImageLimits | None = None,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 max_json_depth: int = DEFAULT_MAX_JSON_DEPTH) -> None:
+                 max_json_depth: int = DEFAULT_MAX_JSON_DEPTH,
+                 generation_defaults: GenerationDefaults | None = None) -> None:
         self.tokenizer = tokenizer
+        # --generation-config: the checkpoint's sampling defaults for fields a request leaves out.
+        self.generation_defaults = generation_defaults or GenerationDefaults()
+        self._sampling_defaults = self.generation_defaults.sampling
         self.max_message_bytes = max_message_bytes
         self.max_json_depth = max_json_depth  # JSON in a request's string fields (tools, template variables)
         # chat_template_kwargs may not set these; the tokenizer's special tokens are the server's too.
@@ -132,7 +137,8 @@ class Preprocessor:
         self.check_model(req.model)
         # 128 random bits as 32 hex digits, like uuid4().hex, at a seventh of its cost.
         request_id = _check_request_id(req.request_id) or secrets.token_hex(16)
-        params = self._validate_params(req.sampling_params)
+        sp = self._with_defaults(req.sampling_params)
+        params = self._validate_params(sp)
         truncate = params.truncate_prompt_tokens
         prompt_ids, images = await self._prompt_token_ids(req, refuse_long=truncate is None)
         if truncate is not None:
@@ -140,10 +146,12 @@ class Preprocessor:
                 raise invalid("truncate_prompt_tokens", "cannot be combined with images (a cut could split one)")
             prompt_ids = truncated(prompt_ids, truncate, self.max_model_len, params.max_tokens)
         pb = common_pb2.SamplingParams()
-        pb.CopyFrom(req.sampling_params)
+        pb.CopyFrom(sp)
         max_tokens = params.max_tokens
         if not req.sampling_params.HasField("max_tokens") and chat_max_tokens_default and self.max_model_len:
             max_tokens = max(1, self.max_model_len - len(prompt_ids))
+            if self.generation_defaults.max_tokens is not None:  # the checkpoint's max_new_tokens
+                max_tokens = min(max_tokens, self.generation_defaults.max_tokens)
             pb.max_tokens = max_tokens
         self._check_length(len(prompt_ids), max_tokens)
         self._check_logprob_volume(len(prompt_ids), max_tokens, params, req.stream)
@@ -153,6 +161,16 @@ class Preprocessor:
             mm_offset = prompt_ids.index(self.image_placeholders.image_token_id)
         return PreparedRequest(request_id, prompt_ids, pb, max_tokens, req.stream, deadline,
                                req.return_prompt_token_ids, images=images, mm_offset=mm_offset)
+
+    def _with_defaults(self, sp: common_pb2.SamplingParams) -> common_pb2.SamplingParams:
+        missing = [(name, value) for name, value in self._sampling_defaults.items() if not sp.HasField(name)]
+        if not missing:
+            return sp
+        out = common_pb2.SamplingParams()
+        out.CopyFrom(sp)
+        for name, value in missing:
+            setattr(out, name, value)
+        return out
 
     def _validate_params(self, pb: common_pb2.SamplingParams) -> SamplingParams:
         key = pb.SerializeToString(deterministic=True)

@@ -8,6 +8,7 @@ from typing import Any
 from pdcluster.config import EngineArgs
 from pdcluster.engine.llm_engine import LLMEngine
 from pdcluster.engine.outputs import RequestOutput
+from pdcluster.generation_defaults import load_generation_defaults
 from pdcluster.sampling_params import SamplingParams, sibling_seed
 
 # A text prompt, token ids, or vLLM's dict {"prompt": str, "multi_modal_data": {"image": ...}}.
@@ -20,8 +21,17 @@ class LLM:
     `model=None` uses the built-in demo model. Unknown options raise ValueError.
     With `kv_connector=NAME`, pass `connector=pdcluster.connectors.engine_connector_factory`."""
 
-    def __init__(self, model: str | None = None, *, connector: Any = None, **kwargs: Any) -> None:
+    def __init__(self, model: str | None = None, *, connector: Any = None, generation_config: str = "auto",
+                 **kwargs: Any) -> None:
         self.engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(model=model, **kwargs), connector=connector)
+        # vLLM's generation_config: the checkpoint's sampling defaults (pdcluster/generation_defaults.py).
+        self.generation_defaults = load_generation_defaults(generation_config, self.engine.config.model.model_path)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() and chat() use when given no SamplingParams: the checkpoint's
+        generation_config.json defaults over SamplingParams' own (vLLM's method)."""
+        d = self.generation_defaults
+        return SamplingParams(**d.sampling, **({"max_tokens": d.max_tokens} if d.max_tokens is not None else {}))
 
     @property
     def num_kv_blocks(self) -> int:
@@ -65,7 +75,7 @@ class LLM:
         scheduling_policy="priority"."""
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+            params_list = [sampling_params or self.get_default_sampling_params()] * len(prompt_list)
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):

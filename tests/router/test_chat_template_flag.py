@@ -40,7 +40,7 @@ def test_load_reads_a_file_or_takes_the_text(tmp_path) -> None:
 def test_serve_and_router_check_it_before_anything_starts(tmp_path) -> None:
     args = argparse.Namespace(host="127.0.0.1", tls_cert=None, insecure=False, api_key=None,
                               chat_template=str(tmp_path / "nope.jinja"), grpc_port=0, http_port=0,
-                              tool_call_parser="hermes")
+                              tool_call_parser="hermes", generation_config="auto")
     with pytest.raises(ValueError, match="--chat-template"):
         check_router_flags(args)
     (tmp_path / "t.jinja").write_text(TEMPLATE)
