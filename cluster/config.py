@@ -85,7 +85,7 @@ class RouterSection:
     health_interval_s: float = 1.0
     eject_after_failures: int = 1        # a restarted actor is a new port: one failed check is enough
     request_timeout_s: float = 600.0
-    served_model_name: str | None = None
+    served_model_name: str | tuple[str, ...] | None = None  # one name or several (all listed)
     chat_template: str | None = None     # the template text (the YAML may name a file: read at load)
     reasoning_parser: str | None = None  # router/reasoning.py's names
     tool_call_parser: str = "hermes"     # router/tool_parsers.py's names, or a plugin's module:function
@@ -305,7 +305,11 @@ def _parse_router(raw: Any) -> RouterSection:
     if "stall_timeout_s" in d:
         out["stall_timeout_s"] = _num(d["stall_timeout_s"], "router.stall_timeout_s", positive=False)
     if d.get("served_model_name") is not None:
-        out["served_model_name"] = _str(d["served_model_name"], "router.served_model_name")
+        names = d["served_model_name"]
+        if isinstance(names, list) and names:
+            out["served_model_name"] = tuple(_str(n, "router.served_model_name[]") for n in names)
+        else:
+            out["served_model_name"] = _str(names, "router.served_model_name")
     if d.get("reasoning_parser") is not None:
         from pdcluster.router.reasoning import REASONING_PARSERS
 

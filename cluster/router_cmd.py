@@ -39,7 +39,8 @@ def add_generation_config_flag(p: argparse.ArgumentParser, default: str | None =
 
 def add_router_flags(p: argparse.ArgumentParser, *, grpc_port: int = 50051, http_port: int = 8000) -> None:
     p.add_argument("--model", default=None, help="model directory (tokenizer); default: from the workers")
-    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the model name(s) clients use, all listed (default: --model)")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template file (or the template text) used instead of the model's own")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSER_NAMES, default=None,

@@ -114,7 +114,8 @@ def add_engine_overrides(p: argparse.ArgumentParser) -> None:
     --decode-FLAG); and the router's --served-model-name and --chat-template."""
     from pdcluster.cluster.worker_flags import add_forwarded_engine_flags
 
-    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: the model path)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the model name(s) clients use, all listed (default: the model path)")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template file (or the template text) used instead of the model's own")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSER_NAMES, default=None,

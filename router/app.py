@@ -227,7 +227,7 @@ def _make_policy(config: RouterConfig, index: PrefixIndex) -> RoutingPolicy:
 
 def _served_names(config: RouterConfig, model: str) -> list[str]:
     if config.served_model_name:
-        return [config.served_model_name]
+        return list(dict.fromkeys(config.served_model_name))
     names = [model, os.path.basename(os.path.normpath(model))]
     return list(dict.fromkeys(n for n in names if n))
 

@@ -22,7 +22,9 @@ DEFAULT_MAX_JSON_DEPTH = 32
 class RouterConfig:
     workers: tuple[str, ...] = ()            # static worker list, "host:port"
     model: str | None = None                 # model dir (tokenizer); None = ask the first worker
-    served_model_name: str | None = None     # the name clients pass; None = `model` as given
+    # The names clients pass (vLLM's --served-model-name takes several; all are listed); a string is
+    # one name; None = `model` as given (its basename accepted too, not listed).
+    served_model_name: str | tuple[str, ...] | None = None
     # Jinja chat template text (vLLM's --chat-template, read by tokenizer.load_chat_template): used
     # instead of the model's own, e.g. for a checkpoint that has none. None = the model's.
     chat_template: str | None = None
@@ -97,6 +99,12 @@ class RouterConfig:
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        names = self.served_model_name
+        if names is not None:
+            names = (names,) if isinstance(names, str) else tuple(names)
+            if not names or not all(isinstance(n, str) and n for n in names):
+                raise ValueError(f"served_model_name: must be non-empty names, got {self.served_model_name!r}")
+            object.__setattr__(self, "served_model_name", names)
         if self.reasoning_parser is not None:
             get_parser(self.reasoning_parser)
         from .tool_parsers import TOOL_CALL_PARSERS

@@ -119,7 +119,9 @@ class HttpFrontend:
                 "root": self.config.model, "max_model_len": self.pre.max_model_len}
 
     async def models(self, request: web.Request) -> web.Response:
-        data = [self._model_card(name) for name in self.pre.served_model_names[:1]]  # aliases are accepted, not listed
+        # Every --served-model-name is listed; without one, the model path (its basename is an alias).
+        listed = self.pre.served_model_names if self.config.served_model_name else self.pre.served_model_names[:1]
+        data = [self._model_card(name) for name in listed]
         return web.json_response({"object": "list", "data": data})
 
     async def model(self, request: web.Request) -> web.Response:

@@ -60,7 +60,7 @@ def test_up_merges_engine_flags_over_the_yaml_pools():
     config = build_config(build_parser().parse_args(["up", "--prefill", "1", "--decode", "1", "--connector", "p2p",
                                                      "--decode-block-size", "32", "--served-model-name", "svc"]))
     assert config.pools["decode"].engine == {"block_size": 32} and config.pools["prefill"].engine == {}
-    assert config.router.served_model_name == "svc"
+    assert config.router.served_model_name == ("svc",)
 
 
 def _info(address: str) -> worker_pb2.WorkerInfo:

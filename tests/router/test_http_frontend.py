@@ -84,6 +84,22 @@ def test_model_root_is_the_path_asked_of_a_worker(cluster, demo_model):
     assert [m.id for m in models] == [demo_model] and models[0].root == demo_model
 
 
+def test_several_served_model_names_are_all_listed_and_served(cluster):
+    """vLLM's --served-model-name a b: both listed, either accepted, any other name a 404."""
+    c = cluster(1, served_model_name=("llama", "llama-3"))
+    oa = client(c)
+    assert [m.id for m in oa.models.list().data] == ["llama", "llama-3"]
+    for name in ("llama", "llama-3"):
+        assert oa.completions.create(model=name, prompt="Hi", max_tokens=1).model == name
+    with pytest.raises(openai.NotFoundError):
+        oa.completions.create(model="other", prompt="Hi", max_tokens=1)
+    from pdcluster.cluster.cli import build_parser
+    from pdcluster.cluster.router_cmd import router_config
+
+    args = build_parser().parse_args(["router", "--workers", "127.0.0.1:1", "--served-model-name", "a", "b"])
+    assert router_config(args, ("127.0.0.1:1",), None, None).served_model_name == ("a", "b")
+
+
 def test_openai_completions(cluster, reference):
     c = cluster(1)
     oa = client(c)
