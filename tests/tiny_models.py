@@ -44,6 +44,12 @@ TINY_ARCHS: dict[str, dict[str, Any]] = {
     "qwen2": {"tie_word_embeddings": True, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}},
     # head_dim 32 != hidden 64 / 4 heads.
     "qwen3": {"head_dim": 32, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}},
+    # Fused qkv/gate_up in the checkpoint, a window every layer, 3/4 of each head rotated, and LongRoPE's
+    # short factors (the original length is the whole context: transformers never switches to the long ones).
+    "phi3": {"sliding_window": 40, "original_max_position_embeddings": 256, "pad_token_id": 0,
+             "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                                 "short_factor": [1.0, 1.3, 1.7, 2.2, 3.0, 4.5],
+                                 "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]}},
 }
 
 
@@ -58,6 +64,7 @@ def _classes(arch: str) -> tuple[type, type]:
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+        "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
     }[arch]
 
 

@@ -132,3 +132,14 @@ class DecoderForCausalLM(nn.Module):
 
     def stacked_params(self) -> tuple[tuple[str, str, str | int], ...]:
         return STACKED_PARAMS
+
+    def fused_checkpoint_rows(self, name: str) -> list[tuple[str | int, int, int]] | None:
+        """(shard id, first row, rows) of each projection inside a checkpoint tensor that is already
+        fused (Phi-3 ships `qkv_proj` and `mlp.gate_up_proj`); None for any other tensor."""
+        c = self.config
+        if ".self_attn.qkv_proj." in name:
+            q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+            return [("q", 0, q), ("k", q, kv), ("v", q + kv, kv)]
+        if ".mlp.gate_up_proj." in name and not c.num_experts:
+            return [(0, 0, c.intermediate_size), (1, c.intermediate_size, c.intermediate_size)]
+        return None

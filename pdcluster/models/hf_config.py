@@ -32,6 +32,7 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
     "MixtralForCausalLM": ("mixtral", False, False),
     "Qwen2MoeForCausalLM": ("qwen2_moe", False, False),  # q/k/v bias from its `qkv_bias` (default on)
     "Qwen3MoeForCausalLM": ("qwen3_moe", False, True),
+    "Phi3ForCausalLM": ("phi3", False, False),  # fused qkv/gate_up in the checkpoint (loader.py)
 }
 # What transformers assumes when a config.json leaves a field out, where it differs from ours.
 _DEFAULT_ROPE_THETA = {"smollm3": 2000000.0, "mixtral": 1000000.0}
@@ -39,7 +40,7 @@ _DEFAULT_TIED = {"smollm3": True}
 # The model types whose transformers MLP reads `mlp_bias` (the others build bias-free MLPs whatever
 # config.json says, so a stray `mlp_bias` there means nothing to transformers and nothing here).
 _MLP_BIAS_TYPES = ("llama", "smollm3")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 _YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "mscale",
               "mscale_all_dim", "truncate")
@@ -95,6 +96,9 @@ class ModelConfig:
         # A config sent between processes (msgpack) comes back with lists: keep it hashable.
         for name in ("eos_token_ids", "layer_use_rope", "layer_windows", "layer_moe"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
+        if self.rope_scaling is not None:  # longrope's factor lists too
+            object.__setattr__(self, "rope_scaling", tuple(
+                (k, tuple(v) if isinstance(v, list) else v) for k, v in self.rope_scaling))
 
     def uses_rope(self, layer: int) -> bool:
         """Layer `layer` rotates q/k: not a NoPE layer and a rotary dimension above 0."""
@@ -146,7 +150,8 @@ def load_model_config(path: str, dtype: str = "auto", max_model_len: int | None 
     num_heads = _required_int(raw, "num_attention_heads")
     hidden = _required_int(raw, "hidden_size")
     max_pos = int(raw.get("max_position_embeddings", 2048))
-    rope_theta, rope_scaling, partial = _rope(raw, max_pos, _DEFAULT_ROPE_THETA.get(model_type, 10000.0))
+    rope_theta, rope_scaling, partial = _rope(raw, max_pos, _DEFAULT_ROPE_THETA.get(model_type, 10000.0),
+                                              model_type)
     use_rope = layer_use_rope(raw, model_type, num_layers)
     windows = layer_windows(raw, model_type, num_layers, use_rope)
     moe = moe_fields(raw, model_type, num_layers)
@@ -171,7 +176,8 @@ def load_model_config(path: str, dtype: str = "auto", max_model_len: int | None 
         attention_bias=force_qkv_bias or qkv_bias,
         mlp_bias=mlp_bias,
         qk_norm=qk_norm,
-        rope_scaling=rope_scaling,
+        rope_scaling=_choose_longrope(rope_scaling, _resolve_max_model_len(max_model_len, max_pos),
+                                      int(int(raw.get("head_dim") or hidden // num_heads) * partial)),
         partial_rotary_factor=partial,
         hidden_act=hidden_act,
         bos_token_id=raw.get("bos_token_id"),
@@ -232,7 +238,7 @@ def _resolve_dtype(raw: dict[str, Any], dtype: str) -> str:
     return dtype
 
 
-def _rope(raw: dict[str, Any], max_pos: int, default_theta: float
+def _rope(raw: dict[str, Any], max_pos: int, default_theta: float, model_type: str = "llama"
           ) -> tuple[float, tuple[tuple[str, Any], ...] | None, float]:
     """-> (rope_theta, frozen scaling items or None for plain rope, partial_rotary_factor)."""
     params = dict(raw.get("rope_scaling") or {})
@@ -241,6 +247,8 @@ def _rope(raw: dict[str, Any], max_pos: int, default_theta: float
     partial = float(params.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
+    if model_type == "phi3" and rope_type in ("su", "yarn"):  # Phi-3's older spellings, as transformers reads them
+        rope_type = "longrope"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported rope type {rope_type!r}; supported: {list(SUPPORTED_ROPE_TYPES)}")
     if rope_type == "default":
@@ -257,6 +265,8 @@ def _rope(raw: dict[str, Any], max_pos: int, default_theta: float
         params["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
     if rope_type == "yarn":
         return theta, _yarn_items(params, max_pos), partial
+    if rope_type == "longrope":
+        return theta, _longrope_items(params, max_pos), partial
     if rope_type == "llama3":
         params.setdefault("original_max_position_embeddings", max_pos)
         missing = [k for k in _LLAMA3_KEYS if k not in params]
@@ -284,6 +294,54 @@ def _yarn_items(params: dict[str, Any], max_pos: int) -> tuple[tuple[str, Any], 
     if not isinstance(params.get("truncate", True), bool):
         raise ValueError(f"yarn rope scaling: truncate must be true or false, got {params['truncate']!r}")
     items = {"rope_type": "yarn", **{k: params[k] for k in _YARN_KEYS if params.get(k) is not None}}
+    return tuple(sorted(items.items()))
+
+
+def _longrope_items(params: dict[str, Any], max_pos: int) -> tuple[tuple[str, Any], ...]:
+    """Checked LongRoPE parameters (Phi-3 128k, Phi-3.5, Phi-4-mini). The factor set (short or
+    long) is chosen once, in load_model_config, from max_model_len (see there)."""
+    old = params.setdefault("original_max_position_embeddings", max_pos)
+    if isinstance(old, bool) or not isinstance(old, int) or old < 1:
+        raise ValueError(f"longrope rope scaling: original_max_position_embeddings must be a positive integer, "
+                         f"got {old!r}")
+    for key in ("short_factor", "long_factor"):
+        v = params.get(key)
+        if not isinstance(v, list) or not v or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0 for x in v):
+            raise ValueError(f"longrope rope scaling: {key} must be a list of positive numbers, got {v!r}")
+    for key in ("factor", "attention_factor"):
+        v = params.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0):
+            raise ValueError(f"longrope rope scaling: {key} must be a positive number, got {v!r}")
+    factor = params.get("factor") or max_pos / old  # transformers' default, as its init computes it
+    items = {"rope_type": "longrope", "short_factor": tuple(params["short_factor"]),
+             "long_factor": tuple(params["long_factor"]), "factor": factor, "original_max_position_embeddings": old}
+    if params.get("attention_factor") is not None:
+        items["attention_factor"] = params["attention_factor"]
+    return tuple(sorted(items.items()))
+
+
+def _choose_longrope(scaling: tuple[tuple[str, Any], ...] | None, max_model_len: int, rotary_dim: int
+                     ) -> tuple[tuple[str, Any], ...] | None:
+    """LongRoPE's factor set, fixed for the engine: transformers picks per forward (long once the
+    sequence passes original_max_position_embeddings, short before, with the cache rotated by
+    whichever set was current). A context that fits the original length uses the short set, as
+    transformers does for every such sequence; a longer context uses the long set throughout,
+    which equals transformers for prompts past the original length (vLLM's choice is per batch)."""
+    items = dict(scaling or ())
+    if items.get("rope_type") != "longrope":
+        return scaling
+    for key in ("short_factor", "long_factor"):
+        if len(items[key]) != rotary_dim // 2:
+            raise ValueError(f"longrope rope scaling: {key} has {len(items[key])} entries; the rotary dimension "
+                             f"{rotary_dim} needs {rotary_dim // 2}")
+    long = max_model_len > items["original_max_position_embeddings"]
+    if long:
+        logger.info("longrope: max_model_len %d > original_max_position_embeddings %d: the long factors rotate every "
+                    "position (transformers uses the short ones until a sequence passes the original length; "
+                    "--max-model-len %d keeps the short ones)", max_model_len,
+                    items["original_max_position_embeddings"], items["original_max_position_embeddings"])
+    items["use_long"] = long
     return tuple(sorted(items.items()))
 
 

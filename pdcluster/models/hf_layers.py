@@ -6,7 +6,7 @@ config.json (transformers writes one when it saves) wins over the derived defaul
 transformers. Windows follow transformers' mask: a query at position q sees keys k with
 q - window < k <= q, i.e. the last `window` tokens including itself.
 
-    sliding layers            mistral, mixtral, qwen3_moe: every layer when the window is set
+    sliding layers            mistral, mixtral, phi3, qwen3_moe: every layer when the window is set
                               qwen2, qwen3: i >= max_window_layers     (use_sliding_window)
                               qwen2_moe:    i even and i < max_window_layers (use_sliding_window)
                               smollm3:      the NoPE layers            (use_sliding_window)
@@ -52,7 +52,7 @@ def layer_windows(raw: dict[str, Any], model_type: str, num_layers: int,
     window = raw.get("sliding_window")
     use = bool(raw.get("use_sliding_window", False))
     max_window_layers = int(raw.get("max_window_layers", 28))
-    if model_type in ("mistral", "mixtral"):
+    if model_type in ("mistral", "mixtral", "phi3"):
         windows = [int(window or 0)] * num_layers
     elif model_type == "qwen3_moe":
         windows = [int(window or 0) if use else 0] * num_layers

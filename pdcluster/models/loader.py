@@ -3,7 +3,8 @@
 Every checkpoint tensor goes through its parameter's `weight_loader` as a lazy safetensors slice
 (`get_slice`): the loader reads only this TP rank's part of it from the file and converts the
 dtype (layers/weight_slice.py). q/k/v and gate/up are fused here, at load time, so the forward pass
-runs one matmul for each; an MoE layer's per-expert tensors (`...experts.<e>.gate_proj.weight`,
+runs one matmul for each (a checkpoint that ships them fused, Phi-3's qkv_proj / gate_up_proj, is
+split back into its projections by row ranges, `fused_checkpoint_rows`, so TP shards it alike); an MoE layer's per-expert tensors (`...experts.<e>.gate_proj.weight`,
 Mixtral's `w1/w3/w2`) are stacked into its `experts.w13_weight` / `experts.w2_weight`. Tensors the model has no parameter for (e.g. rotary `inv_freq`) are
 ignored; parameters no tensor filled are an error that names them.
 
@@ -30,6 +31,7 @@ from pdcluster.models.hf_config import ModelConfig, check_weights_exist
 from pdcluster.models.layers.attention_backend import AttentionBackend
 from pdcluster.models.layers.cpu_gemm import drop_packed, prepack_model
 from pdcluster.models.layers.fused_moe import EXPERT_PARTS
+from pdcluster.models.layers.weight_slice import rows, shape_of
 from pdcluster.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -100,6 +102,18 @@ def _map_name(name: str, renames: tuple[tuple[str, str], ...] = ()) -> tuple[str
     return name, None
 
 
+def _fused_rows(model: nn.Module, name: str) -> list[tuple[str | int, int, int]] | None:
+    rows_of = getattr(model, "fused_checkpoint_rows", None)
+    return rows_of(name) if rows_of is not None else None
+
+
+def _check_fused_rows(ckpt_name: str, tensor: Any, splits: list[tuple[str | int, int, int]]) -> None:
+    want = sum(length for _, _, length in splits)
+    have = shape_of(tensor)[0]
+    if have != want:
+        raise ValueError(f"checkpoint tensor {ckpt_name!r} has {have} rows; the config's projections need {want}")
+
+
 def _unmap_name(param_name: str, shard_id: ShardId) -> str:
     if isinstance(shard_id, tuple):  # an expert's tensor, in the Qwen-MoE spelling
         part = ("gate_proj", "up_proj", "down_proj")[shard_id[1]]
@@ -137,6 +151,13 @@ def load_weights(model: nn.Module, path: str | pathlib.Path) -> None:
         if stored not in _WEIGHT_DTYPES:
             raise ValueError(f"checkpoint tensor {ckpt_name!r} is stored as {stored}: quantized weights are not "
                              f"supported (weights must be one of {list(_WEIGHT_DTYPES)})")
+        splits = _fused_rows(model, name) if shard_id is None else None
+        if splits:  # the checkpoint fused the projections itself (Phi-3): one loader call per projection
+            _check_fused_rows(ckpt_name, tensor, splits)
+            for sid, start, length in splits:
+                param.weight_loader(param, rows(tensor, start, length), sid)
+                loaded.add((name, sid))
+            continue
         param.weight_loader(param, tensor, shard_id)
         loaded.add((name, shard_id))
     if _LM_HEAD in params and (_LM_HEAD, None) not in loaded:

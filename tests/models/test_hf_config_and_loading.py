@@ -84,7 +84,8 @@ def test_mistral_sliding_window_does_not_cap_max_model_len(tmp_path: pathlib.Pat
 
 @pytest.mark.parametrize(("fields", "kwargs", "match"), [
     ({"architectures": ["GPT2LMHeadModel"]}, {}, r"GPT2LMHeadModel.*LlamaForCausalLM"),
-    ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0}}, {}, r"longrope.*llama3.*yarn"),
+    ({"rope_parameters": {"rope_type": "mrope", "factor": 4.0}}, {}, r"mrope.*llama3.*yarn.*longrope"),
+    ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0}}, {}, r"longrope rope scaling: short_factor"),
     ({"rope_parameters": {"rope_type": "llama3", "factor": 4.0}}, {}, r"low_freq_factor"),
     ({}, {"dtype": "float8"}, r"dtype"),
     ({}, {"max_model_len": 129}, r"max_model_len"),
@@ -109,7 +110,7 @@ def test_missing_files_are_named(tmp_path: pathlib.Path) -> None:
 def test_registry() -> None:
     assert set(ARCHITECTURES) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                                   "SmolLM3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
-                                  "Qwen3MoeForCausalLM", "LlavaForConditionalGeneration"}
+                                  "Qwen3MoeForCausalLM", "LlavaForConditionalGeneration", "Phi3ForCausalLM"}
     assert get_model_class("MistralForCausalLM") is ARCHITECTURES["LlamaForCausalLM"]
     with pytest.raises(ValueError, match="FooForCausalLM.*Qwen3ForCausalLM"):
         get_model_class("FooForCausalLM")

@@ -121,8 +121,8 @@ def test_parameters_parsed_and_checked(tmp_path: pathlib.Path) -> None:
     for i, (fields, message) in enumerate(bad):
         with pytest.raises(ValueError, match=message):
             load_model_config(_config_dir(tmp_path / f"bad{i}", {"rope_type": "yarn", **fields}))
-    with pytest.raises(ValueError, match=r"unsupported rope type 'longrope'; supported: .*'dynamic'"):
-        load_model_config(_config_dir(tmp_path / "long", {"rope_type": "longrope", "factor": 2.0}))
+    with pytest.raises(ValueError, match=r"unsupported rope type 'mrope'; supported: .*'dynamic'"):
+        load_model_config(_config_dir(tmp_path / "long", {"rope_type": "mrope", "factor": 2.0}))
     for i, factor in enumerate((None, 0.5, "2", float("inf"), True)):
         with pytest.raises(ValueError, match="dynamic rope scaling: factor must be a number >= 1"):
             load_model_config(_config_dir(tmp_path / f"dyn{i}", {"rope_type": "dynamic", "factor": factor}))

@@ -72,6 +72,19 @@ def yarn_inv_freq(base: float, rotary_dim: int, scaling: dict[str, Any]) -> tupl
     return inv_freq, float(attention)
 
 
+def longrope_inv_freq(base: float, rotary_dim: int, scaling: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3): per-dimension factors divide the frequencies, the short or the long set
+    (hf_config._choose_longrope fixed which: `use_long`); cos and sin are scaled by the attention
+    factor, sqrt(1 + ln(factor) / ln(original length)) unless given, as transformers computes it."""
+    factor, old = scaling["factor"], scaling["original_max_position_embeddings"]
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old))
+    ext = torch.tensor(scaling["long_factor" if scaling.get("use_long") else "short_factor"], dtype=torch.float32)
+    shape = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    return 1.0 / (ext * base ** shape), float(attention)
+
+
 def compute_rope(base: float, rotary_dim: int, scaling: dict[str, Any] | None) -> tuple[torch.Tensor, float]:
     """-> (inv_freq, the factor cos and sin are scaled by)."""
     rope_type = (scaling or {}).get("rope_type", "default")
@@ -84,7 +97,10 @@ def compute_rope(base: float, rotary_dim: int, scaling: dict[str, Any] | None) -
         return llama3_inv_freq(base, rotary_dim, scaling), 1.0
     if rope_type == "yarn":
         return yarn_inv_freq(base, rotary_dim, scaling)
-    raise ValueError(f"unsupported rope type {rope_type!r}; supported: ['default', 'linear', 'llama3', 'yarn']")
+    if rope_type == "longrope":
+        return longrope_inv_freq(base, rotary_dim, scaling)
+    raise ValueError(f"unsupported rope type {rope_type!r}; supported: ['default', 'linear', 'llama3', 'yarn', "
+                     "'longrope']")
 
 
 class RotaryEmbedding(nn.Module):

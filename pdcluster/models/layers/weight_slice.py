@@ -38,3 +38,31 @@ def whole(loaded: Loaded) -> torch.Tensor:
     if isinstance(loaded, torch.Tensor):
         return loaded
     return loaded[:]
+
+
+class Rows:
+    """Rows [start, start + length) of a lazy slice, itself a lazy slice: a checkpoint that stores
+    q/k/v (or gate/up) as one tensor (Phi-3's qkv_proj) is handed to the fused parameter's loader
+    one projection at a time, and a TP rank still reads only its own rows."""
+
+    def __init__(self, loaded: Loaded, start: int, length: int) -> None:
+        shape = shape_of(loaded)
+        if not (0 <= start and start + length <= shape[0]):
+            raise ValueError(f"rows [{start}, {start + length}) outside a tensor of {shape[0]} rows")
+        self._loaded, self._start, self._length, self._shape = loaded, start, length, shape
+
+    def get_shape(self) -> list[int]:
+        return [self._length, *self._shape[1:]]
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        index = index if isinstance(index, tuple) else (index,)
+        first = index[0] if index else slice(None)
+        if not isinstance(first, slice) or first.step not in (None, 1):
+            raise ValueError("Rows supports plain slices only")
+        lo, hi, _ = first.indices(self._length)
+        return self._loaded[(slice(self._start + lo, self._start + hi), *index[1:])]
+
+
+def rows(loaded: Loaded, start: int, length: int) -> Loaded:
+    """loaded's rows [start, start + length), lazy when loaded is."""
+    return loaded.narrow(0, start, length) if isinstance(loaded, torch.Tensor) else Rows(loaded, start, length)
