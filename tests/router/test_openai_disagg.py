@@ -143,3 +143,36 @@ def test_required_tool_call_disaggregated(served):
         assert calls and all(c.function.name == "get_weather" for c in calls)
         for c in calls:
             jsonschema.validate(json.loads(c.function.arguments), WEATHER)
+
+
+def test_token_masks_and_continued_messages_disaggregated(served, offline):
+    """allowed_token_ids and bad_words on both legs (the prefill leg samples the first token under
+    them, the decode leg matches bad words across it) and a continued final message: the
+    offline (aggregated) engine's tokens."""
+    oa = _client(served)
+    model = _model(oa)
+    before = _disaggregated_count(served)
+    tok = offline.tokenizer
+    free = offline.generate(["Hello"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+    from pdcluster.bad_words import tokenize_bad_words
+
+    ids = list(free.token_ids)
+    # Two output tokens whose text, as a bad word, tokenizes back to them: the ban must bite.
+    word = next(w for i in range(len(ids) - 1) if (w := tok.decode(ids[i:i + 2])) and w == w.strip()
+                and tuple(ids[i:i + 2]) in tokenize_bad_words([w], lambda t: tok.encode(t, add_special_tokens=False)))
+    allowed = sorted(set(free.token_ids) | set(tok.encode(" the", add_special_tokens=False)))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, bad_words=[word], allowed_token_ids=allowed)
+    want = offline.generate(["Hello"], params)[0].outputs[0]
+    r = oa.completions.create(model=model, prompt="Hello", max_tokens=12, temperature=0,
+                              extra_body={"ignore_eos": True, "bad_words": [word], "allowed_token_ids": allowed,
+                                          "return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == list(want.token_ids) and r.choices[0].text == want.text
+    assert list(want.token_ids) != list(free.token_ids)
+    msgs = [*MSGS, {"role": "assistant", "content": '{"city": "'}]
+    want = offline.chat(msgs, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                        add_generation_prompt=False, continue_final_message=True)[0].outputs[0].text
+    r = oa.chat.completions.create(model=model, messages=msgs, max_tokens=6, temperature=0,
+                                   extra_body={"ignore_eos": True, "continue_final_message": True,
+                                               "add_generation_prompt": False})
+    assert r.choices[0].message.content == want
+    assert _disaggregated_count(served) >= before + 2
