@@ -50,6 +50,10 @@ TINY_ARCHS: dict[str, dict[str, Any]] = {
              "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
                                  "short_factor": [1.0, 1.3, 1.7, 2.2, 3.0, 4.5],
                                  "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]}},
+    # Every multiplier away from 1 (the attention one is the softmax scale itself), MLP biases on.
+    "granite": {"embedding_multiplier": 6.0, "residual_multiplier": 0.4, "attention_multiplier": 0.2,
+                "logits_scaling": 3.0, "mlp_bias": True, "tie_word_embeddings": True,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
 }
 
 
@@ -65,6 +69,7 @@ def _classes(arch: str) -> tuple[type, type]:
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
         "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
+        "granite": (tf.GraniteConfig, tf.GraniteForCausalLM),
     }[arch]
 
 

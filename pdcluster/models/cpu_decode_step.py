@@ -88,6 +88,8 @@ def why_not(decoder: Any) -> str | None:
         a, m = layer.self_attn, layer.mlp
         if not isinstance(m, MLP):
             return f"layer {i} is not a dense gated MLP"
+        if layer.residual_multiplier != 1.0:
+            return "a residual multiplier (Granite): the driver adds block outputs unscaled"
         if a.q_norm is not None and (a.q_norm.weight.dtype != act or a.k_norm.weight.dtype != act
                                      or a.q_norm.eps != decoder.norm.eps or a.k_norm.eps != decoder.norm.eps):
             return f"layer {i}'s per-head q/k norms are not {act} or of another eps"

@@ -3,7 +3,8 @@
 The architectures differ only in flags: bias on q/k/v (Qwen2), bias on o_proj (Llama with
 attention_bias), RMSNorm on q and k per head (Qwen3), tied embeddings (small Qwen), and per layer
 (ModelConfig.uses_rope / window / is_moe): NoPE layers (SmolLM3), sliding windows (Mistral, Qwen2),
-a sparse MoE block instead of the MLP (Mixtral, Qwen-MoE). Parameter names mirror the HF
+a sparse MoE block instead of the MLP (Mixtral, Qwen-MoE); Granite's multipliers (embeddings, block
+outputs, softmax scale, logits). Parameter names mirror the HF
 checkpoints except for the fused projections (see `STACKED_PARAMS` and the loader's expert names).
 
 Numerics follow transformers: residual adds in the model dtype, norm statistics in float32. The
@@ -53,7 +54,8 @@ class DecoderLayer(nn.Module):
             cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
             rotary if cfg.uses_rope(index) else None, backend, ops, dtype, qkv_bias=cfg.attention_bias,
             o_bias=o_bias, qk_norm_eps=cfg.rms_norm_eps if cfg.qk_norm else None, sliding_window=cfg.window(index),
-            **tp)
+            scale=cfg.attention_multiplier, **tp)
+        self.residual_multiplier = cfg.residual_multiplier  # Granite: a block's output, scaled
         self.mlp: nn.Module = (SparseMoeBlock(cfg, dtype, ops, tp) if cfg.is_moe(index)
                                else MLP(cfg.hidden_size, cfg.intermediate_size, dtype, ops, tp, cfg.mlp_bias))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
@@ -67,8 +69,13 @@ class DecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        if self.residual_multiplier != 1.0:
+            hidden = hidden * self.residual_multiplier
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        hidden = self.mlp(hidden)
+        if self.residual_multiplier != 1.0:
+            hidden = hidden * self.residual_multiplier
+        return hidden, residual
 
 
 class DecoderModel(nn.Module):
@@ -83,12 +90,15 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i, rotary, backend, ops, dtype, o_bias, tp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
+        self.embedding_multiplier = cfg.embedding_multiplier  # Granite
         # Decode steps as one C call where the layers allow it (cpu_decode_step.py); not a module.
         self.decode_step = DecodeStep()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Any,
                 meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        if self.embedding_multiplier != 1.0:
+            hidden = hidden * self.embedding_multiplier
         fast = self.decode_step.run(self, hidden, positions, kv_caches, meta)
         if fast is not None:
             return fast
@@ -128,7 +138,9 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (N, H) -> logits (N, V) float32."""
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        scaling = self.config.logits_scaling
+        return logits if scaling == 1.0 else logits / scaling  # Granite
 
     def stacked_params(self) -> tuple[tuple[str, str, str | int], ...]:
         return STACKED_PARAMS

@@ -33,13 +33,14 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
     "Qwen2MoeForCausalLM": ("qwen2_moe", False, False),  # q/k/v bias from its `qkv_bias` (default on)
     "Qwen3MoeForCausalLM": ("qwen3_moe", False, True),
     "Phi3ForCausalLM": ("phi3", False, False),  # fused qkv/gate_up in the checkpoint (loader.py)
+    "GraniteForCausalLM": ("granite", False, False),  # Llama with four multipliers (ModelConfig)
 }
 # What transformers assumes when a config.json leaves a field out, where it differs from ours.
 _DEFAULT_ROPE_THETA = {"smollm3": 2000000.0, "mixtral": 1000000.0}
 _DEFAULT_TIED = {"smollm3": True}
 # The model types whose transformers MLP reads `mlp_bias` (the others build bias-free MLPs whatever
 # config.json says, so a stray `mlp_bias` there means nothing to transformers and nothing here).
-_MLP_BIAS_TYPES = ("llama", "smollm3")
+_MLP_BIAS_TYPES = ("llama", "smollm3", "granite")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 _YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "mscale",
@@ -88,6 +89,13 @@ class ModelConfig:
     layer_moe: tuple[bool, ...] = ()
     # Experts partitioned across the TP ranks instead of split (EngineArgs.enable_expert_parallel).
     expert_parallel: bool = False
+    # Granite's multipliers: embeddings x embedding_multiplier, each block's output x
+    # residual_multiplier before it joins the residual stream, attention_multiplier as the softmax
+    # scale (None: 1/sqrt(head_dim)), logits / logits_scaling.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
     # What the checkpoint (or the user's `dtype`) asked for, when the engine computes in another
     # dtype (see EngineArgs.compute_dtype); None when `dtype` is what was asked.
     requested_dtype: str | None = None
@@ -191,7 +199,21 @@ def load_model_config(path: str, dtype: str = "auto", max_model_len: int | None 
         norm_topk_prob=moe.norm_topk_prob,
         shared_expert_intermediate_size=moe.shared_expert_intermediate_size,
         layer_moe=moe.layer_moe,
+        **_multipliers(raw, model_type),
     )
+
+
+def _multipliers(raw: dict[str, Any], model_type: str) -> dict[str, float]:
+    """Granite's multipliers (transformers' defaults: 1.0 each, the attention one included)."""
+    if model_type != "granite":
+        return {}
+    out = {}
+    for key in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
+        v = raw.get(key, 1.0)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ValueError(f"{key} must be a positive number, got {v!r}")
+        out[key] = float(v)
+    return out
 
 
 def _required_int(raw: dict[str, Any], key: str) -> int:

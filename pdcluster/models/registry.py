@@ -24,6 +24,7 @@ _ARCHITECTURE_PATHS: dict[str, str] = {
     "Qwen2MoeForCausalLM": "pdcluster.models.moe:Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "pdcluster.models.moe:Qwen3MoeForCausalLM",
     "Phi3ForCausalLM": "pdcluster.models.phi3:Phi3ForCausalLM",
+    "GraniteForCausalLM": "pdcluster.models.granite:GraniteForCausalLM",
     "LlavaForConditionalGeneration": "pdcluster.models.llava:LlavaForConditionalGeneration",
 }
 
@@ -41,6 +42,7 @@ ARCHITECTURE_NOTES = MappingProxyType({
     "Qwen2MoeForCausalLM": "MoE + sigmoid-gated shared expert, dense layers by decoder_sparse_step/mlp_only_layers",
     "Qwen3MoeForCausalLM": "Qwen3 attention + MoE (norm_topk_prob); use_sliding_window slides every layer",
     "Phi3ForCausalLM": "qkv/gate_up fused in the checkpoint; sliding_window on every layer; partial rotary; longrope",
+    "GraniteForCausalLM": "embedding, residual and attention multipliers, logits_scaling (eager decode layers)",
     "LlavaForConditionalGeneration": "CLIP tower + projector + Llama/Mistral/Qwen2 decoder; TP 1 only",
 })
 

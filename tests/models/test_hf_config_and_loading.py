@@ -90,6 +90,8 @@ def test_mistral_sliding_window_does_not_cap_max_model_len(tmp_path: pathlib.Pat
     ({}, {"dtype": "float8"}, r"dtype"),
     ({}, {"max_model_len": 129}, r"max_model_len"),
     ({"hidden_act": "gelu"}, {}, r"hidden_act"),
+    ({"architectures": ["GraniteForCausalLM"], "residual_multiplier": -1}, {},
+     r"residual_multiplier must be a positive number, got -1"),
 ])
 def test_config_errors_name_the_problem(tmp_path: pathlib.Path, fields: dict, kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -110,7 +112,8 @@ def test_missing_files_are_named(tmp_path: pathlib.Path) -> None:
 def test_registry() -> None:
     assert set(ARCHITECTURES) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                                   "SmolLM3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
-                                  "Qwen3MoeForCausalLM", "LlavaForConditionalGeneration", "Phi3ForCausalLM"}
+                                  "Qwen3MoeForCausalLM", "LlavaForConditionalGeneration", "Phi3ForCausalLM",
+                                  "GraniteForCausalLM"}
     assert get_model_class("MistralForCausalLM") is ARCHITECTURES["LlamaForCausalLM"]
     with pytest.raises(ValueError, match="FooForCausalLM.*Qwen3ForCausalLM"):
         get_model_class("FooForCausalLM")

@@ -35,6 +35,7 @@ class Attention(nn.Module):
         o_bias: bool = False,
         qk_norm_eps: float | None = None,  # a float turns on Qwen3's per-head q/k RMSNorm
         sliding_window: int | None = None,
+        scale: float | None = None,  # softmax scale; None: 1/sqrt(head_dim) (Granite sets its own)
         tp_rank: int = 0,
         tp_size: int = 1,
     ) -> None:
@@ -45,7 +46,7 @@ class Attention(nn.Module):
         self.num_heads = self.qkv_proj.num_heads  # local to this rank
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
         self.rotary_emb = rotary_emb
         self.sliding_window = sliding_window
         self.backend = backend
