@@ -98,6 +98,8 @@ def add_router_flags(p: argparse.ArgumentParser, *, grpc_port: int = 50051, http
     b.add_argument("--max-json-depth", type=int, default=None, help="nesting of HTTP bodies (default 32)")
     b.add_argument("--max-message-bytes", type=int, default=None, help="gRPC messages and HTTP bodies (default 4 MiB)")
     b.add_argument("--params-cache-bytes", type=int, default=None, help="memo of validated sampling parameters")
+    b.add_argument("--responses-store-bytes", type=int, default=None,
+                   help="memory for stored Responses (store / previous_response_id; default 64 MiB, 0: none)")
     b.add_argument("--max-concurrent-streams", type=int, default=None,
                    help="gRPC calls at once on one client connection (default max-inflight + 64)")
     b.add_argument("--max-http-connections-per-peer", type=int, default=None,
@@ -109,7 +111,7 @@ def add_router_flags(p: argparse.ArgumentParser, *, grpc_port: int = 50051, http
     p.add_argument("--log-level", default="INFO")
 
 
-_BOUNDS = ("max_stop_token_ids", "max_json_depth", "max_message_bytes", "params_cache_bytes",
+_BOUNDS = ("max_stop_token_ids", "max_json_depth", "max_message_bytes", "params_cache_bytes", "responses_store_bytes",
            "max_concurrent_streams", "max_images_per_request", "max_image_bytes",
            "max_http_connections_per_peer", "max_http_requests_per_peer")
 

@@ -10,6 +10,7 @@ from pdcluster.worker.tls import TLSConfig
 
 from .policies import ROUTING_POLICIES
 from .reasoning import get_parser
+from .response_store import DEFAULT_RESPONSES_STORE_BYTES
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 20  # gRPC's own default; prompts of ~1M tokens still fit
 WORKER_CHANNELS = ("stream", "call")
@@ -76,6 +77,8 @@ class RouterConfig:
     max_stop_token_ids: int = DEFAULT_MAX_STOP_TOKEN_IDS
     max_json_depth: int = DEFAULT_MAX_JSON_DEPTH  # HTTP bodies / JSON fields nested deeper -> 400
     params_cache_bytes: int = 4 << 20        # memo of validated sampling params, bounded by bytes
+    # Stored Responses (router/response_store.py: store, previous_response_id); 0 = none kept.
+    responses_store_bytes: int = DEFAULT_RESPONSES_STORE_BYTES
     # Multimodal models: image_url parts per request and bytes per (decoded) image.
     max_images_per_request: int = 8
     max_image_bytes: int = 20 << 20
@@ -119,6 +122,8 @@ class RouterConfig:
                      "params_cache_bytes", "max_images_per_request", "max_image_bytes", "ec_directory_images"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.responses_store_bytes < 0:
+            raise ValueError(f"responses_store_bytes must be >= 0 (0: none kept), got {self.responses_store_bytes}")
         if self.disagg_mode not in DISAGG_MODES:
             raise ValueError(f"disagg_mode: {self.disagg_mode!r} is not one of {DISAGG_MODES}")
         if not 0 < self.disagg_params_timeout_s <= 3600:

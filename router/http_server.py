@@ -45,7 +45,8 @@ from .preprocess import PreparedRequest, Preprocessor
 from .reasoning import for_request
 from .registry import WorkerRegistry
 from .request_state import RequestState
-from .responses_api import parse_responses, rename_error
+from .response_store import ResponseStore, output_as_input
+from .responses_api import ResponsesRequest, parse_responses, rename_error
 from .responses_shaper import ResponseShaper
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ class HttpFrontend:
         self.registry = registry
         self.metrics = metrics
         self.created = int(time.time())
+        self.store = ResponseStore(config.responses_store_bytes)  # Responses kept for previous_response_id
 
     def app(self) -> web.Application:
         middlewares: list[Any] = [_json_errors]
@@ -85,6 +87,8 @@ class HttpFrontend:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/responses", self.responses)
+        app.router.add_get("/v1/responses/{response_id}", self.stored_response)
+        app.router.add_delete("/v1/responses/{response_id}", self.delete_response)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/v1/models", self.models)
@@ -266,7 +270,9 @@ class HttpFrontend:
         try:
             with self.admission.preparing("http"):
                 body = await _read_json(request, self.config.max_message_bytes, self.config.max_json_depth)
-                greq, opts, info = parse_responses(body, self.pre.model_name, self.pre.image_limits)
+                history = self._stored_history(body)
+                greq, opts, info = parse_responses(body, self.pre.model_name, self.pre.image_limits,
+                                                   self.store.enabled, history)
                 opts = self._with_parsers(opts)
                 greq.request_id = request.headers.get("X-Request-Id", "")
                 try:
@@ -292,7 +298,9 @@ class HttpFrontend:
                 last = await _through_final(delta, deltas, shaper.add)
                 if last.finish_reason == common_pb2.FINISH_REASON_ERROR:
                     return _error(_failed(last))
-                return web.Response(body=_dumps(shaper.full(last.finish_reason)), content_type=_JSON)
+                body = shaper.full(last.finish_reason)
+                self._keep(body, info)
+                return web.Response(body=_dumps(body), content_type=_JSON)
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                "X-Request-Id": state.request_id})
             await resp.prepare(request)
@@ -304,7 +312,9 @@ class HttpFrontend:
                     if delta.text and not shaper.held:
                         await _typed_event(resp, shaper.text_delta(delta.text, logprobs))
                     if delta.finished:
-                        for ev in shaper.closing(delta.finish_reason, delta.error_message or "generation failed"):
+                        events = shaper.closing(delta.finish_reason, delta.error_message or "generation failed")
+                        self._keep(events[-1]["response"], info)  # before it is sent: "store" says if it was
+                        for ev in events:
                             await _typed_event(resp, ev)
                         break
                     delta = await anext(deltas)
@@ -313,6 +323,43 @@ class HttpFrontend:
                 return resp
             await resp.write_eof()
             return resp
+
+
+    def _stored_history(self, body: Any) -> list[dict[str, Any]]:
+        """The conversation previous_response_id names (RouterError naming it when it is not kept)."""
+        prev = body.get("previous_response_id") if isinstance(body, dict) else None
+        if prev is None or not self.store.enabled:
+            return []  # parse_responses refuses it by name when the store is off
+        if not isinstance(prev, str) or len(prev) > 256:
+            raise invalid("previous_response_id", "must be a response id string")
+        entry = self.store.get(prev)
+        if entry is None:
+            raise invalid("previous_response_id", f"no stored response has id {prev[:80]!r} (responses are kept "
+                          "in the router's memory, the least recently used dropped first, and forgotten on restart)")
+        return list(entry.conversation)
+
+    def _keep(self, response: dict[str, Any], info: ResponsesRequest) -> None:
+        """Store a finished answer the request asked to keep; a failed one, or one too large for the
+        store, is not kept, and the Response object says so ("store": false)."""
+        if not response.get("store"):
+            return
+        if response["status"] not in ("completed", "incomplete") or not self.store.put(
+                response, [*info.conversation, *output_as_input(response["output"])]):
+            response["store"] = False
+
+    async def stored_response(self, request: web.Request) -> web.Response:
+        """GET /v1/responses/{id}: a stored Response object."""
+        entry = self.store.get(request.match_info["response_id"])
+        if entry is None:
+            return _error(RouterError(grpc.StatusCode.NOT_FOUND, "no stored response has this id", "response_id"))
+        return web.Response(body=_dumps(entry.response), content_type=_JSON)
+
+    async def delete_response(self, request: web.Request) -> web.Response:
+        """DELETE /v1/responses/{id}: forget it."""
+        response_id = request.match_info["response_id"]
+        if not self.store.delete(response_id):
+            return _error(RouterError(grpc.StatusCode.NOT_FOUND, "no stored response has this id", "response_id"))
+        return web.json_response({"id": response_id, "object": "response", "deleted": True})
 
 
 async def _through_final(first: worker_pb2.WorkerGenerateResponse, deltas: Any,

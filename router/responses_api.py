@@ -14,9 +14,11 @@ chat request (one set of checks, one GenerateRequest shape):
     tools (flat function tools)    -> chat tools; tool_choice likewise
     include + top_logprobs         -> logprobs on the output text
 
-Nothing is stored: `store` must be false or left out (the answer says "store": false), and
-`previous_response_id`, `background`, `truncation: "auto"`, `reasoning` (effort settings) and
-non-function tools are refused by name. The answer (router/responses_shaper.py) is a Response
+`store` (OpenAI's default: true) keeps the answer in the router's ResponseStore
+(router/response_store.py), and `previous_response_id` continues a stored one: its conversation
+comes before this input, after this request's instructions (a previous response's instructions are
+not carried over, as in OpenAI's API). With the store off both are refused by name, as are
+`background`, `truncation: "auto"`, `reasoning` (effort settings) and non-function tools. The answer (router/responses_shaper.py) is a Response
 object, or its typed SSE events (`event:` and `data:` lines, numbered by sequence_number) ending in
 response.completed, response.incomplete (the token limit) or response.failed; with the server's
 --reasoning-parser a `reasoning` item comes before the message.
@@ -78,13 +80,19 @@ class ResponsesRequest:
     user: str | None
     top_logprobs: int
     message_of_item: list[int] = field(default_factory=list)  # chat message index -> input item index
+    store: bool = False
+    previous_response_id: str | None = None
+    # The conversation so far as input items: the previous response's, then this request's input.
+    conversation: list[dict[str, Any]] = field(default_factory=list)
 
 
-def parse_responses(body: Any, default_model: str, image_limits: ImageLimits | None = None
+def parse_responses(body: Any, default_model: str, image_limits: ImageLimits | None = None,
+                    store_enabled: bool = False, history: Sequence[dict[str, Any]] = ()
                     ) -> tuple[router_pb2.GenerateRequest, OpenAIOptions, ResponsesRequest]:
+    """history: the stored conversation `previous_response_id` names (the caller looked it up)."""
     body = _object(body)
     _check_fields(body, RESPONSES_FIELDS)
-    _refuse_unserved(body)
+    _refuse_unserved(body, store_enabled)
     chat: dict[str, Any] = {k: body[k] for k in _CHAT_PASSTHROUGH if k in body}
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
@@ -94,6 +102,9 @@ def parse_responses(body: Any, default_model: str, image_limits: ImageLimits | N
     if instructions:
         messages.append({"role": "system", "content": instructions})
         item_of_message.append(-1)
+    for _, m in _input_messages(list(history)) if history else ():
+        messages.append(m)
+        item_of_message.append(-2)  # a stored turn: reported as previous_response_id's
     for i, m in _input_messages(body.get("input")):
         messages.append(m)
         item_of_message.append(i)
@@ -127,8 +138,15 @@ def parse_responses(body: Any, default_model: str, image_limits: ImageLimits | N
         top_p=body.get("top_p"), metadata=_metadata(body.get("metadata")), text_format=text_format,
         tools=list(tools or []), tool_choice=choice if choice is not None else "auto",
         parallel_tool_calls=_bool(body, "parallel_tool_calls", True), user=body.get("user"),
-        top_logprobs=top_logprobs or 0, message_of_item=item_of_message)
+        top_logprobs=top_logprobs or 0, message_of_item=item_of_message,
+        store=store_enabled and _bool(body, "store", True), previous_response_id=body.get("previous_response_id"),
+        conversation=[*history, *_input_items(body["input"])])
     return req, opts, info
+
+
+def _input_items(value: Any) -> list[dict[str, Any]]:
+    """This request's input as items (a string is one user message), as stored for a continuation."""
+    return [{"type": "message", "role": "user", "content": value}] if isinstance(value, str) else list(value)
 
 
 def rename_error(err: RouterError, item_of_message: Sequence[int] = ()) -> RouterError:
@@ -142,19 +160,20 @@ def rename_error(err: RouterError, item_of_message: Sequence[int] = ()) -> Route
     def item(m: re.Match) -> str:
         k = int(m.group(1))
         i = item_of_message[k] if k < len(item_of_message) else k
-        return "instructions" if i < 0 else f"input[{i}]"
+        return {-1: "instructions", -2: "previous_response_id"}.get(i, f"input[{i}]")
 
     message = re.sub(r"\bmessages\[(\d+)\]", item, message)
     message = re.sub(rf"\b{re.escape(err.field or '')}\b", name, message)
     return RouterError(err.code, message, name)
 
 
-def _refuse_unserved(body: dict) -> None:
-    if body.get("store") not in (None, False):
-        raise invalid("store", "responses are not stored by this server: send store=false or leave it out")
-    if body.get("previous_response_id") is not None:
-        raise invalid("previous_response_id", "responses are not stored by this server, so none can be continued: "
-                      "send the earlier turns in input")
+def _refuse_unserved(body: dict, store_enabled: bool) -> None:
+    if not store_enabled and body.get("store") not in (None, False):
+        raise invalid("store", "responses are not stored by this server (--responses-store-bytes 0): send "
+                      "store=false or leave it out")
+    if not store_enabled and body.get("previous_response_id") is not None:
+        raise invalid("previous_response_id", "responses are not stored by this server (--responses-store-bytes 0), "
+                      "so none can be continued: send the earlier turns in input")
     if body.get("background") not in (None, False):
         raise invalid("background", "background responses are not supported by this server")
     if body.get("truncation") not in (None, "disabled"):

@@ -14,6 +14,7 @@ from pdcluster._proto import common_pb2, worker_pb2
 from .openai_protocol import OpenAIOptions
 from .openai_responses import ResponseBuilder, TokenDecoder
 from .openai_tools import extract_tool_calls
+from .response_store import new_response_id
 from .responses_api import ResponsesRequest
 
 _STATUS = {common_pb2.FINISH_REASON_STOP: "completed", common_pb2.FINISH_REASON_LENGTH: "incomplete",
@@ -29,7 +30,8 @@ class ResponseShaper:
         self.opts = opts
         self.info = info
         self.builder = ResponseBuilder(request_id, opts, num_prompt_tokens, decode_token)
-        self.id = "resp_" + request_id
+        # 128 random bits, never the client's X-Request-Id: a stored response is fetched by its id.
+        self.id = new_response_id()
         self.message_id = "msg_" + request_id
         self.reasoning_id = "rs_" + request_id
         # Tools and reasoning both need the whole text to tell its parts apart: held to the end.
@@ -50,7 +52,8 @@ class ResponseShaper:
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": info.instructions, "max_output_tokens": info.max_output_tokens,
             "model": self.opts.model, "output": output, "parallel_tool_calls": info.parallel_tool_calls,
-            "previous_response_id": None, "reasoning": {"effort": None, "summary": None}, "store": False,
+            "previous_response_id": info.previous_response_id, "reasoning": {"effort": None, "summary": None},
+            "store": info.store,
             "temperature": info.temperature, "text": {"format": info.text_format}, "tool_choice": info.tool_choice,
             "tools": info.tools, "top_logprobs": info.top_logprobs, "top_p": info.top_p, "truncation": "disabled",
             "user": info.user, "metadata": info.metadata,

@@ -31,7 +31,8 @@ def test_text_equals_the_offline_chat_and_streams_typed_events(cluster, referenc
     assert r.output_text == want.text and r.status == "incomplete"
     assert r.incomplete_details.reason == "max_output_tokens"
     assert r.usage.output_tokens == 6 and r.usage.total_tokens == r.usage.input_tokens + 6
-    assert r.id.startswith("resp_") and r.store is False and r.metadata == {"k": "v"} and r.instructions == SYSTEM
+    assert r.id.startswith("resp_") and r.store is True and r.metadata == {"k": "v"} and r.instructions == SYSTEM
+    assert oa.responses.retrieve(r.id).output_text == r.output_text  # stored: OpenAI's default
     [item] = r.output
     assert item.type == "message" and item.role == "assistant" and item.status == "incomplete"
 
@@ -119,8 +120,9 @@ def test_structured_output_and_function_tools(cluster):
     assert r.output_text == chat.choices[0].message.content
 
 
-REFUSED = [({"store": True}, "store"),
-           ({"previous_response_id": "resp_1"}, "previous_response_id"),
+REFUSED = [({"store": "yes"}, "store"),
+           ({"previous_response_id": "resp_1"}, "previous_response_id"),  # kept by no one
+           ({"previous_response_id": 7}, "previous_response_id"),
            ({"background": True}, "background"),
            ({"truncation": "auto"}, "truncation"),
            ({"reasoning": {"effort": "high"}}, "reasoning"),
@@ -147,6 +149,79 @@ def test_what_is_not_served_is_refused_by_name(cluster, extra, param):
     code, err = post(c, "/v1/responses", {"input": "hi", "max_output_tokens": 4, **extra})
     assert code == 400 and err["error"]["param"] == param, err
     assert post(c, "/v1/responses", {"input": "hi", "max_output_tokens": 2})[0] == 200  # serving on
+
+
+def test_previous_response_id_continues_a_stored_conversation(cluster, reference):
+    """A stored answer's conversation (its input and output) comes before the next input, after the
+    new request's own instructions; streamed answers are stored too; store=false and a deleted
+    response are not found; with the store off, store and previous_response_id are refused."""
+    c = cluster(1)
+    oa = client(c)
+    first = oa.responses.create(model=_model(c), input=QUESTION, max_output_tokens=5, temperature=0,
+                                extra_body={"ignore_eos": True})
+    follow = "And Italy?"
+    history = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": first.output_text}]
+    want = reference.chat([{"role": "system", "content": SYSTEM}, *history, {"role": "user", "content": follow}],
+                          max_tokens=5)
+    second = oa.responses.create(model=_model(c), previous_response_id=first.id, instructions=SYSTEM, input=follow,
+                                 max_output_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    assert second.output_text == want.text and second.previous_response_id == first.id
+    third_want = reference.chat([*history, {"role": "user", "content": follow},
+                                 {"role": "assistant", "content": second.output_text},
+                                 {"role": "user", "content": "Why?"}], max_tokens=4)
+    with oa.responses.stream(model=_model(c), previous_response_id=second.id, input="Why?", max_output_tokens=4,
+                             temperature=0, extra_body={"ignore_eos": True}) as stream:
+        third = [ev for ev in stream][-1].response  # response.incomplete: the token limit
+    assert third.output_text == third_want.text and oa.responses.retrieve(third.id).output_text == third.output_text
+    code, err = post(c, "/v1/responses", {"input": "hi", "max_output_tokens": 2, "store": False})
+    assert code == 200 and err["store"] is False
+    assert urllib_get(c, "/v1/responses/" + err["id"])[0] == 404
+    deleted = urllib_request(c, "DELETE", "/v1/responses/" + first.id)
+    assert deleted == (200, {"id": first.id, "object": "response", "deleted": True})
+    code, err = post(c, "/v1/responses", {"input": "x", "previous_response_id": first.id})
+    assert code == 400 and err["error"]["param"] == "previous_response_id"
+    off = cluster(1, responses_store_bytes=0)
+    for extra, param in [({"store": True}, "store"), ({"previous_response_id": second.id}, "previous_response_id")]:
+        code, err = post(off, "/v1/responses", {"input": "hi", "max_output_tokens": 2, **extra})
+        assert code == 400 and err["error"]["param"] == param, err
+    code, body = post(off, "/v1/responses", {"input": "hi", "max_output_tokens": 2})
+    assert code == 200 and body["store"] is False
+
+
+def urllib_request(c, method: str, path: str) -> tuple[int, dict]:
+    import http.client
+
+    host, port = c.http_url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request(method, path)
+    resp = conn.getresponse()
+    raw = resp.read()
+    conn.close()
+    return resp.status, json.loads(raw) if raw else {}
+
+
+def urllib_get(c, path: str) -> tuple[int, dict]:
+    return urllib_request(c, "GET", path)
+
+
+def test_the_store_is_bounded_by_bytes_least_recently_used_first():
+    from pdcluster.router.response_store import ResponseStore, output_as_input
+
+    store = ResponseStore(max_bytes=8000)
+    for i in range(6):
+        assert store.put({"id": f"r{i}", "text": "x" * 600}, [{"role": "user", "content": "y" * 400}])
+    assert store.get("r0") is None and store.get("r5") is not None and store.nbytes <= 8000
+    store.get("r1")  # used: kept over r2, now the least recently used, at the next eviction
+    store.put({"id": "r6", "text": "x" * 600}, [])
+    assert store.get("r1") is not None and store.get("r2") is None
+    assert not store.put({"id": "big", "text": "x" * 3000}, [])  # over a quarter of the budget: not kept
+    assert not ResponseStore(0).put({"id": "r", "text": ""}, [])
+    assert store.delete("r3") and not store.delete("r3")
+    out = [{"type": "reasoning", "content": []}, {"type": "message", "content": [{"type": "output_text", "text": "hi"}]},
+           {"type": "function_call", "id": "fc_1", "call_id": "c1", "name": "f", "arguments": "{}", "status": "x"}]
+    assert output_as_input(out) == [
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "hi"}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}]
 
 
 # -- the translation, without a cluster --------------------------------------------------------------
