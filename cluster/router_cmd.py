@@ -63,8 +63,9 @@ def add_router_flags(p: argparse.ArgumentParser, *, grpc_port: int = 50051, http
     p.add_argument("--request-timeout", type=float, default=600.0, help="deadline of requests that bring none")
     p.add_argument("--key-dir", default=None, help="cluster keys (`pdcluster keys init`): KV events for prefix_aware")
     a = p.add_argument_group("client access")
-    a.add_argument("--api-key", default=None,
-                   help="clients must send 'Authorization: Bearer KEY' (every HTTP path but /health and /metrics) or the "
+    a.add_argument("--api-key", nargs="+", default=None,
+                   help="clients must send 'Authorization: Bearer KEY' with one of these keys (every HTTP path but "
+                        "/health and /metrics) or the "
                         "same 'authorization' "
                         "metadata (gRPC); default $PDCLUSTER_API_KEY (an environment variable stays out of `ps`)")
     a.add_argument("--insecure", action="store_true",
@@ -138,7 +139,7 @@ def router_config(args: argparse.Namespace, workers: tuple[str, ...], key_dir: s
     import os
 
     bounds = {name: getattr(args, name) for name in _BOUNDS if getattr(args, name) is not None}
-    api_key = args.api_key or os.environ.get("PDCLUSTER_API_KEY") or None
+    api_key = tuple(args.api_key) if args.api_key else os.environ.get("PDCLUSTER_API_KEY") or None
     return RouterConfig(
         api_key=api_key, insecure=args.insecure, **bounds,
         workers=workers, model=model, served_model_name=args.served_model_name, policy=args.policy,
@@ -260,7 +261,8 @@ def run_router_foreground(config: Any, *, wait_for_workers: int, launcher: Any =
                 await router.registry.wait_for_healthy(wait_for_workers, 30.0)
             _print_ready(router, launcher, ready_extra)
             if send_demo:
-                await demo_request(router.endpoints()["grpc"], config.api_key)
+                keys = config.api_key
+                await demo_request(router.endpoints()["grpc"], keys if isinstance(keys, str) or keys is None else keys[0])
             while not stop.is_set():
                 try:
                     await asyncio.wait_for(stop.wait(), 1.0)

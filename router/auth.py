@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import grpc
@@ -33,16 +33,20 @@ def _digest(text: str) -> bytes:
 
 
 class ApiKey:
-    """The one key a router accepts."""
+    """The keys a router accepts (vLLM's --api-key takes several: a new key can be handed out
+    beside the old one, the clients moved over, and the old one dropped at the next start)."""
 
-    def __init__(self, key: str) -> None:
-        if not key:
+    def __init__(self, keys: str | Sequence[str]) -> None:
+        keys = (keys,) if isinstance(keys, str) else tuple(keys)
+        if not keys or not all(isinstance(k, str) and k for k in keys):
             raise ValueError("api_key must not be empty")
-        self._want = _digest(f"Bearer {key}")
+        self._want = tuple(_digest(f"Bearer {k}") for k in keys)
 
     def check(self, authorization: str | None) -> bool:
-        # Always compare (an absent header hashes ""): no early return that times differently.
-        return hmac.compare_digest(_digest(authorization or ""), self._want)
+        # Always compare with every key (an absent header hashes ""): no early return that times
+        # differently with the header or with which key matched.
+        got = _digest(authorization or "")
+        return sum(hmac.compare_digest(got, want) for want in self._want) > 0
 
     # -- HTTP ---------------------------------------------------------------------------------------
     def http_middleware(self) -> Callable[..., Awaitable[web.StreamResponse]]:

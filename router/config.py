@@ -96,7 +96,7 @@ class RouterConfig:
     max_http_connections_per_peer: int | None = None
     max_http_requests_per_peer: int | None = None
     # Client authentication (vLLM's --api-key): `Authorization: Bearer <key>` on HTTP and gRPC.
-    api_key: str | None = field(default=None, repr=False)
+    api_key: str | tuple[str, ...] | None = field(default=None, repr=False)  # one key or several
     # Allow a non-loopback host with neither TLS nor an API key (refused otherwise).
     insecure: bool = False
     extra: dict = field(default_factory=dict, compare=False, repr=False)
@@ -136,8 +136,11 @@ class RouterConfig:
                      "max_http_requests_per_peer"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.api_key is not None and not self.api_key:
-            raise ValueError("api_key must not be empty")
+        if self.api_key is not None:
+            keys = (self.api_key,) if isinstance(self.api_key, str) else tuple(self.api_key)
+            if not keys or not all(isinstance(k, str) and k for k in keys):
+                raise ValueError("api_key must not be empty")
+            object.__setattr__(self, "api_key", keys[0] if len(keys) == 1 else keys)
         for name in ("max_retries", "max_migrations", "stall_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

@@ -452,6 +452,36 @@ def test_api_key_with_the_openai_client(cluster):
         assert get(c, path)[0] == 401, path
 
 
+def test_several_api_keys_each_admit_on_http_and_grpc(cluster):
+    """vLLM's --api-key takes several keys: each is let in, on both frontends; anything else is not."""
+    import grpc
+
+    from pdcluster._proto import router_pb2, router_pb2_grpc
+
+    c = cluster(1, api_key=("old-key", "new-key"))
+    model = c.router.preprocessor.model_name
+    for key in ("old-key", "new-key"):
+        oa = openai.OpenAI(base_url=c.http_url + "/v1", api_key=key, max_retries=0, timeout=30)
+        assert oa.completions.create(model=model, prompt=[1], max_tokens=1).choices
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=c.http_url + "/v1", api_key="old-keynew-key", max_retries=0,
+                      timeout=30).models.list()
+    req = router_pb2.GenerateRequest(prompt_token_ids=router_pb2.TokenIds(ids=[1]), stream=False)
+    req.sampling_params.max_tokens = 1
+    with grpc.insecure_channel(c.router.grpc_address) as ch:
+        stub = router_pb2_grpc.RouterStub(ch)
+        for key in ("old-key", "new-key"):
+            assert list(stub.Generate(req, metadata=[("authorization", f"Bearer {key}")], timeout=30))
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(req, metadata=[("authorization", "Bearer other")], timeout=30))
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    from pdcluster.cluster.cli import build_parser
+    from pdcluster.cluster.router_cmd import router_config
+
+    args = build_parser().parse_args(["router", "--workers", "127.0.0.1:1", "--api-key", "a", "b"])
+    assert router_config(args, ("127.0.0.1:1",), None, None).api_key == ("a", "b")
+
+
 def test_compressed_bodies_are_415(cluster):
     """A Content-Encoding other than identity is refused by name, never inflated: aiohttp would
     inflate it on the event loop as it arrives, so a small gzip bomb could hold every request up."""
