@@ -236,17 +236,23 @@ def truncated(ids: list[int], k: int | None, max_model_len: int | None, max_toke
     return ids[-keep:] if len(ids) > keep else ids
 
 
+def _check_text(name: str, text: str, limit: int, what: str = "characters") -> None:
+    """A request string that is hashed or tokenized: at most `limit` long, and encodable (an
+    unpaired surrogate from a JSON escape has no UTF-8 form)."""
+    if len(text) > limit:
+        raise ValueError(f"{name} has {len(text)} {what}; at most {limit} allowed")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{name} must be valid Unicode (no unpaired surrogates)") from None
+
+
 def _check_cache_salt(salt: Any) -> None:
     if salt is None:
         return
     if not isinstance(salt, str) or not salt:
         raise ValueError("cache_salt must be a non-empty string")
-    if len(salt) > MAX_CACHE_SALT_CHARS:
-        raise ValueError(f"cache_salt has {len(salt)} characters; at most {MAX_CACHE_SALT_CHARS} allowed")
-    try:
-        salt.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError("cache_salt must be valid Unicode (no unpaired surrogates)") from None
+    _check_text("cache_salt", salt, MAX_CACHE_SALT_CHARS)
 
 
 def _token_id_list(name: str, value: Any, limit: int) -> tuple[int, ...]:
@@ -272,12 +278,7 @@ def _bad_words(value: Any) -> tuple[str, ...]:
     for w in value:
         if not isinstance(w, str) or not w.strip():
             raise ValueError("bad_words must be non-empty strings")
-        if len(w) > MAX_BAD_WORD_CHARS:
-            raise ValueError(f"bad_words has a word of {len(w)} characters; at most {MAX_BAD_WORD_CHARS} allowed")
-        try:
-            w.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError("bad_words must be valid Unicode (no unpaired surrogates)") from None
+        _check_text("bad_words", w, MAX_BAD_WORD_CHARS, "characters in a word")
     return tuple(value)
 
 

@@ -112,3 +112,29 @@ def write_wordlevel_tokenizer(path: str | os.PathLike, vocab_size: int) -> None:
     tok.save(os.path.join(str(path), "tokenizer.json"))
     with open(os.path.join(str(path), "tokenizer_config.json"), "w") as f:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "t0"}, f)
+
+
+def greedy_ours_and_transformers(path: str, prompts: list[list[int]], new: int,
+                                 **engine: Any) -> tuple[list[list[int]], list[list[int]]]:
+    """(ours, transformers') greedy tokens of each prompt, eos ignored: transformers one prompt
+    at a time (no padding effects), ours as one offline batch with these engine options."""
+    import transformers
+
+    from pdcluster import LLM, SamplingParams
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    model.generation_config.eos_token_id = None
+    want = []
+    for p in prompts:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 max_new_tokens=new, do_sample=False, pad_token_id=0)
+        want.append(out[0, len(p):].tolist())
+    llm = LLM(model=path, device="cpu", **engine)
+    try:
+        got = [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                                   SamplingParams(temperature=0, max_tokens=new,
+                                                                                  ignore_eos=True))]
+    finally:
+        llm.shutdown()
+    return got, want

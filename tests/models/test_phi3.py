@@ -14,9 +14,9 @@ import random
 import pytest
 import torch
 import transformers
-from tiny_models import make_tiny_checkpoint
+from tiny_models import greedy_ours_and_transformers, make_tiny_checkpoint
 
-from pdcluster import LLM, SamplingParams
+from pdcluster import LLM
 from pdcluster.models.hf_config import load_model_config
 from pdcluster.models.layers.rotary import RotaryEmbedding
 
@@ -42,33 +42,14 @@ def test_cos_sin_table_equals_transformers(tmp_path: pathlib.Path, max_model_len
                                                                                        atol=1e-6)
 
 
-def _greedy(path: str, prompts: list[list[int]], new: int, **engine) -> tuple[list, list]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-    model.generation_config.eos_token_id = None
-    want = []
-    for p in prompts:
-        with torch.no_grad():
-            out = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                 max_new_tokens=new, do_sample=False, pad_token_id=0)
-        want.append(out[0, len(p):].tolist())
-    llm = LLM(model=path, device="cpu", **engine)
-    try:
-        got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                                            SamplingParams(temperature=0, max_tokens=new,
-                                                                           ignore_eos=True))]
-    finally:
-        llm.shutdown()
-    return got, want
-
-
 def test_greedy_equals_transformers_in_both_regimes(tmp_path: pathlib.Path) -> None:
     path = make_tiny_checkpoint("phi3", tmp_path / "p", original_max_position_embeddings=32, sliding_window=None)
     rng = random.Random(0)
     long_prompts = [[rng.randrange(3, 384) for _ in range(n)] for n in (40, 57)]  # past 32 from the start
-    got, want = _greedy(path, long_prompts, 16)
+    got, want = greedy_ours_and_transformers(path, long_prompts, 16)
     assert got == want
     short_prompts = [[rng.randrange(3, 384) for _ in range(n)] for n in (5, 14)]  # 14 + 16 < 32: all short
-    got, want = _greedy(path, short_prompts, 16, max_model_len=32)
+    got, want = greedy_ours_and_transformers(path, short_prompts, 16, max_model_len=32)
     assert got == want
 
 

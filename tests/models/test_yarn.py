@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from tiny_models import make_tiny_checkpoint
+from tiny_models import greedy_ours_and_transformers, make_tiny_checkpoint
 
 from pdcluster.models.hf_config import load_model_config
 from pdcluster.models.layers.rotary import RotaryEmbedding
@@ -51,26 +51,8 @@ def test_table_equals_transformers(variant: str, tmp_path: pathlib.Path) -> None
 
 
 def _greedy_ours_and_transformers(path: str, lens: tuple[int, ...], new: int) -> tuple[list, list]:
-    from pdcluster import LLM, SamplingParams
-
     rng = random.Random(0)
-    prompts = [[rng.randrange(3, 384) for _ in range(n)] for n in lens]
-    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-    model.generation_config.eos_token_id = None
-    want = []
-    for p in prompts:
-        with torch.no_grad():
-            out = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                 max_new_tokens=new, do_sample=False, pad_token_id=0)
-        want.append(out[0, len(p):].tolist())
-    llm = LLM(model=path, device="cpu")
-    try:
-        got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                                            SamplingParams(temperature=0, max_tokens=new,
-                                                                           ignore_eos=True))]
-    finally:
-        llm.shutdown()
-    return got, want
+    return greedy_ours_and_transformers(path, [[rng.randrange(3, 384) for _ in range(n)] for n in lens], new)
 
 
 def test_greedy_equals_transformers(tmp_path: pathlib.Path) -> None:
