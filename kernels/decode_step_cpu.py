@@ -30,7 +30,8 @@ class ModelDesc(ctypes.Structure):
 
     _fields_ = [("hidden", _I64), ("inter", _I64), ("hq", _I64), ("hk", _I64), ("d", _I64),
                 ("n_layers", _I64), ("block_size", _I64), ("cache_dtype", _I64), ("rot", _I64),
-                ("max_pos", _I64), ("neox", _I64), ("bf16", _I64), ("eps", _F), ("scale", _F), ("cos_sin", _P),
+                ("max_pos", _I64), ("neox", _I64), ("bf16", _I64), ("eps", _F), ("scale", _F), ("res_mult", _F),
+                ("cos_sin", _P),
                 ("final_ln", _P), ("gemv", _P), ("rms", _P), ("rotary", _P), ("silu", _P), ("paged", _P)]
 
 

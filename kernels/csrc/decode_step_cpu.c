@@ -53,6 +53,7 @@ typedef struct {
     int64_t rot, max_pos, neox;
     int64_t bf16; /* 1: a bfloat16 model's step (below) */
     float eps, scale;
+    float res_mult; /* Granite's residual_multiplier on each block's output (1: none) */
     const float *cos_sin;
     const float *final_ln;
     gemv_fn gemv;
@@ -68,6 +69,16 @@ static void round_all(const pd_model *m, float *x, int64_t n) {
     if (!m->bf16) return;
 #pragma omp simd
     for (int64_t i = 0; i < n; i++) x[i] = round_bf16(x[i]);
+}
+
+/* Granite: a block's output times residual_multiplier before it joins the residual stream, in the
+ * model's dtype as the eager layer's `hidden * multiplier` is (the product rounded again). */
+static void scale_all(const pd_model *m, float *x, int64_t n) {
+    if (m->res_mult == 1.0f) return;
+    const float s = m->res_mult;
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) x[i] *= s;
+    round_all(m, x, n);
 }
 
 /* The new tokens' K and V rows into their cache slots (slot < 0: not written): K from k (row
@@ -154,12 +165,14 @@ int pd_decode_layers(const pd_model *m, const pd_layer *layers, float *hidden, i
         round_all(m, attn, M * qd);
         if ((rc = m->gemv(attn, qd, l->o, l->o_bias, y, M, H, qd, threads))) return rc;
         round_all(m, y, M * H);
+        scale_all(m, y, M * H);
         if ((rc = m->rms(y, H, residual, H, l->ln2, x, H, residual, H, M, H, m->eps, B, threads))) return rc;
         if ((rc = m->gemv(x, H, l->gate_up, l->gate_up_bias, gu, M, 2 * I, H, threads))) return rc;
         round_all(m, gu, M * 2 * I);
         if ((rc = m->silu(gu, 2 * I, act, I, M, I, B, threads))) return rc;
         if ((rc = m->gemv(act, I, l->down, l->down_bias, y, M, H, I, threads))) return rc;
         round_all(m, y, M * H);
+        scale_all(m, y, M * H);
     }
     return m->rms(y, H, residual, H, m->final_ln, hidden, H, residual, H, M, H, m->eps, B, threads);
 }

@@ -88,8 +88,8 @@ def why_not(decoder: Any) -> str | None:
         a, m = layer.self_attn, layer.mlp
         if not isinstance(m, MLP):
             return f"layer {i} is not a dense gated MLP"
-        if layer.residual_multiplier != 1.0:
-            return "a residual multiplier (Granite): the driver adds block outputs unscaled"
+        if layer.residual_multiplier != decoder.layers[0].residual_multiplier:
+            return "layers of different residual multipliers"
         if a.q_norm is not None and (a.q_norm.weight.dtype != act or a.k_norm.weight.dtype != act
                                      or a.q_norm.eps != decoder.norm.eps or a.k_norm.eps != decoder.norm.eps):
             return f"layer {i}'s per-head q/k norms are not {act} or of another eps"
@@ -239,7 +239,8 @@ def _build(decoder: Any, kv_caches: Any, key: tuple[Any, ...]) -> _Plan:
         d=a0.head_dim, n_layers=len(decoder.layers), block_size=k0.shape[2], cache_dtype=_CACHE_DTYPES[k0.dtype],
         rot=0 if rot is None else rot.cos_sin_cache.shape[1], max_pos=0 if rot is None else rot.cos_sin_cache.shape[0],
         neox=int(rot is None or rot.is_neox_style), bf16=int(dtype == torch.bfloat16), eps=decoder.norm.eps,
-        scale=a0.scale, cos_sin=None if rot is None else rot.cos_sin_cache.data_ptr(),
+        scale=a0.scale, res_mult=decoder.layers[0].residual_multiplier,
+        cos_sin=None if rot is None else rot.cos_sin_cache.data_ptr(),
         final_ln=_ptr(decoder.norm.weight, keep), **ptrs)
     layers = (decode_step_cpu.LayerDesc * len(decoder.layers))()
     for i, layer in enumerate(decoder.layers):
