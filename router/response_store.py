@@ -35,11 +35,13 @@ def new_response_id() -> str:
 
 
 def output_as_input(output: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """An answer's output items as the input items a continuation sends back: its message text
-    and function calls (a reasoning item is the model's own and is not replayed)."""
+    """An answer's output items as the input items a continuation sends back: its thought (for
+    the assistant turn after it), its message text and its function calls."""
     items: list[dict[str, Any]] = []
     for item in output:
-        if item.get("type") == "message":
+        if item.get("type") == "reasoning" and item.get("content"):
+            items.append({"type": "reasoning", "content": [dict(p) for p in item["content"]]})
+        elif item.get("type") == "message":
             texts = [p for p in item.get("content", []) if p.get("type") == "output_text" and p.get("text")]
             if texts:
                 items.append({"type": "message", "role": "assistant",
@@ -47,7 +49,9 @@ def output_as_input(output: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         elif item.get("type") == "function_call":
             items.append({"type": "function_call", "call_id": item["call_id"], "name": item["name"],
                           "arguments": item["arguments"]})
-    return items
+    # A thought goes back only with the turn it led to (an answer of nothing but a thought has none).
+    return [it for k, it in enumerate(items)
+            if it["type"] != "reasoning" or (k + 1 < len(items) and items[k + 1]["type"] != "reasoning")]
 
 
 class ResponseStore:

@@ -8,7 +8,8 @@ chat request (one set of checks, one GenerateRequest shape):
     input items                    -> messages: {role, content} items (content a string or input_text /
                                       output_text / input_image parts; role "developer" is the system's),
                                       function_call -> an assistant message with tool_calls,
-                                      function_call_output -> a tool message
+                                      function_call_output -> a tool message,
+                                      reasoning -> the thought of the assistant turn right after it
     max_output_tokens              -> max_tokens
     text.format                    -> response_format (text / json_object / json_schema)
     tools (flat function tools)    -> chat tools; tool_choice likewise
@@ -194,15 +195,22 @@ def _input_messages(value: Any) -> list[tuple[int, dict[str, Any]]]:
     if len(value) > MAX_MESSAGES:
         raise invalid("input", f"input has {len(value)} items; at most {MAX_MESSAGES} allowed")
     out: list[tuple[int, dict[str, Any]]] = []
+    thought: tuple[int, str] | None = None  # a reasoning item's text, for the assistant turn after it
     for i, item in enumerate(value):
         if not isinstance(item, dict):
             raise invalid("input", f"input[{i}] must be an object")
         kind = item.get("type", "message" if "role" in item else None)
+        if kind == "reasoning":
+            thought = (i, _reasoning_text(item, i))
+            continue
+        if thought is not None and not (kind == "function_call" or (kind == "message" and item.get("role") == "assistant")):
+            raise invalid("input", f"input[{thought[0]}]: a reasoning item must come right before the assistant's "
+                          "message or function call it led to")
         if kind == "message":
             out.append((i, _message(item, i)))
         elif kind == "function_call":
             call = _function_call(item, i)
-            if out and out[-1][1].get("role") == "assistant" and out[-1][1].get("tool_calls"):
+            if thought is None and out and out[-1][1].get("role") == "assistant" and out[-1][1].get("tool_calls"):
                 out[-1][1]["tool_calls"].append(call)
             else:
                 out.append((i, {"role": "assistant", "content": None, "tool_calls": [call]}))
@@ -212,9 +220,25 @@ def _input_messages(value: Any) -> list[tuple[int, dict[str, Any]]]:
                 raise invalid("input", f"input[{i}]: a function_call_output needs string call_id and output")
             out.append((i, {"role": "tool", "tool_call_id": call_id, "content": output}))
         else:
-            raise invalid("input", f"input[{i}].type {kind!r} is not supported: message, function_call and "
-                          "function_call_output items are")
+            raise invalid("input", f"input[{i}].type {kind!r} is not supported: message, reasoning, function_call "
+                          "and function_call_output items are")
+        if thought is not None:  # the thought of the assistant turn just added (its template reads it)
+            out[-1][1]["reasoning"] = thought[1]
+            thought = None
+    if thought is not None:
+        raise invalid("input", f"input[{thought[0]}]: a reasoning item must come right before the assistant's "
+                      "message or function call it led to")
     return out
+
+
+def _reasoning_text(item: dict, i: int) -> str:
+    """A reasoning item's thought: its reasoning_text content, else its summary_text summary."""
+    parts = item.get("content") or item.get("summary") or []
+    if not isinstance(parts, list) or not parts or not all(
+            isinstance(p, dict) and p.get("type") in ("reasoning_text", "summary_text") and isinstance(p.get("text"), str)
+            for p in parts):
+        raise invalid("input", f"input[{i}]: a reasoning item needs reasoning_text content or summary_text parts")
+    return "".join(p["text"] for p in parts)
 
 
 def _message(item: dict, i: int) -> dict[str, Any]:

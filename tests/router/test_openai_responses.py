@@ -222,6 +222,28 @@ def test_the_store_is_bounded_by_bytes_least_recently_used_first():
     assert output_as_input(out) == [
         {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "hi"}]},
         {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}]
+    thought = {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "hmm"}]}
+    assert output_as_input([thought, out[1]])[0] == thought  # replayed with the turn it led to
+    assert output_as_input([thought]) == []  # nothing after it: not replayed
+
+
+def test_reasoning_items_reach_the_assistant_turn_after_them():
+    thought = {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "think"}]}
+    req, _, _ = parse_responses({"input": [{"role": "user", "content": "q"}, thought,
+                                           {"role": "assistant", "content": "a"},
+                                           {"role": "user", "content": "more"}]}, "m")
+    assert [(m.role, m.reasoning_content) for m in req.chat.messages] == [("user", ""), ("assistant", "think"),
+                                                                          ("user", "")]
+    req, _, _ = parse_responses({"input": [{"role": "user", "content": "q"},
+                                           {"type": "reasoning", "summary": [{"type": "summary_text", "text": "s"}]},
+                                           {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                                           {"type": "function_call_output", "call_id": "c", "output": "1"}]}, "m")
+    assert req.chat.messages[1].reasoning_content == "s" and req.chat.messages[1].tool_calls_json
+    for bad in ([thought], [thought, {"role": "user", "content": "q"}],
+                [{"type": "reasoning", "summary": []}, {"role": "assistant", "content": "a"}]):
+        with pytest.raises(RouterError) as e:
+            parse_responses({"input": bad}, "m")
+        assert e.value.field == "input"
 
 
 # -- the translation, without a cluster --------------------------------------------------------------
