@@ -18,8 +18,10 @@ ENGINE = {"num_kv_blocks": 48, "max_num_batched_tokens": 32}  # 32: the 40-token
     ("llama", {}), ("llama2", {}), ("mistral", {}), ("qwen2", {}), ("qwen3", {}),
     ("qwen3", {"num_key_value_heads": 1}),  # fewer KV heads than ranks: the head is replicated
     ("llama", {"mlp_bias": True}),  # gate/up biases split with their rows, down's added once
-    ("phi3", {}),  # q/k/v and gate/up fused in the checkpoint: each rank reads its rows of each
-    ("granite", {}),  # multipliers on every rank's partial sums alike
+    # q/k/v and gate/up fused in the checkpoint: each rank reads its rows of each (slow: the
+    # default suite keeps one TP run per loader path; these add a fused split and multipliers).
+    pytest.param("phi3", {}, marks=pytest.mark.slow),
+    pytest.param("granite", {}, marks=pytest.mark.slow),  # multipliers on every rank's partial sums alike
 ], ids=["llama", "llama2", "mistral", "qwen2", "qwen3", "qwen3-kv1", "llama-mlp-bias", "phi3", "granite"])
 def test_tp2_equals_tp1(tiny_ckpt, started_pids, arch: str, overrides: dict) -> None:
     path = tiny_ckpt(arch, **overrides)
