@@ -261,8 +261,7 @@ def run_router_foreground(config: Any, *, wait_for_workers: int, launcher: Any =
                 await router.registry.wait_for_healthy(wait_for_workers, 30.0)
             _print_ready(router, launcher, ready_extra)
             if send_demo:
-                keys = config.api_key
-                await demo_request(router.endpoints()["grpc"], keys if isinstance(keys, str) or keys is None else keys[0])
+                await demo_request(router.endpoints()["grpc"], config.api_key[0] if config.api_key else None)
             while not stop.is_set():
                 try:
                     await asyncio.wait_for(stop.wait(), 1.0)

@@ -37,8 +37,8 @@ MAX_ALLOWED_TOKEN_IDS = 4096
 # matched against the output's tail every step.
 MAX_BAD_WORDS = 64
 MAX_BAD_WORD_CHARS = 256
-MIN_PRIORITY, MAX_PRIORITY = -(2**31), 2**31 - 1  # the wire's int32
 MAX_BAD_WORD_TOKENS = 4 * MAX_BAD_WORD_CHARS + 1  # byte-level BPE: at worst a token per byte, plus the space
+MIN_PRIORITY, MAX_PRIORITY = -(2**31), 2**31 - 1  # the wire's int32
 
 
 @dataclass(frozen=True, init=False)
@@ -186,14 +186,7 @@ class SamplingParams:
         if any(not s or len(s) > MAX_STOP_STRING_LEN for s in stop):
             raise ValueError(f"stop strings must be non-empty and at most {MAX_STOP_STRING_LEN} characters")
         self._set("stop", tuple(stop))
-        ids = self.stop_token_ids
-        if isinstance(ids, (list, tuple)) and len(ids) > MAX_STOP_TOKEN_IDS:  # before scanning them
-            raise ValueError(f"stop_token_ids has {len(ids)} ids; at most {MAX_STOP_TOKEN_IDS} allowed")
-        if not isinstance(ids, (list, tuple)) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
-        ):
-            raise ValueError("stop_token_ids must be a list of non-negative integers")
-        self._set("stop_token_ids", tuple(ids))
+        self._set("stop_token_ids", _token_id_list("stop_token_ids", self.stop_token_ids, MAX_STOP_TOKEN_IDS))
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean")
@@ -256,13 +249,14 @@ def _check_cache_salt(salt: Any) -> None:
 
 
 def _token_id_list(name: str, value: Any, limit: int) -> tuple[int, ...]:
+    """stop_token_ids, allowed_token_ids, each bad word's ids: counted before they are scanned."""
     if not isinstance(value, (list, tuple)):
-        raise ValueError(f"{name} must be a list of token ids")
-    if len(value) > limit:  # before scanning them
+        raise ValueError(f"{name} must be a list of non-negative integers")
+    if len(value) > limit:
         raise ValueError(f"{name} has {len(value)} ids; at most {limit} allowed")
     for t in value:
         if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-            raise ValueError(f"{name} must be a list of non-negative token ids, got {t!r}")
+            raise ValueError(f"{name} must be a list of non-negative integers, got {t!r}")
     return tuple(value)
 
 

@@ -96,18 +96,16 @@ class RouterConfig:
     max_http_connections_per_peer: int | None = None
     max_http_requests_per_peer: int | None = None
     # Client authentication (vLLM's --api-key): `Authorization: Bearer <key>` on HTTP and gRPC.
-    api_key: str | tuple[str, ...] | None = field(default=None, repr=False)  # one key or several
+    api_key: str | tuple[str, ...] | None = field(default=None, repr=False)  # one key or several (a tuple after init)
     # Allow a non-loopback host with neither TLS nor an API key (refused otherwise).
     insecure: bool = False
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        names = self.served_model_name
-        if names is not None:
-            names = (names,) if isinstance(names, str) else tuple(names)
-            if not names or not all(isinstance(n, str) and n for n in names):
-                raise ValueError(f"served_model_name: must be non-empty names, got {self.served_model_name!r}")
-            object.__setattr__(self, "served_model_name", names)
+        for name in ("served_model_name", "api_key"):  # one string or several: a tuple from here on
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, _strings(name, value))
         if self.reasoning_parser is not None:
             get_parser(self.reasoning_parser)
         from .tool_parsers import TOOL_CALL_PARSERS
@@ -136,11 +134,6 @@ class RouterConfig:
                      "max_http_requests_per_peer"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.api_key is not None:
-            keys = (self.api_key,) if isinstance(self.api_key, str) else tuple(self.api_key)
-            if not keys or not all(isinstance(k, str) and k for k in keys):
-                raise ValueError("api_key must not be empty")
-            object.__setattr__(self, "api_key", keys[0] if len(keys) == 1 else keys)
         for name in ("max_retries", "max_migrations", "stall_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -188,3 +181,11 @@ def parse_worker_list(text: str) -> tuple[str, ...]:
     for w in out:
         _check_address(w)
     return out
+
+
+def _strings(name: str, value: str | tuple[str, ...]) -> tuple[str, ...]:
+    """One non-empty string, or several, as a tuple (ValueError naming the field otherwise)."""
+    values = (value,) if isinstance(value, str) else tuple(value)
+    if not values or not all(isinstance(v, str) and v for v in values):
+        raise ValueError(f"{name} must not be empty")
+    return values

@@ -324,7 +324,6 @@ class HttpFrontend:
             await resp.write_eof()
             return resp
 
-
     def _stored_history(self, body: Any) -> list[dict[str, Any]]:
         """The conversation previous_response_id names (RouterError naming it when it is not kept)."""
         prev = body.get("previous_response_id") if isinstance(body, dict) else None

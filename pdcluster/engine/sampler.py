@@ -197,11 +197,11 @@ class Sampler:
             return
         # Rows share few distinct sets: each set's index tensor is built once, not every step.
         per_row = [self._id_tensor(ids) for ids in allowed if ids]
-        rows = torch.repeat_interleave(self._index([i for i, ids in enumerate(allowed) if ids]),
-                                       self._index([len(t) for t in per_row]))
+        masked = self._index([i for i, ids in enumerate(allowed) if ids])
+        rows = torch.repeat_interleave(masked, self._index([len(t) for t in per_row]))
         cols = torch.cat(per_row)
         kept = x[rows, cols]
-        x.index_fill_(0, self._index([i for i, ids in enumerate(allowed) if ids]), float("-inf"))
+        x.index_fill_(0, masked, float("-inf"))
         x[rows, cols] = kept
 
     @functools.lru_cache(maxsize=256)  # noqa: B019 - one Sampler per runner, for the process' life

@@ -160,6 +160,8 @@ def load_model_config(path: str, dtype: str = "auto", max_model_len: int | None 
     max_pos = int(raw.get("max_position_embeddings", 2048))
     rope_theta, rope_scaling, partial = _rope(raw, max_pos, _DEFAULT_ROPE_THETA.get(model_type, 10000.0),
                                               model_type)
+    head_dim = int(raw.get("head_dim") or hidden // num_heads)
+    max_len = _resolve_max_model_len(max_model_len, max_pos)
     use_rope = layer_use_rope(raw, model_type, num_layers)
     windows = layer_windows(raw, model_type, num_layers, use_rope)
     moe = moe_fields(raw, model_type, num_layers)
@@ -175,17 +177,16 @@ def load_model_config(path: str, dtype: str = "auto", max_model_len: int | None 
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=int(raw.get("num_key_value_heads") or num_heads),
-        head_dim=int(raw.get("head_dim") or hidden // num_heads),
+        head_dim=head_dim,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=rope_theta,
         max_position_embeddings=max_pos,
-        max_model_len=_resolve_max_model_len(max_model_len, max_pos),
+        max_model_len=max_len,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", _DEFAULT_TIED.get(model_type, False))),
         attention_bias=force_qkv_bias or qkv_bias,
         mlp_bias=mlp_bias,
         qk_norm=qk_norm,
-        rope_scaling=_choose_longrope(rope_scaling, _resolve_max_model_len(max_model_len, max_pos),
-                                      int(int(raw.get("head_dim") or hidden // num_heads) * partial)),
+        rope_scaling=_choose_longrope(rope_scaling, max_len, int(head_dim * partial)),
         partial_rotary_factor=partial,
         hidden_act=hidden_act,
         bos_token_id=raw.get("bos_token_id"),
@@ -203,6 +204,10 @@ def load_model_config(path: str, dtype: str = "auto", max_model_len: int | None 
     )
 
 
+def _positive_number(v: Any) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v > 0
+
+
 def _multipliers(raw: dict[str, Any], model_type: str) -> dict[str, float]:
     """Granite's multipliers (transformers' defaults: 1.0 each, the attention one included)."""
     if model_type != "granite":
@@ -210,7 +215,7 @@ def _multipliers(raw: dict[str, Any], model_type: str) -> dict[str, float]:
     out = {}
     for key in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
         v = raw.get(key, 1.0)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        if not _positive_number(v):
             raise ValueError(f"{key} must be a positive number, got {v!r}")
         out[key] = float(v)
     return out
@@ -309,7 +314,7 @@ def _yarn_items(params: dict[str, Any], max_pos: int) -> tuple[tuple[str, Any], 
         raise ValueError("yarn rope scaling is missing 'factor'")
     for key in ("factor", "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"):
         v = params.get(key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0):
+        if v is not None and not _positive_number(v):
             raise ValueError(f"yarn rope scaling: {key} must be a positive number, got {v!r}")
     if params["factor"] < 1:
         raise ValueError(f"yarn rope scaling: factor must be >= 1, got {params['factor']!r}")
@@ -328,12 +333,11 @@ def _longrope_items(params: dict[str, Any], max_pos: int) -> tuple[tuple[str, An
                          f"got {old!r}")
     for key in ("short_factor", "long_factor"):
         v = params.get(key)
-        if not isinstance(v, list) or not v or not all(
-                isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0 for x in v):
+        if not isinstance(v, list) or not v or not all(_positive_number(x) for x in v):
             raise ValueError(f"longrope rope scaling: {key} must be a list of positive numbers, got {v!r}")
     for key in ("factor", "attention_factor"):
         v = params.get(key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0):
+        if v is not None and not _positive_number(v):
             raise ValueError(f"longrope rope scaling: {key} must be a positive number, got {v!r}")
     factor = params.get("factor") or max_pos / old  # transformers' default, as its init computes it
     items = {"rope_type": "longrope", "short_factor": tuple(params["short_factor"]),
