@@ -114,22 +114,32 @@ def write_wordlevel_tokenizer(path: str | os.PathLike, vocab_size: int) -> None:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "t0"}, f)
 
 
-def greedy_ours_and_transformers(path: str, prompts: list[list[int]], new: int,
-                                 **engine: Any) -> tuple[list[list[int]], list[list[int]]]:
-    """(ours, transformers') greedy tokens of each prompt, eos ignored: transformers one prompt
-    at a time (no padding effects), ours as one offline batch with these engine options."""
+def hf_greedy(path: str, prompts: list[list[int]], max_tokens: int,
+              dtype: torch.dtype | None = None) -> list[list[int]]:
+    """transformers' own greedy generation, eos ignored, one prompt at a time (no padding effects).
+    dtype: load in it (float32 widens a bf16 checkpoint exactly); None: transformers' default."""
     import transformers
 
-    from pdcluster import LLM, SamplingParams
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-    model.generation_config.eos_token_id = None
-    want = []
+    kwargs = {} if dtype is None else {"dtype": dtype}
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
+    model.generation_config.eos_token_id = None  # like ignore_eos: never stop early, never mask eos
+    outs = []
     for p in prompts:
         with torch.no_grad():
-            out = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                 max_new_tokens=new, do_sample=False, pad_token_id=0)
-        want.append(out[0, len(p):].tolist())
+            gen = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 max_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+        outs.append(gen[0, len(p):].tolist())
+        assert len(outs[-1]) == max_tokens
+    return outs
+
+
+def greedy_ours_and_transformers(path: str, prompts: list[list[int]], new: int,
+                                 **engine: Any) -> tuple[list[list[int]], list[list[int]]]:
+    """(ours, transformers') greedy tokens of each prompt, eos ignored: transformers' from
+    hf_greedy, ours as one offline batch with these engine options."""
+    from pdcluster import LLM, SamplingParams
+
+    want = hf_greedy(path, prompts, new)
     llm = LLM(model=path, device="cpu", **engine)
     try:
         got = [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in prompts],

@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from tiny_models import hf_greedy
 
 from pdcluster import LLM, SamplingParams
 
@@ -19,20 +20,6 @@ def _prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
-def _hf_greedy(path: str, prompts: list[list[int]], n: int) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    outs = []
-    for p in prompts:  # one at a time: no padding, so nothing differs from our unpadded batches
-        ids = torch.tensor([p])
-        with torch.no_grad():
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                                 do_sample=False, eos_token_id=None, pad_token_id=0)
-        outs.append(gen[0, len(p):].tolist())
-    return outs
-
-
 def _tokens(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
@@ -43,7 +30,7 @@ def test_greedy_batch_equals_transformers(tiny_ckpts, arch: str) -> None:
     llm = LLM(path, dtype="float32")
     prompts = _prompts(llm.engine.config.model.vocab_size, [1, 7, 16, 23, 40])
     ours = llm.generate(prompts, GREEDY)
-    assert _tokens(ours) == _hf_greedy(path, prompts, 32)
+    assert _tokens(ours) == hf_greedy(path, prompts, 32, torch.float32)
     assert all(o.outputs[0].finish_reason == "length" for o in ours)
     assert llm.engine.get_stats()["num_running"] == 0
 
@@ -70,7 +57,7 @@ def test_bf16_checkpoint_computed_in_float32_equals_transformers(tmp_path, arch:
     copies, _ = copy_count(llm.engine.core.runner.model)
     assert copies == 2 * 4 + 1  # per layer qkv, o, gate_up, down; the LM head
     prompts = _prompts(llm.engine.config.model.vocab_size, [1, 7, 16, 23, 40])
-    assert _tokens(llm.generate(prompts, GREEDY)) == _hf_greedy(path, prompts, 32)
+    assert _tokens(llm.generate(prompts, GREEDY)) == hf_greedy(path, prompts, 32, torch.float32)
     # The decode steps went through the one-call driver (models/cpu_decode_step.py).
     assert llm.engine.core.runner.model.model.decode_step.steps > 0
 

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 import transformers
-from tiny_models import TINY_ARCHS, make_tiny_checkpoint
+from tiny_models import TINY_ARCHS, hf_greedy, make_tiny_checkpoint
 
 from pdcluster.config import EngineArgs, EngineConfig
 from pdcluster.engine.model_runner import ModelRunner
@@ -30,23 +30,6 @@ def engine_config(path: str, block_size: int = 16, num_blocks: int = 128, dtype:
     return EngineArgs(model=path, dtype=dtype, compute_dtype=compute_dtype, block_size=block_size,
                       num_kv_blocks=num_blocks, device="cpu", attention_backend="torch",
                       ops_backend="torch").create_engine_config()
-
-
-def hf_greedy(path: str, prompts: list[list[int]], max_tokens: int = MAX_TOKENS,
-              dtype: torch.dtype | None = None) -> list[list[int]]:
-    """transformers' own greedy generation, one prompt at a time (no padding effects). dtype:
-    load in it (float32 widens a bf16 checkpoint exactly); None: transformers' default."""
-    kwargs = {} if dtype is None else {"dtype": dtype}
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
-    model.generation_config.eos_token_id = None  # like ignore_eos: never stop early, never mask eos
-    outs = []
-    for p in prompts:
-        with torch.no_grad():
-            gen = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                 max_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
-        outs.append(gen[0, len(p):].tolist())
-        assert len(outs[-1]) == max_tokens
-    return outs
 
 
 def run_greedy(runner: ModelRunner, prompts: list[list[int]], max_tokens: int = MAX_TOKENS,
@@ -105,7 +88,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def hf_outputs(checkpoints: dict[str, str]) -> dict[str, list[list[int]]]:
-    return {arch: hf_greedy(path, make_prompts(384)) for arch, path in checkpoints.items()}
+    return {arch: hf_greedy(path, make_prompts(384), MAX_TOKENS) for arch, path in checkpoints.items()}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
