@@ -6,6 +6,7 @@ worker does not have yet fails before anything starts."""
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -46,6 +47,8 @@ def engine_argv(engine: Mapping[str, Any], actions: Mapping[str, argparse.Action
         flag = actions[name].option_strings[-1]
         if isinstance(actions[name], argparse._StoreTrueAction):
             argv += [flag] if value else []
+        elif isinstance(value, (dict, list)):  # a YAML mapping (speculative_config): its JSON text
+            argv += [flag, json.dumps(value)]
         elif value is not None:
             argv += [flag, str(value)]
     return argv
@@ -62,7 +65,7 @@ ENGINE_FLAGS: tuple[tuple[str, str, Any], ...] = (
     ("--kv-cache-memory-bytes", "kv_cache_memory_bytes", int), ("--num-kv-blocks", "num_kv_blocks", int),
     ("--seed", "seed", int), ("--enable-prefix-caching", "enable_prefix_caching", bool),
     ("--enforce-eager", "enforce_eager", bool), ("--enable-expert-parallel", "enable_expert_parallel", bool),
-    ("--scheduling-policy", "scheduling_policy", str),
+    ("--scheduling-policy", "scheduling_policy", str), ("--speculative-config", "speculative_config", str),
 )
 ENGINE_DEFAULTS = {"dtype": "auto", "kv_cache_dtype": "auto", "device": "auto", "block_size": 16, "max_num_seqs": 64,
                    "seed": 0, "scheduling_policy": "fcfs"}
@@ -73,6 +76,8 @@ ENGINE_HELP = {
     "enable_expert_parallel": "MoE models: partition the experts across the tensor-parallel ranks",
     "scheduling_policy": "fcfs (default) or priority: requests' `priority` (lower first) orders admission and "
                          "preemption",
+    "speculative_config": "speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                          "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} (engine/ngram_proposer.py)",
 }
 POOL_PREFIXES = ("prefill", "decode", "encode")
 

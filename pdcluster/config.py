@@ -47,6 +47,68 @@ class SchedulerConfig:
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+SPECULATIVE_METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's --speculative-config for draft-free speculation (engine/ngram_proposer.py).
+
+    method "ngram" (prompt lookup): each decode step of a request proposes the
+    num_speculative_tokens tokens that followed the latest earlier occurrence of its last n tokens
+    (n from prompt_lookup_max down to prompt_lookup_min, over prompt and output); one forward
+    checks them all, and the tokens the model would have produced anyway are kept.
+    disable_by_batch_size: no drafts while this many requests or more run (a large batch is
+    bound by its arithmetic, where extra rows to check cost what they save)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    disable_by_batch_size: int | None = None
+
+    @classmethod
+    def parse(cls, value: Any) -> SpeculativeConfig | None:
+        """None / "" / {} -> None; a dict or its JSON text -> a checked config. ValueError names the
+        key and its limit."""
+        if value is None or value == "" or value == {}:
+            return None
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config must be a JSON object: {e}") from None
+        if isinstance(value, SpeculativeConfig):
+            value = dataclasses.asdict(value)
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {unknown}; known: {sorted(known)}")
+        method = value.get("method", cls.method)
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {SPECULATIVE_METHODS} (draft models "
+                             f"and EAGLE are not served), got {method!r}")
+        n = value.get("num_speculative_tokens", cls.num_speculative_tokens)
+        lo = value.get("prompt_lookup_min", None)
+        hi = value.get("prompt_lookup_max", None)
+        # vLLM: one of the two given sets the other.
+        lo, hi = (lo if lo is not None else (hi if hi is not None else cls.prompt_lookup_min),
+                  hi if hi is not None else (lo if lo is not None else cls.prompt_lookup_max))
+        for name, v, top in (("num_speculative_tokens", n, MAX_SPECULATIVE_TOKENS), ("prompt_lookup_min", lo, 64),
+                             ("prompt_lookup_max", hi, 64)):
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= top:
+                raise ValueError(f"speculative_config.{name} must be an integer in [1, {top}], got {v!r}")
+        if lo > hi:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
+        off = value.get("disable_by_batch_size")
+        if off is not None and (isinstance(off, bool) or not isinstance(off, int) or off < 2):
+            raise ValueError(f"speculative_config.disable_by_batch_size must be an integer >= 2 or null, got {off!r}")
+        return cls(method, n, hi, lo, off)
 
 
 @dataclass(frozen=True)
@@ -92,6 +154,8 @@ class EngineConfig:
     encoder_only: bool = False
     # True: never torch.compile the forward (engine/compiled_forward.py says where it compiles).
     enforce_eager: bool = False
+    # Speculative decoding (the scheduler proposes, the runner verifies); None: off.
+    speculative: SpeculativeConfig | None = None
 
 
 @dataclass
@@ -125,6 +189,8 @@ class EngineArgs:
     enable_expert_parallel: bool = False
     # vLLM's flag: run the forward eagerly instead of under torch.compile (compiled_forward.py).
     enforce_eager: bool = False
+    # vLLM's flag: a dict or its JSON text, e.g. {"method": "ngram", "num_speculative_tokens": 4}.
+    speculative_config: dict[str, Any] | str | None = None
     kv_connector: str | None = None
     kv_connector_options: dict[str, Any] | None = None
     kv_role: str = "both"  # "producer" | "consumer" | "both"
@@ -179,6 +245,7 @@ class EngineArgs:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         kv_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, model_cfg.dtype)
+        speculative = SpeculativeConfig.parse(self.speculative_config)
         _check_tp_shapes(model_cfg, tp)
         if model_cfg.architecture == "LlavaForConditionalGeneration" and tp > 1:
             raise ValueError(f"tensor_parallel_size={tp}: LlavaForConditionalGeneration runs with "
@@ -214,6 +281,7 @@ class EngineArgs:
             ec_connector_options=ec_options,
             encoder_only=bool(self.encoder_only),
             enforce_eager=bool(self.enforce_eager),
+            speculative=speculative,
         )
 
 
@@ -391,6 +459,6 @@ def engine_args_from_dict(d: dict[str, Any]) -> EngineArgs:
 
 
 __all__ = [
-    "CacheConfig", "EngineArgs", "EngineConfig", "MultiModalConfig", "ParallelConfig", "SchedulerConfig", "kv_bytes_per_block",
+    "CacheConfig", "EngineArgs", "EngineConfig", "MultiModalConfig", "ParallelConfig", "SchedulerConfig", "SpeculativeConfig", "kv_bytes_per_block",
     "resolve_kv_cache_dtype",
 ]

@@ -11,7 +11,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from pdcluster.config import CacheConfig, EngineConfig, MultiModalConfig, ParallelConfig, SchedulerConfig
+from pdcluster.config import (
+    CacheConfig,
+    EngineConfig,
+    MultiModalConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from pdcluster.models.hf_config import ModelConfig
 
 
@@ -29,7 +36,7 @@ def engine_config_from_dict(d: dict[str, Any]) -> EngineConfig:
         m["rope_scaling"] = tuple((str(k), v) for k, v in m["rope_scaling"])
     m["eos_token_ids"] = tuple(m.get("eos_token_ids") or ())
     _known(ModelConfig, m)
-    rest = {k: v for k, v in d.items() if k not in ("model", "cache", "scheduler", "parallel", "mm")}
+    rest = {k: v for k, v in d.items() if k not in ("model", "cache", "scheduler", "parallel", "mm", "speculative")}
     _known(EngineConfig, rest)
     return EngineConfig(
         model=ModelConfig(**m),
@@ -37,6 +44,7 @@ def engine_config_from_dict(d: dict[str, Any]) -> EngineConfig:
         scheduler=SchedulerConfig(**_known(SchedulerConfig, d["scheduler"])),
         parallel=ParallelConfig(**_known(ParallelConfig, d["parallel"])),
         mm=MultiModalConfig(**_known(MultiModalConfig, d.get("mm") or {})),
+        speculative=SpeculativeConfig.parse(d.get("speculative")),
         **rest,
     )
 

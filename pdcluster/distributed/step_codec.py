@@ -15,6 +15,7 @@ explicitly, sampling params travel as SamplingParams.to_dict(), and decoding goe
         "total":    total_num_scheduled_tokens
         "finished": [request_id, ...]
         "kv":       kv_connector_metadata.to_dict() | None   (rebuilt by the rank's connector)
+        "spec":     {request_id: draft token ids}                (absent: none)
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def scheduler_output_to_dict(step: SchedulerOutput) -> dict[str, Any]:
         "total": step.total_num_scheduled_tokens,
         "finished": sorted(step.finished_request_ids),
         "kv": meta.to_dict() if meta is not None else None,
+        "spec": {r: list(ids) for r, ids in step.scheduled_spec_token_ids.items()},
     }
 
 
@@ -64,6 +66,7 @@ def scheduler_output_from_dict(d: dict[str, Any], meta_decoder: Callable[[dict[s
                   for request_id, blocks, num_computed in d["cached"]]
         sched = {_str(k): _int(v) for k, v in _map(d["sched"]).items()}
         step = SchedulerOutput(new, cached, sched, _int(d["total"]), {_str(r) for r in d["finished"]})
+        step.scheduled_spec_token_ids = {_str(k): _ints(v) for k, v in _map(d.get("spec") or {}).items()}
         kv = d.get("kv")
         if kv is not None:
             if meta_decoder is None:

@@ -61,7 +61,7 @@ class EngineCore:
         if worker_conn is not None:
             worker_conn.set_wakeup(self.wake)
         self.scheduler = Scheduler(config.scheduler, config.cache, connector=sched_conn,
-                                   sliding_window=config.model.kv_window)
+                                   sliding_window=config.model.kv_window, speculative=config.speculative)
         self.connector = sched_conn
         if sched_conn is not None and hasattr(runner, "handshake_metadata_all"):
             # Every TP rank's metadata, gathered by the executor; the scheduler side learns

@@ -28,6 +28,7 @@ from pdcluster.config import EngineConfig
 from pdcluster.dtypes import torch_dtype
 from pdcluster.engine.connector_hooks import ConnectorHooks
 from pdcluster.engine.kv_connector import KVCacheLayout, KVConnectorBase
+from pdcluster.engine.ngram_proposer import num_accepted
 from pdcluster.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from pdcluster.engine.prompt_logprobs import chunk_prompt_logprobs
 from pdcluster.engine.thread_tuner import ThreadTuner, step_key, step_plan
@@ -257,8 +258,9 @@ class ModelRunner:
             return self._forward(reqs, scheduler_output)
         tokens = sum(scheduler_output.num_scheduled_tokens[r.request_id] for r in reqs)
         compiled = getattr(self.forward_fn, "state", "eager") in ("ready", "compiled")
-        key = step_key(len(reqs), tokens)
-        plan = step_plan(tuner, key, compiled_prefill=compiled and tokens != len(reqs))
+        rows = tokens if self._as_decode(reqs, scheduler_output) else len(reqs)  # decode rows, drafts' too
+        key = step_key(rows, tokens)
+        plan = step_plan(tuner, key, compiled_prefill=compiled and tokens != rows)
         if torch.get_num_threads() != plan.threads:
             torch.set_num_threads(plan.threads)
         t0 = time.perf_counter()
@@ -268,11 +270,24 @@ class ModelRunner:
 
     def _forward(self, reqs: list[CachedRequestState], scheduler_output: SchedulerOutput,
                  eager: bool = False) -> ModelRunnerOutput:
+        # Drafts (speculative decoding) join the request's tokens for this forward only; after it
+        # they are replaced by what the model produced (_take_sampled).
+        spec = scheduler_output.scheduled_spec_token_ids
+        for r in reqs:
+            r.token_ids.extend(spec.get(r.request_id, ()))
         query_lens = [scheduler_output.num_scheduled_tokens[r.request_id] for r in reqs]
-        input_ids, positions, meta = self.prepare_inputs(reqs, query_lens)
-        # Sample where the chunk ends at the last known token; index of that token in the batch.
+        input_ids, positions, meta = self.prepare_inputs(reqs, query_lens, self._as_decode(reqs, scheduler_output))
+        # Sample where the chunk ends at the last known token. Rows of hidden to sample: that last
+        # token, and with k drafts the k + 1 positions from the request's real last token on
+        # (position j scores draft j; the last one gives the token after the final draft).
         do_sample = [r.num_computed_tokens + n == len(r.token_ids) for r, n in zip(reqs, query_lens)]
-        last_token = [e - 1 for e, ok in zip(itertools.accumulate(query_lens), do_sample) if ok]
+        rows: list[int] = []
+        states: list[Any] = []
+        for r, end, ok in zip(reqs, itertools.accumulate(query_lens), do_sample):
+            k = len(spec.get(r.request_id, ()))
+            if ok:
+                rows.extend(range(end - 1 - k, end))
+                states.extend(self._sampling_state(r, len(r.token_ids) - k + j) for j in range(k + 1))
         with torch.inference_mode():
             embeds = None if self.mm is None else self.mm.inputs_embeds(
                 [r.request_id for r in reqs], [r.num_computed_tokens for r in reqs], query_lens, input_ids)
@@ -289,38 +304,67 @@ class ModelRunner:
                 reqs, query_lens, hidden, self.model.compute_logits, self.config.model.vocab_size)
             sampled: list[int] = []
             logprobs: list[Any] = []
-            if last_token:
-                logits = self.model.compute_logits(hidden[torch.tensor(last_token, device=self.device)])
-                states = [self._sampling_state(r) for r, ok in zip(reqs, do_sample) if ok]
+            if rows:
+                logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
                 sampled, logprobs = self._get_sampler()(logits, states)
         out = ModelRunnerOutput([r.request_id for r in reqs], [], [], prompt_logprobs=prompt_logprobs)
         results = iter(zip(sampled, logprobs))
         for r, n, ok in zip(reqs, query_lens, do_sample):
-            r.num_computed_tokens += n
-            if ok:
-                token, logprob = next(results)
-                r.token_ids.append(token)  # our copy; the scheduler appends to its Request itself
-                out.sampled_token_ids.append([token])
-                out.logprobs.append(logprob)
-            else:
+            if not ok:
+                r.num_computed_tokens += n
                 out.sampled_token_ids.append([])
-                out.logprobs.append(None)
+                out.logprobs.append([])
+                continue
+            tokens, entries = self._take_sampled(r, n, spec.get(r.request_id, ()), results)
+            out.sampled_token_ids.append(tokens)
+            out.logprobs.append(entries)
         return out
 
-    def _sampling_state(self, r: CachedRequestState) -> Any:
+    @staticmethod
+    def _as_decode(reqs: list[CachedRequestState], scheduler_output: SchedulerOutput) -> bool:
+        """A step of decodes, some checking drafts: every token runs as a decode row of its own
+        (prepare_inputs), on the decode kernels, keyed for the thread tuner as such a batch."""
+        spec = scheduler_output.scheduled_spec_token_ids
+        return bool(spec) and all(scheduler_output.num_scheduled_tokens[r.request_id] == 1 or r.request_id in spec
+                                  for r in reqs)
+
+    @staticmethod
+    def _take_sampled(r: CachedRequestState, n: int, drafts: Any, results: Any) -> tuple[list[int], list[Any]]:
+        """One request's sampled tokens from `results` (k + 1 of them with k drafts): the drafts
+        the model agreed with, then its own next token; our state follows (the scheduler rolls its
+        Request back the same way from the count)."""
+        k = len(drafts)
+        picked = [next(results) for _ in range(k + 1)]
+        keep = num_accepted(drafts, [token for token, _ in picked]) + 1
+        if k:
+            del r.token_ids[-k:]
+        tokens = [token for token, _ in picked[:keep]]
+        r.token_ids.extend(tokens)  # our copy; the scheduler appends to its Request itself
+        r.num_computed_tokens += n - (k + 1 - keep)  # rejected drafts' KV is overwritten later
+        return tokens, [lp for _, lp in picked[:keep] if lp is not None]
+
+    def _sampling_state(self, r: CachedRequestState, end: int | None = None) -> Any:
+        """The sampler's view of r for the token after r.token_ids[:end] (default: all of them)."""
         from pdcluster.engine.sampler import SamplingState
 
         return SamplingState(r.sampling_params, r.token_ids[: r.num_prompt_tokens],
-                             r.token_ids[r.num_prompt_tokens:], r.eos_token_ids, r.grammar)
+                             r.token_ids[r.num_prompt_tokens:end], r.eos_token_ids, r.grammar)
 
-    def prepare_inputs(self, reqs: list[CachedRequestState], query_lens: list[int]
+    def prepare_inputs(self, reqs: list[CachedRequestState], query_lens: list[int], as_decode: bool = False
                        ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flatten the scheduled tokens of every request into (T,) ids and positions, and build the
         attention metadata. Index math (see attention_backend.py):
 
             token t of request i: position = context_lens[i] + (t - query_start_loc[i])
             slot_mapping[t] = block_tables[i, position // block_size] * block_size + position % block_size
+
+        as_decode: describe every token as a decode row of its own (its request's block table, the
+        context up to its position), so a decode step that checks drafts runs the decode kernels
+        (the one-call CPU driver, CUDA graphs). Exact: every attention path writes a step's K/V
+        into the cache before any row reads it, so row j of a request sees the tokens before it.
         """
+        if as_decode and any(n > 1 for n in query_lens):
+            return self._prepare_decode_rows(reqs, query_lens)
         block_size = self.block_size
         context_lens = [r.num_computed_tokens for r in reqs]
         seq_lens = [c + n for c, n in zip(context_lens, query_lens)]
@@ -350,6 +394,30 @@ class ModelRunner:
                         + positions % block_size)  # (T,)
         return self._inputs(ids, positions, slot_mapping, query_start_loc, block_tables, query_lens, seq_lens,
                             context_lens)
+
+    def _prepare_decode_rows(self, reqs: list[CachedRequestState], query_lens: list[int]
+                             ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        block_size = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        table: list[list[int]] = []
+        num_blocks = -(-max(r.num_computed_tokens + n for r, n in zip(reqs, query_lens)) // block_size)
+        for r, n in zip(reqs, query_lens):
+            c = r.num_computed_tokens
+            if c + n > len(r.token_ids) or c + n > len(r.block_ids) * block_size:
+                raise RuntimeError(f"request {r.request_id!r}: {c + n} tokens scheduled through but it has "
+                                   f"{len(r.token_ids)} tokens and {len(r.block_ids)} blocks of {block_size}")
+            ids.extend(r.token_ids[c:c + n])
+            row = r.block_ids[:num_blocks] + [0] * (num_blocks - len(r.block_ids[:num_blocks]))
+            for p in range(c, c + n):
+                positions.append(p)
+                slots.append(r.block_ids[p // block_size] * block_size + p % block_size)
+                table.append(row)
+        num_rows = len(ids)
+        return self._inputs(ids, torch.tensor(positions, dtype=torch.int64), torch.tensor(slots, dtype=torch.int64),
+                            torch.arange(num_rows + 1, dtype=torch.int64), torch.tensor(table, dtype=torch.int32),
+                            [1] * num_rows, [p + 1 for p in positions], positions)
 
     def _inputs(self, ids: list[int], positions: torch.Tensor, slot_mapping: torch.Tensor,
                 query_start_loc: torch.Tensor, block_tables: torch.Tensor, query_lens: list[int],

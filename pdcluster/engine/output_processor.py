@@ -21,6 +21,7 @@ token_ids but not in the text, unless include_stop_str_in_output.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from pdcluster.engine.detokenizer import IncrementalDetokenizer
@@ -135,7 +136,10 @@ class OutputProcessor:
             state = self._active.get(out.request_id)
             if state is None:  # unknown, aborted, or already stopped by a stop string
                 continue
-            delta_text = self._update(state, out)
+            if len(out.new_token_ids) > 1 and state.params.stop and state.detokenizer is not None:
+                delta_text, out = self._update_by_token(state, out)
+            else:
+                delta_text = self._update(state, out)
             if state.finished and not out.finished:
                 stopped.append(state.request_id)
             request_outputs.append(self._make_output(state, delta_text, out.new_token_ids, out.new_logprobs,
@@ -157,6 +161,27 @@ class OutputProcessor:
                                  state.prompt_logprobs)
 
     # -- per step -----------------------------------------------------------------------------
+    def _update_by_token(self, state: _RequestState, out: EngineCoreOutput) -> tuple[str, EngineCoreOutput]:
+        """A step that brought several tokens (accepted drafts) to a request with stop strings:
+        one token at a time, so that a stop string ends the output at the token that completed
+        it, tokens and logprobs included, as when the tokens come one step at a time."""
+        texts: list[str] = []
+        num = len(out.new_token_ids)
+        kept = 0
+        for i in range(num):
+            last = i == num - 1
+            piece = dataclasses.replace(
+                out, new_token_ids=out.new_token_ids[i:i + 1], new_logprobs=out.new_logprobs[i:i + 1],
+                prompt_logprobs=out.prompt_logprobs if i == 0 else None,
+                finish_reason=out.finish_reason if last else None, stop_reason=out.stop_reason if last else None,
+                error=out.error if last else None, kv_transfer_params=out.kv_transfer_params if last else None)
+            texts.append(self._update(state, piece))
+            kept = i + 1
+            if state.finished:
+                break
+        return "".join(texts), dataclasses.replace(out, new_token_ids=out.new_token_ids[:kept],
+                                                   new_logprobs=out.new_logprobs[:kept])
+
     def _update(self, state: _RequestState, out: EngineCoreOutput) -> str:
         params = state.params
         if out.prompt_logprobs is not None:

@@ -53,6 +53,9 @@ class SchedulerOutput:
     finished_request_ids: set[str] = field(default_factory=set)
     # Opaque per-step metadata built by the KV connector's scheduler side.
     kv_connector_metadata: Any = None
+    # Speculative decoding: request_id -> draft tokens scheduled after its last token (they are
+    # counted in num_scheduled_tokens; the runner keeps those the model agrees with).
+    scheduled_spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -78,9 +81,11 @@ class SampleLogprobs:
 class ModelRunnerOutput:
     request_ids: list[str]
     # One list per request in request_ids order; empty for a request whose prompt chunk did not
-    # reach the end of its known tokens this step (nothing sampled).
+    # reach the end of its known tokens this step (nothing sampled). More than one token when
+    # drafts were accepted (speculative decoding): the accepted drafts, then the model's next.
     sampled_token_ids: list[list[int]]
-    logprobs: list[SampleLogprobs | None] = field(default_factory=list)
+    # Per request, one entry per sampled token when the request asked for logprobs, else [].
+    logprobs: list[list[SampleLogprobs]] = field(default_factory=list)
     # Request id -> (index of the first prompt token scored, its entries): prompt_logprobs.py.
     prompt_logprobs: dict[str, tuple[int, list[SampleLogprobs]]] = field(default_factory=dict)
     # Filled by the worker side of a KV connector.

@@ -16,11 +16,12 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
-from pdcluster.config import CacheConfig, SchedulerConfig
+from pdcluster.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pdcluster.engine.block_pool import KVEvent
 from pdcluster.engine.kv_cache_manager import KVCacheManager
 from pdcluster.engine.kv_connector import KVConnectorBase
 from pdcluster.engine.kv_window import max_step_tokens
+from pdcluster.engine.ngram_proposer import propose_ngram
 from pdcluster.engine.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -44,8 +45,10 @@ def _priority_key(req: Request) -> tuple[int, float]:
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  connector: KVConnectorBase | None = None, log_stats: bool = True,
-                 enable_kv_events: bool = True, sliding_window: int | None = None) -> None:
+                 enable_kv_events: bool = True, sliding_window: int | None = None,
+                 speculative: SpeculativeConfig | None = None) -> None:
         self.config = scheduler_config
+        self.speculative = speculative
         self.block_size = cache_config.block_size
         self.max_model_len = scheduler_config.max_model_len
         # Blocks behind the window are freed unless a KV connector needs every block of a request
@@ -68,6 +71,8 @@ class Scheduler:
         self._finished_ids: set[str] = set()  # runner state to drop; sent with the next schedule()
         self._pending_outputs: list[EngineCoreOutput] = []  # errors raised outside update()
         self._num_preemptions = 0
+        self._spec_counts = {"spec_decode_drafts": 0, "spec_decode_draft_tokens": 0,
+                             "spec_decode_accepted_tokens": 0}
         # A connector was told of a request outside a step (drop_unadmitted): one step must run
         # so its notices (e.g. a P2P release to the producer) go out with build_connector_meta.
         self._connector_notice = False
@@ -158,6 +163,7 @@ class Scheduler:
         finished, self._finished_ids = self._finished_ids, set()
         out = SchedulerOutput(step.new_reqs, step.cached_reqs, step.num_scheduled,
                               sum(step.num_scheduled.values()), finished)
+        out.scheduled_spec_token_ids = step.spec_token_ids
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         self._connector_notice = False
@@ -196,12 +202,44 @@ class Scheduler:
             if error is not None:
                 self._fail(req, error)
                 continue  # removed from running: index i now holds the next request
-            block_ids = self._allocate_or_preempt(req, num_new, step)
-            if block_ids is None:
-                return  # req preempted itself: everything after it is gone too
+            drafts, block_ids = self._speculate(req, num_new, step.budget)
+            if not drafts:
+                block_ids = self._allocate_or_preempt(req, num_new, step)
+                if block_ids is None:
+                    return  # req preempted itself: everything after it is gone too
             step.cached_reqs.append(CachedRequestData(req.request_id, block_ids, req.num_computed_tokens))
-            step.add(req, num_new)
+            step.add(req, num_new + len(drafts))
+            if drafts:
+                step.spec_token_ids[req.request_id] = drafts
             i += 1
+
+    def _speculate(self, req: Request, num_new: int, budget: int) -> tuple[list[int], list[int] | None]:
+        """(drafts, new block ids) for a decode step of req that checks drafts too; ([], None) when
+        it runs plain: speculation off, no draft found, no room (budget, max_tokens,
+        max_model_len, a sliding window's step bound) or no free blocks (never preempts for a
+        guess), or SpeculativeConfig.disable_by_batch_size running requests. Requests under a
+        grammar do not speculate: its matcher cannot take tokens back."""
+        spec = self.speculative
+        if (spec is None or num_new != 1 or req.num_computed_tokens != req.num_tokens - 1
+                or req.sampling_params.structured_outputs is not None
+                or (spec.disable_by_batch_size is not None and len(self.running) >= spec.disable_by_batch_size)):
+            return [], None
+        room = min(spec.num_speculative_tokens, budget - 1, self.max_model_len - req.num_tokens,
+                   req.sampling_params.max_tokens - req.num_output_tokens - 1)
+        if self.kv.sliding_window is not None:
+            room = min(room, max_step_tokens(req.num_computed_tokens, self.kv.sliding_window, self.block_size,
+                                             self.kv.num_blocks) - 1)
+        if room < 1:
+            return [], None
+        drafts = propose_ngram(req.all_token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max, room)
+        if not drafts:
+            return [], None
+        block_ids = self.kv.allocate_slots(req, 1 + len(drafts))
+        if block_ids is None:
+            return [], None
+        self._spec_counts["spec_decode_drafts"] += 1
+        self._spec_counts["spec_decode_draft_tokens"] += len(drafts)
+        return drafts, block_ids
 
     def _allocate_or_preempt(self, req: Request, num_new: int, step: StepPlan) -> list[int] | None:
         """Allocate, preempting the most recently admitted running requests until it fits."""
@@ -288,16 +326,21 @@ class Scheduler:
             req = self.requests.get(request_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # finished or preempted since schedule(): its results are void
+            i = index.get(request_id)
+            drafts = scheduler_output.scheduled_spec_token_ids.get(request_id)
+            if drafts and i is not None:  # the rejected drafts' KV is not the request's: roll back
+                num_accepted = len(runner_output.sampled_token_ids[i]) - 1
+                req.num_computed_tokens -= len(drafts) - num_accepted
+                self._spec_counts["spec_decode_accepted_tokens"] += num_accepted
             # Publish blocks first: a request finishing now leaves its prefix in the cache.
             self.kv.cache_blocks(req, req.num_computed_tokens)
             scored = runner_output.prompt_logprobs.get(request_id)
             if scored is not None:
                 req.add_prompt_logprobs(*scored)
-            i = index.get(request_id)
             if i is None or req.num_computed_tokens < req.num_tokens:
                 continue  # a prompt chunk short of the last token samples nothing
-            logprob = runner_output.logprobs[i] if i < len(runner_output.logprobs) else None
-            out = self._append_tokens(req, runner_output.sampled_token_ids[i], logprob)
+            logprobs = runner_output.logprobs[i] if i < len(runner_output.logprobs) else []
+            out = self._append_tokens(req, runner_output.sampled_token_ids[i], logprobs)
             if out is not None:
                 self._pending_outputs.append(out)
         # Loaded requests hold blocks already: first in line, in admission order.
@@ -307,13 +350,13 @@ class Scheduler:
         outputs, self._pending_outputs = self._pending_outputs, []
         return outputs
 
-    def _append_tokens(self, req: Request, token_ids: list[int], logprob: Any) -> EngineCoreOutput | None:
+    def _append_tokens(self, req: Request, token_ids: list[int], logprobs: list[Any]) -> EngineCoreOutput | None:
         new, status = append_until_stop(req, token_ids, self.max_model_len)
         if not new:
             return None
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
-        out = EngineCoreOutput(req.request_id, new, [logprob] if logprob is not None else [],
+        out = EngineCoreOutput(req.request_id, new, list(logprobs[:len(new)]),
                                prompt_logprobs=req.take_prompt_logprobs(),
                                num_cached_tokens=max(0, req.num_cached_tokens))
         if status is not None:
@@ -356,6 +399,8 @@ class Scheduler:
         if not self.log_stats:
             return stats
         stats["num_preemptions"] = self._num_preemptions
+        if self.speculative is not None:
+            stats.update(self._spec_counts)
         stats.update(self.kv.make_stats().as_stats())
         return stats
 

@@ -29,6 +29,7 @@ class StepPlan:
     cached_reqs: list[CachedRequestData] = field(default_factory=list)
     scheduled: list[Request] = field(default_factory=list)
     preempted: bool = False
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # drafts, in num_scheduled
 
     def add(self, request: Request, num_tokens: int) -> None:
         self.num_scheduled[request.request_id] = num_tokens

@@ -62,6 +62,10 @@ ENGINE_COUNTERS: Mapping[str, tuple[str, str]] = {
     "external_prefix_hits": ("pdcluster_engine_external_prefix_hit_tokens",
                              "Prompt tokens loaded through the KV connector instead of computed"),
     "num_preemptions": ("pdcluster_engine_preemptions", "Requests preempted (their blocks taken back)"),
+    "spec_decode_drafts": ("pdcluster_engine_spec_decode_drafts", "Decode steps of a request that checked drafts"),
+    "spec_decode_draft_tokens": ("pdcluster_engine_spec_decode_draft_tokens", "Draft tokens proposed"),
+    "spec_decode_accepted_tokens": ("pdcluster_engine_spec_decode_accepted_tokens",
+                                    "Draft tokens the model agreed with (kept)"),
 }
 
 # Connector stats key -> (counter name without _total, labels, help). p2p_* from connectors/p2p,

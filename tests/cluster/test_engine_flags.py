@@ -29,6 +29,8 @@ def test_serve_worker_takes_vllm_names():
         "max_model_len": 512, "max_num_seqs": 8, "max_num_batched_tokens": 256, "block_size": 32, "dtype": "float32",
         "kv_cache_dtype": "fp8", "seed": 3, "kv_cache_memory_bytes": 1000000, "enable_prefix_caching": False}
     assert engine["scheduling_policy"] == "priority"
+    spec = worker_config(p.parse_args(["serve-worker", "--speculative-config", '{"method": "ngram"}'])).engine
+    assert spec["speculative_config"] == '{"method": "ngram"}'  # parsed (and refused by name) by the engine
     assert worker_config(p.parse_args(["serve-worker", "--enable-prefix-caching"])).engine["enable_prefix_caching"]
     defaults = worker_config(p.parse_args(["serve-worker"])).engine  # as before the vLLM names
     assert defaults["enable_prefix_caching"] and p.parse_args(["serve-worker"]).enforce_eager is False
@@ -54,6 +56,9 @@ def test_up_merges_engine_flags_over_the_yaml_pools():
                                       "--served-model-name", "svc", "--kv-cache-dtype", "fp8"])
     raw = {"pools": {"prefill": {"engine": {"max_model_len": 512}}, "decode": {"instances": 2}},
            "connector": {"name": "p2p"}}
+    # A YAML mapping reaches serve-worker as its JSON text.
+    assert engine_argv({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}) == [
+        "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}']
     merged = apply_engine_overrides(raw, args)
     assert merged["pools"]["prefill"]["engine"] == {"max_model_len": 512, "max_num_seqs": 32, "kv_cache_dtype": "fp8"}
     assert merged["pools"]["decode"]["engine"] == {"max_num_seqs": 128, "kv_cache_dtype": "fp8"}
@@ -75,6 +80,7 @@ def test_serve_workers_get_the_flags(tmp_path):
     proc, ready = start_serve(["--model", model, "--prefill", "1", "--decode", "1", "--max-model-len", "200",
                                "--block-size", "32", "--prefill-num-kv-blocks", "40", "--decode-num-kv-blocks", "50",
                                "--served-model-name", "svc", "--scheduling-policy", "priority",
+                               "--decode-speculative-config", '{"method": "ngram", "prompt_lookup_min": 1}',
                                "--insecure-internal"])  # _info reads the workers' GetInfo in plaintext
     try:
         got = sorted((i.role, i.max_model_len, i.block_size, i.num_kv_blocks_total)
@@ -88,5 +94,17 @@ def test_serve_workers_get_the_flags(tmp_path):
                                      headers={"Content-Type": "application/json"})
         answer = json.loads(urllib.request.urlopen(req, timeout=60).read())
         assert answer["usage"]["completion_tokens"] >= 1
+        # --decode-speculative-config reached the decode worker only: it checks drafts.
+        body = json.dumps({"model": "svc", "prompt": "a b c d a b c d a b c d a b c", "max_tokens": 16,
+                           "ignore_eos": True}).encode()
+        req = urllib.request.Request(ready["http"] + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        assert json.loads(urllib.request.urlopen(req, timeout=60).read())["usage"]["completion_tokens"] == 16
+        drafts = {}
+        for inst in ready["instances"].values():
+            text = urllib.request.urlopen(inst["metrics"], timeout=10).read().decode()
+            drafts[inst["role"]] = [line for line in text.splitlines()
+                                    if line.startswith("pdcluster_engine_spec_decode_draft_tokens_total")]
+        assert drafts["prefill"] == [] and float(drafts["decode"][0].split()[-1]) > 0
     finally:
         stop_serve(proc)

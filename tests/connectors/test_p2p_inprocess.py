@@ -19,10 +19,10 @@ from pdcluster.sampling_params import SamplingParams
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
-def _engine(model: str, role: str | None, options: dict[str, Any] | None = None) -> LLMEngine:
+def _engine(model: str, role: str | None, options: dict[str, Any] | None = None, **extra: Any) -> LLMEngine:
     args = EngineArgs(model=model, num_kv_blocks=96, max_model_len=256, block_size=16,
                       enable_prefix_caching=role is not None, kv_connector="p2p" if role else None,
-                      kv_role=role or "both", kv_connector_options=options)
+                      kv_role=role or "both", kv_connector_options=options, **extra)
     return LLMEngine.from_engine_args(args, connector=engine_connector_factory if role else None)
 
 
@@ -32,7 +32,12 @@ def engines(demo_model: str, cluster_keys: Any) -> Any:
     made = {"ref": _engine(demo_model, None),
             "producer": _engine(demo_model, "producer", k.options("producer", engine_id="ip-producer", lease_ttl_s=3.0)),
             "consumer": _engine(demo_model, "consumer", k.options("consumer", engine_id="ip-consumer",
-                                                                  transport="tcp", open_retry_s=0.3))}
+                                                                  transport="tcp", open_retry_s=0.3)),
+            # A decode leg that speculates (n-gram drafts) from the loaded KV on.
+            "spec_consumer": _engine(demo_model, "consumer", k.options("consumer", engine_id="ip-spec-consumer",
+                                                                       transport="tcp", open_retry_s=0.3),
+                                     speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                         "prompt_lookup_min": 1})}
     yield made
     for e in made.values():
         e.shutdown()
@@ -73,6 +78,19 @@ def test_partial_load_after_local_prefix_hits(engines: Any) -> None:
     assert after["prefix_cache_hits"] - before["prefix_cache_hits"] == 32  # two local blocks of the base prompt
     assert after["external_prefix_hits"] - before["external_prefix_hits"] == len(longer) - 32
     for name in ("producer", "consumer"):
+        assert_idle(engines[name], [], name)
+
+
+def test_speculating_decode_leg_equals_aggregated(engines: Any) -> None:
+    """The decode leg checks n-gram drafts from its first step (over the loaded prompt): the whole
+    output equals the aggregated engine's, drafts were checked, and both sides end idle."""
+    prompt = _prompt(12, 21) * 4  # a repeated phrase gives the drafts something to find
+    params = GREEDY.replace(max_tokens=24)
+    got, _ = _handoff(engines["producer"], engines["spec_consumer"], "spec-leg", prompt, params=params)
+    ref = run_requests(engines["ref"], [("ref-spec-leg", prompt, params, None, None)], [])["ref-spec-leg"]
+    assert got == ref.outputs[0].token_ids and len(got) == 24
+    assert engines["spec_consumer"].get_stats()["spec_decode_draft_tokens"] > 0
+    for name in ("producer", "spec_consumer"):
         assert_idle(engines[name], [], name)
 
 

@@ -26,7 +26,9 @@ def sample_output() -> SchedulerOutput:
     new = [NewRequestData("a", [1, 2, 3], [], sp, [4, 5], 0, (2,)),
            NewRequestData("b-resumed", [9] * 20, [11, 12], SamplingParams(), [1, 2], 16, ())]
     cached = [CachedRequestData("c", [8], 33), CachedRequestData("d", [], 40)]
-    return SchedulerOutput(new, cached, {"a": 3, "b-resumed": 6, "c": 1, "d": 1}, 11, {"gone", "also-gone"})
+    so = SchedulerOutput(new, cached, {"a": 3, "b-resumed": 6, "c": 4, "d": 1}, 14, {"gone", "also-gone"})
+    so.scheduled_spec_token_ids = {"c": [17, 18, 19]}  # c checks three drafts after its last token
+    return so
 
 
 def test_scheduler_output_round_trip() -> None:
@@ -58,6 +60,8 @@ def test_connector_metadata_is_refused_not_pickled() -> None:
     lambda d: d["cached"].append(["x", [1]]),
     lambda d: d["sched"].__setitem__("a", "3"),
     lambda d: d.__setitem__("total", 1.5),
+    lambda d: d.__setitem__("spec", [1, 2]),
+    lambda d: d["spec"].__setitem__("c", ["17"]),
 ])
 def test_malformed_scheduler_output_is_refused(mutate) -> None:
     d = scheduler_output_to_dict(sample_output())

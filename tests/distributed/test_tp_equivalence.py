@@ -63,3 +63,22 @@ def test_tp2_prompt_logprobs_equal_tp1(tiny_ckpt, started_pids) -> None:
             assert g.sampled.logprob == pytest.approx(w.sampled.logprob, abs=1e-4)
             assert [t.token_id for t in g.top] == [t.token_id for t in w.top]
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
+
+
+def test_tp2_speculative_equals_tp1(tiny_ckpt, started_pids) -> None:
+    """Rank 0 proposes n-gram drafts and broadcasts them with the step; every rank checks them on
+    the same logits and keeps the same tokens: TP=2 with drafts equals TP=1 without."""
+    path = tiny_ckpt("llama")
+    prompts = [[5, 6, 7, 8, 9, 10] * 3, list(range(10, 30)) * 2]
+    params = [GREEDY.replace(max_tokens=24), SEEDED.replace(max_tokens=24)]
+    ref = [o.outputs[0].token_ids for o in LLM(path, **ENGINE).generate(prompts, params)]
+    llm = LLM(path, tensor_parallel_size=2, speculative_config={"method": "ngram", "prompt_lookup_min": 1},
+              **ENGINE)
+    started_pids.extend(llm.engine.core.runner.pids.values())
+    try:
+        out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        stats = llm.engine.get_stats()
+    finally:
+        llm.engine.shutdown()
+    assert out == ref
+    assert stats["spec_decode_draft_tokens"] > 0

@@ -89,13 +89,16 @@ def test_stop_string_spanning_deltas_is_never_streamed(tok: Tokenizer, include: 
     assert final.text == expected and final.token_ids == ids[:9]
 
 
-def test_stop_in_a_multi_token_step_truncates_text_but_keeps_tokens(tok: Tokenizer) -> None:
+def test_stop_in_a_multi_token_step_ends_where_one_token_steps_end(tok: Tokenizer) -> None:
+    """Several tokens in one step (accepted speculative drafts): the output ends at the token that
+    completed the stop string, tokens included, as when they come one step at a time."""
     op = OutputProcessor(tok)
     add(op, stop=["QR"])
     ids = char_ids(tok, "ABQRCD")
     outs, stopped = run(op, ids, per_step=6, finish=None)
     assert text_of(outs) == "AB" and stopped == [["r"]]
-    assert outs[0].outputs[0].token_ids == ids
+    assert outs[0].outputs[0].token_ids == ids[:4]
+    assert op.get_final("r").outputs[0].token_ids == ids[:4]
 
 
 @pytest.mark.parametrize(
