@@ -120,7 +120,7 @@ def ready_instances(log: pathlib.Path) -> dict:
 
 def start_server(kind: str, model: str, vllm_python: str, max_model_len: int, log: pathlib.Path,
                  threads: int | None, extra: list[str] = (), vllm_dtype: str = "bfloat16",
-                 preload: bool = True) -> tuple[subprocess.Popen, str]:
+                 preload: bool = True, vllm_extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = dict(os.environ)
     if kind == "vllm":
@@ -130,7 +130,7 @@ def start_server(kind: str, model: str, vllm_python: str, max_model_len: int, lo
             env["VLLM_CPU_OMP_THREADS_BIND"] = "0" if threads == 1 else f"0-{threads - 1}"
         cmd = [vllm_python, "-P", "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                "--dtype", vllm_dtype, "--max-model-len", str(max_model_len), "--host", "127.0.0.1",
-               "--port", str(port), "--gpu-memory-utilization", "0.3"]
+               "--port", str(port), "--gpu-memory-utilization", "0.3", *vllm_extra]
     else:
         if threads:
             env["PDCLUSTER_NUM_THREADS"] = str(threads)
@@ -242,7 +242,8 @@ def _measure(args: argparse.Namespace, model: str, result_dir: pathlib.Path,
         for kind in args.servers:
             proc, base = start_server(kind, model, args.vllm_python, args.max_model_len,
                                       result_dir / f"{kind}-server.log", args.threads,
-                                      shlex.split(args.pdcluster_args), args.vllm_dtype, not args.no_vllm_preload)
+                                      shlex.split(args.pdcluster_args), args.vllm_dtype, not args.no_vllm_preload,
+                                      shlex.split(args.vllm_args))
             try:
                 for i, rate in enumerate(args.rates):
                     name = f"{kind}-{rate:g}qps-run{rep}.json"
@@ -276,6 +277,7 @@ def main() -> None:
                    help="vllm serve --dtype (a CPU without BF16: float32, the dtype pdcluster's auto picks there)")
     p.add_argument("--threads", type=int, default=None, help="engine threads on both sides (default: theirs)")
     p.add_argument("--pdcluster-args", default="", help="extra `pdcluster serve` flags, e.g. \"--worker-threads 0\"")
+    p.add_argument("--vllm-args", default="", help="extra `vllm serve` flags, e.g. the same --speculative-config")
     p.add_argument("--result-dir", default="benchmarks/results/serve-vs-vllm")
     p.add_argument("--no-vllm-preload", action="store_true",
                    help="start vLLM without the tcmalloc / libiomp5 LD_PRELOAD its CPU guide asks for")

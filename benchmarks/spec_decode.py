@@ -41,7 +41,8 @@ def _prompts(n: int, phrase_len: int, repeats: int, vocab: int, seed: int) -> li
 def run(model: str, batch: int, k: int, args: argparse.Namespace, vocab: int) -> dict:
     from pdcluster import LLM, SamplingParams
 
-    spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4} if k else None
+    spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4,
+            "adaptive": not args.check_all} if k else None
     llm = LLM(model, max_model_len=2048, speculative_config=spec, compute_dtype=args.compute_dtype)
     runner = llm.engine.core.runner
     step_ms: dict[int, list[float]] = collections.defaultdict(list)
@@ -55,7 +56,8 @@ def run(model: str, batch: int, k: int, args: argparse.Namespace, vocab: int) ->
 
     runner.execute = timed
     prompts = [{"prompt_token_ids": p} for p in _prompts(batch, args.phrase_len, args.phrase_repeats, vocab, 0)]
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=args.temperature, seed=0 if args.temperature else None,
+                            max_tokens=args.max_tokens, ignore_eos=True)
     outs = llm.generate(prompts, params)  # warm-up (and the compile, if any)
     step_ms.clear()
     times = []
@@ -109,6 +111,10 @@ def main() -> None:
     ap.add_argument("--phrase-repeats", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--compute-dtype", default="auto")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="> 0: seeded sampling (a draft is kept only where the row's own draw picks it)")
+    ap.add_argument("--check-all", action="store_true",
+                    help="adaptive off: check every draft found, as vLLM does (engine/draft_policy.py)")
     ap.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", "/work/vllm-venv/bin/python"),
                     help="a Python with vLLM's CPU build (skipped when absent)")
     ap.add_argument("--vllm-dtype", default="float32")
@@ -122,9 +128,10 @@ def main() -> None:
     flags = [f for f in ("avx512_bf16", "amx_bf16", "avx512f", "avx2") if f in open("/proc/cpuinfo").read()] \
         if platform.system() == "Linux" else []
     print(f"model {model}; threads {torch.get_num_threads()}; cpu flags {' '.join(flags)}; "
-          f"{args.max_tokens} tokens per request, greedy")
+          f"{args.max_tokens} tokens per request, " + (f"temperature {args.temperature}, seeded" if args.temperature
+                                                        else "greedy"))
     for batch in args.batch:
-        use_vllm = os.path.exists(args.vllm_python)
+        use_vllm = os.path.exists(args.vllm_python) and not args.temperature  # its seeded draws are its own
         plain = run(model, batch, 0, args, vocab)
         print(f"\nbatch {batch}: plain {plain['tok_s']:.1f} tok/s; step ms by tokens "
               + ", ".join(f"{n}: {ms:.2f}" for n, ms in plain["steps"].items() if n <= 64))

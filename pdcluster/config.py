@@ -60,13 +60,17 @@ class SpeculativeConfig:
     (n from prompt_lookup_max down to prompt_lookup_min, over prompt and output); one forward
     checks them all, and the tokens the model would have produced anyway are kept.
     disable_by_batch_size: no drafts while this many requests or more run (a large batch is
-    bound by its arithmetic, where extra rows to check cost what they save)."""
+    bound by its arithmetic, where extra rows to check cost what they save).
+    adaptive (ours, not vLLM's): check a draft only where the measured cost of a row and the
+    request's share of drafts kept say it pays (engine/draft_policy.py); false checks every draft
+    found, as vLLM does."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     disable_by_batch_size: int | None = None
+    adaptive: bool = True
 
     @classmethod
     def parse(cls, value: Any) -> SpeculativeConfig | None:
@@ -108,7 +112,10 @@ class SpeculativeConfig:
         off = value.get("disable_by_batch_size")
         if off is not None and (isinstance(off, bool) or not isinstance(off, int) or off < 2):
             raise ValueError(f"speculative_config.disable_by_batch_size must be an integer >= 2 or null, got {off!r}")
-        return cls(method, n, hi, lo, off)
+        adaptive = value.get("adaptive", True)
+        if not isinstance(adaptive, bool):
+            raise ValueError(f"speculative_config.adaptive must be true or false, got {adaptive!r}")
+        return cls(method, n, hi, lo, off, adaptive)
 
 
 @dataclass(frozen=True)

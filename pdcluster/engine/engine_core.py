@@ -15,6 +15,7 @@ config and the worker-side connector: a ModelRunner, or pdcluster.distributed's 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -102,7 +103,9 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         # The runner runs even on an empty step: it must drop state of finished requests and let a
         # connector make progress on asynchronous transfers.
+        t0 = time.perf_counter()
         runner_output = self.runner.execute(scheduler_output)
+        self.scheduler.record_step_time(scheduler_output, time.perf_counter() - t0)  # the draft policy's costs
         outputs = self.scheduler.update(scheduler_output, runner_output)
         progressed = (runner_output.finished_recving or runner_output.finished_sending
                       or runner_output.invalid_block_ids)

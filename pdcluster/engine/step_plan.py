@@ -30,11 +30,16 @@ class StepPlan:
     scheduled: list[Request] = field(default_factory=list)
     preempted: bool = False
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # drafts, in num_scheduled
+    # Decodes with n-gram drafts found: (request, drafts, its CachedRequestData), for _add_drafts.
+    proposals: list[tuple[Request, list[int], CachedRequestData]] = field(default_factory=list)
 
     def add(self, request: Request, num_tokens: int) -> None:
+        """Schedule num_tokens for request (again: the new count replaces the old one)."""
+        old = self.num_scheduled.get(request.request_id)
+        if old is None:
+            self.scheduled.append(request)
         self.num_scheduled[request.request_id] = num_tokens
-        self.scheduled.append(request)
-        self.budget -= num_tokens
+        self.budget -= num_tokens - (old or 0)
 
 
 __all__ = ["AdmitOutcome", "StepPlan"]

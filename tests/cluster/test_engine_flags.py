@@ -80,7 +80,7 @@ def test_serve_workers_get_the_flags(tmp_path):
     proc, ready = start_serve(["--model", model, "--prefill", "1", "--decode", "1", "--max-model-len", "200",
                                "--block-size", "32", "--prefill-num-kv-blocks", "40", "--decode-num-kv-blocks", "50",
                                "--served-model-name", "svc", "--scheduling-policy", "priority",
-                               "--decode-speculative-config", '{"method": "ngram", "prompt_lookup_min": 1}',
+                               "--decode-speculative-config", '{"method": "ngram", "prompt_lookup_min": 1, "adaptive": false}',
                                "--insecure-internal"])  # _info reads the workers' GetInfo in plaintext
     try:
         got = sorted((i.role, i.max_model_len, i.block_size, i.num_kv_blocks_total)

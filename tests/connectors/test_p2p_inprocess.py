@@ -37,7 +37,7 @@ def engines(demo_model: str, cluster_keys: Any) -> Any:
             "spec_consumer": _engine(demo_model, "consumer", k.options("consumer", engine_id="ip-spec-consumer",
                                                                        transport="tcp", open_retry_s=0.3),
                                      speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                                         "prompt_lookup_min": 1})}
+                                                         "prompt_lookup_min": 1, "adaptive": False})}
     yield made
     for e in made.values():
         e.shutdown()

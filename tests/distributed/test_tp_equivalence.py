@@ -72,7 +72,7 @@ def test_tp2_speculative_equals_tp1(tiny_ckpt, started_pids) -> None:
     prompts = [[5, 6, 7, 8, 9, 10] * 3, list(range(10, 30)) * 2]
     params = [GREEDY.replace(max_tokens=24), SEEDED.replace(max_tokens=24)]
     ref = [o.outputs[0].token_ids for o in LLM(path, **ENGINE).generate(prompts, params)]
-    llm = LLM(path, tensor_parallel_size=2, speculative_config={"method": "ngram", "prompt_lookup_min": 1},
+    llm = LLM(path, tensor_parallel_size=2, speculative_config={"method": "ngram", "prompt_lookup_min": 1, "adaptive": False},
               **ENGINE)
     started_pids.extend(llm.engine.core.runner.pids.values())
     try:

@@ -16,7 +16,10 @@ from pdcluster import LLM, SamplingParams
 from pdcluster.config import SpeculativeConfig
 from pdcluster.engine.ngram_proposer import num_accepted, propose_ngram
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+# adaptive off: every draft found is checked, whatever this machine's step costs (draft_policy.py);
+# the adaptive policy has its own tests below, with step costs given, not measured.
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+         "adaptive": False}
 ENGINE = {"max_model_len": 256, "block_size": 16}
 # Loops and repeated phrases: the drafts find something to propose.
 PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7], [20, 21, 22, 23, 24],
@@ -51,6 +54,19 @@ def test_propose_ngram_ignores_matches_across_token_boundaries():
     assert propose_ngram([big, 3, big + 1, big, 3], 2, 2, 1) == [big + 1]
 
 
+def test_drafter_packs_each_request_once_and_follows_its_growth():
+    from pdcluster.engine.ngram_proposer import NgramDrafter
+
+    d = NgramDrafter(1, 3)
+    prompt, out = [1, 2, 3, 9, 1, 2, 3, 8], [2, 3]
+    assert d.propose("a", prompt, out, 3) == propose_ngram(prompt + out, 1, 3, 3) == [8, 2, 3]
+    out += [8, 2, 3]  # the output grew: only the new tokens are packed
+    assert d.propose("a", prompt, out, 2) == propose_ngram(prompt + out, 1, 3, 2)
+    assert d.propose("b", [7, 7], [], 2) == [7, 7]  # requests are kept apart
+    d.forget("a")
+    assert d.propose("a", [5, 6], [], 2) == []  # a new request of the same id starts afresh
+
+
 def test_num_accepted():
     assert num_accepted([4, 5, 6], [4, 5, 7, 9]) == 2
     assert num_accepted([4, 5], [4, 5, 1]) == 2
@@ -63,7 +79,8 @@ def test_speculative_config_parse():
     assert SpeculativeConfig.parse(None) is None and SpeculativeConfig.parse("") is None
     cfg = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}')
     # One bound given sets the other (vLLM); neither: 2..4.
-    assert cfg == SpeculativeConfig("ngram", 3, 5, 5)
+    assert cfg == SpeculativeConfig("ngram", 3, 5, 5) and cfg.adaptive
+    assert not SpeculativeConfig.parse({"adaptive": False}).adaptive
     assert SpeculativeConfig.parse({"disable_by_batch_size": 4}).disable_by_batch_size == 4
     assert SpeculativeConfig.parse({"prompt_lookup_min": 1}) == SpeculativeConfig("ngram", 4, 1, 1)
     assert SpeculativeConfig.parse({}) is None and SpeculativeConfig.parse({"method": "ngram"}) == SpeculativeConfig()
@@ -77,9 +94,72 @@ def test_speculative_config_parse():
         ({"num_speculative_tokens": True}, "num_speculative_tokens must be an integer"),
         ({"prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min \\(4\\) must be <= prompt_lookup_max"),
         ({"disable_by_batch_size": 1}, r"disable_by_batch_size must be an integer >= 2 or null"),
+        ({"adaptive": "yes"}, "speculative_config.adaptive must be true or false"),
     ]:
         with pytest.raises(ValueError, match=match):
             SpeculativeConfig.parse(bad)
+
+
+# == the adaptive draft policy (pure: step costs given) ================================================
+def _policy(costs: dict[int, float], share: float = 0.6, max_drafts: int = 4):
+    from pdcluster.engine.draft_policy import DraftPolicy
+
+    p = DraftPolicy(max_drafts, share=share)
+    for rows, ms in costs.items():
+        p.record_step(rows, ms / 1e3)
+    return p
+
+
+def test_policy_checks_drafts_while_rows_are_cheap():
+    # Batch 1 of the 125M Llama on a 2-core AVX2 CPU: a row costs little up to 3, then a lot.
+    weight_read = {1: 7.4, 2: 7.7, 3: 8.2, 4: 10.5, 5: 11.4}
+    assert _policy(weight_read).plan(1, [("r", 4)]) == {"r": 2}
+    # A request keeping nearly everything is worth the fourth row too; one keeping little, one row.
+    good = _policy(weight_read)
+    for _ in range(20):
+        good.record_check("good", 4, 4)
+        good.record_check("poor", 2, 0)
+    assert good.kept_share("good") > 0.85 > 0.2 > good.kept_share("poor")
+    plan = good.plan(1, [("good", 4), ("poor", 4)])
+    assert plan["good"] >= 3 and "poor" not in plan
+    # Never more than the request has, or than max_drafts.
+    assert _policy(weight_read, share=1.0).plan(1, [("r", 1)]) == {"r": 1}
+    assert _policy({1: 1.0, 9: 1.0}, share=1.0, max_drafts=2).plan(1, [("r", 5)]) == {"r": 2}
+
+
+def test_policy_skips_drafts_when_rows_cost_their_share():
+    # Arithmetic-bound: every row adds 1/8 of a batch-8 step; kept half the time, no draft pays.
+    linear = {r: 0.17 * r for r in range(1, 25)}
+    p = _policy(linear, share=0.5)
+    assert p.plan(8, [(f"r{i}", 4) for i in range(8)]) == {}
+    # ... but every EXPLORE_EVERY-th step one request (in turn) checks one draft: its share is
+    # measured again.
+    from pdcluster.engine.draft_policy import EXPLORE_EVERY
+
+    plans = [p.plan(8, [("a", 4), ("b", 4)]) for _ in range(2 * EXPLORE_EVERY - 1)]
+    explored = [plan for plan in plans if plan]
+    assert len(explored) == 2 and sorted(map(tuple, (e.items() for e in explored))) == [(("a", 1),), (("b", 1),)]
+
+
+def test_policy_cost_estimates():
+    p = _policy({2: 10.0, 6: 14.0})
+    assert p.step_time(4) == pytest.approx(0.012)  # between measured counts: linear
+    assert p.step_time(1) == pytest.approx(0.010)  # below them: the smallest's
+    assert p.step_time(8) == pytest.approx(0.016)  # past them: the last slope
+    assert _policy({}).step_time(3) is None and _policy({3: 5.0}).step_time(9) == pytest.approx(0.005)
+    # Noise that says more rows cost less is flattened: t never falls as rows grow.
+    noisy = _policy({7: 1.48, 8: 1.42, 9: 1.56})
+    assert noisy.step_time(8) == pytest.approx(0.00148) and noisy.step_time(9) == pytest.approx(0.00156)
+    # Nothing measured yet: drafts are checked (and so the larger row counts get measured).
+    assert _policy({}).plan(1, [("r", 3)]) == {"r": 3}
+    # Non-adaptive: every draft found, up to max_drafts.
+    from pdcluster.engine.draft_policy import DraftPolicy
+
+    assert DraftPolicy(2, adaptive=False).plan(8, [("a", 5), ("b", 1), ("c", 0)]) == {"a": 2, "b": 1}
+    q = _policy({1: 1.0})
+    q.record_check("x", 3, 3)
+    q.forget("x")
+    assert q.kept_share("x") == pytest.approx(q.share)
 
 
 # == through the engine ==============================================================================
@@ -103,6 +183,9 @@ def test_greedy_equals_transformers_and_plain(llama):
 
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     want = hf_greedy(llama, PROMPTS, 40)
+    # The adaptive policy (the default) checks what this machine's costs say: outputs are the same.
+    adaptive = LLM(llama, speculative_config={"method": "ngram", "prompt_lookup_min": 1}, **ENGINE)
+    assert _tokens(adaptive, PROMPTS, params) == want
     spec = LLM(llama, speculative_config=NGRAM, **ENGINE)
     assert _tokens(spec, PROMPTS, params) == want
     stats = _spec_stats(spec)
@@ -118,8 +201,7 @@ def test_greedy_equals_transformers_and_plain(llama):
 
 def test_sampling_logprobs_and_mixed_batches_equal_plain(llama):
     """Seeded random rows keep their tokens (a draft is kept only where the row's own draw
-    picks it); logprobs come for every kept token; a grammar row (no drafts) and penalised rows
-    share the batch."""
+    picks it); logprobs come for every kept token; penalised rows share the batch."""
     spec = LLM(llama, speculative_config=NGRAM, **ENGINE)
     plain = LLM(llama, **ENGINE)
     params = [SamplingParams(temperature=0.8, seed=11, max_tokens=30, ignore_eos=True),
@@ -191,8 +273,14 @@ def test_stop_strings_and_eos_inside_accepted_drafts(tmp_path):
     stop = free.text[10:13]  # a string the output is known to hold
     for params in (SamplingParams(temperature=0.0, max_tokens=40, stop=[stop]),
                    SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[free.token_ids[9]]),
-                   SamplingParams(temperature=0.0, max_tokens=40)):
+                   SamplingParams(temperature=0.0, max_tokens=40),
+                   # A grammar request checks no drafts (its matcher cannot take tokens back).
+                   SamplingParams(temperature=0.0, max_tokens=12, structured_outputs={"regex": "(abc){3}[0-9]+"})):
         a = spec.generate([prompt], params)[0].outputs[0]
         b = plain.generate([prompt], params)[0].outputs[0]
         assert (a.text, list(a.token_ids), a.finish_reason) == (b.text, list(b.token_ids), b.finish_reason)
-    assert spec.engine.get_stats()["kv_blocks_used"] == 0
+    stats = spec.engine.get_stats()
+    assert stats["kv_blocks_used"] == 0 and stats["spec_decode_drafts"] > 0
+    before = stats["spec_decode_draft_tokens"]
+    spec.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, structured_outputs={"regex": "(abc){4}"}))
+    assert spec.engine.get_stats()["spec_decode_draft_tokens"] == before
