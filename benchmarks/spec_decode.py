@@ -77,27 +77,14 @@ def run(model: str, batch: int, k: int, args: argparse.Namespace, vocab: int) ->
 
 
 def run_vllm(python: str, model: str, batch: int, k: int, args: argparse.Namespace, vocab: int) -> dict:
-    import json
-    import subprocess
-    import tempfile
-
-    from vllm_env import vllm_env
+    from vllm_env import run_vllm_offline
 
     spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4} if k else None
-    work = {"prompts": _prompts(batch, args.phrase_len, args.phrase_repeats, vocab, 0),
-            "max_tokens": [args.max_tokens] * batch, "repeats": args.repeats, "dtype": args.vllm_dtype,
-            "speculative_config": spec, "max_model_len": 2048, "return_tokens": True}
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(work, f)
-    script = pathlib.Path(__file__).resolve().parent / "_vllm_throughput.py"
-    env = dict(vllm_env(python), VLLM_CPU_KVCACHE_SPACE="2", VLLM_LOGGING_LEVEL="WARNING", HF_HUB_OFFLINE="1")
-    proc = subprocess.run([python, "-P", str(script), model, f.name], capture_output=True, text=True, env=env)
-    os.unlink(f.name)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            r = json.loads(line[7:])
-            return {"tok_s": batch * args.max_tokens / statistics.median(r["times"]), "tokens": r["tokens"]}
-    raise RuntimeError(f"vLLM run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    r = run_vllm_offline(python, model, {
+        "prompts": _prompts(batch, args.phrase_len, args.phrase_repeats, vocab, 0), "max_tokens": [args.max_tokens] * batch,
+        "repeats": args.repeats, "dtype": args.vllm_dtype, "speculative_config": spec, "max_model_len": 2048,
+        "return_tokens": True})
+    return {"tok_s": batch * args.max_tokens / statistics.median(r["times"]), "tokens": r["tokens"]}
 
 
 def main() -> None:

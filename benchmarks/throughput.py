@@ -22,14 +22,12 @@ import os
 import pathlib
 import random
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_model import ensure_bench_model  # noqa: E402
-from vllm_env import preload_libraries, vllm_env  # noqa: E402
+from vllm_env import preload_libraries, run_vllm_offline  # noqa: E402
 
 # Steady-state speed: the engine compiles before it serves, not on its background thread
 # (engine/compiled_forward.py); child processes (servers, workers) inherit it.
@@ -127,17 +125,8 @@ def run_transformers(model: str, prompts, outs, repeats: int, batch: int) -> lis
 
 
 def run_vllm(python: str, model: str, prompts, outs, repeats: int, dtype: str = "bfloat16") -> list[float]:
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump({"prompts": prompts, "max_tokens": outs, "repeats": repeats, "dtype": dtype}, f)
-    script = pathlib.Path(__file__).resolve().parent / "_vllm_throughput.py"
-    env = dict(vllm_env(python), VLLM_CPU_KVCACHE_SPACE="2", VLLM_LOGGING_LEVEL="WARNING", HF_HUB_OFFLINE="1")
-    # -P: keep benchmarks/ off sys.path (vLLM imports a top-level `kernels` module of its own).
-    proc = subprocess.run([python, "-P", str(script), model, f.name], capture_output=True, text=True, env=env)
-    os.unlink(f.name)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])["times"]
-    raise RuntimeError(f"vLLM run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return run_vllm_offline(python, model, {"prompts": prompts, "max_tokens": outs, "repeats": repeats,
+                                            "dtype": dtype})["times"]
 
 
 def main() -> None:

@@ -9,8 +9,11 @@ the vLLM venv (its intel-openmp dependency). What was found is printed with ever
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
+import subprocess
+import tempfile
 
 _TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4",
              "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4")
@@ -31,3 +34,21 @@ def vllm_env(vllm_python: str, base: dict[str, str] | None = None, preload: bool
     if libs:
         env["LD_PRELOAD"] = ":".join(libs + ([env["LD_PRELOAD"]] if env.get("LD_PRELOAD") else []))
     return env
+
+
+def run_vllm_offline(vllm_python: str, model: str, workload: dict) -> dict:
+    """_vllm_throughput.py's result for `workload` (its docstring lists the keys) in vLLM's venv,
+    with its preload: {"times": [...], "generated": n, and "tokens" when asked}."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(workload, f)
+    script = pathlib.Path(__file__).resolve().parent / "_vllm_throughput.py"
+    env = dict(vllm_env(vllm_python), VLLM_CPU_KVCACHE_SPACE="2", VLLM_LOGGING_LEVEL="WARNING", HF_HUB_OFFLINE="1")
+    # -P: keep benchmarks/ off sys.path (vLLM imports a top-level `kernels` module of its own).
+    try:
+        proc = subprocess.run([vllm_python, "-P", str(script), model, f.name], capture_output=True, text=True, env=env)
+    finally:
+        os.unlink(f.name)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise RuntimeError(f"vLLM run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
