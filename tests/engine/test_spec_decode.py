@@ -240,6 +240,21 @@ def test_preemption_and_prefix_cache_keep_outputs(llama):
     assert spec.engine.get_stats()["prefix_cache_hits"] - before >= 80
 
 
+def test_sliding_window_model_equals_transformers(tiny_ckpts):
+    """Phi-3's window (40) frees blocks behind it while drafts run past the window's edge: rows of
+    one request read different windows, and the freed blocks never come back. Greedy tokens equal
+    transformers' past two windows."""
+    from tiny_models import hf_greedy
+
+    path = tiny_ckpts("phi3")
+    prompts = [[5, 6, 7, 8, 9, 10] * 4, list(range(30, 75))]
+    want = hf_greedy(path, prompts, 64)
+    spec = LLM(path, speculative_config=NGRAM, max_model_len=256, block_size=8)
+    assert _tokens(spec, prompts, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)) == want
+    stats = spec.engine.get_stats()
+    assert stats["spec_decode_draft_tokens"] > 0 and stats["kv_blocks_used"] == 0
+
+
 def test_repeating_model_accepts_most_drafts(tmp_path):
     """A model with small weights repeats itself: nearly every draft is right, and a step yields
     several tokens (fewer steps than tokens)."""
