@@ -8,6 +8,7 @@ from the memory budget) and returns a frozen `EngineConfig`. Nothing downstream 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -79,8 +80,6 @@ class SpeculativeConfig:
         if value is None or value == "" or value == {}:
             return None
         if isinstance(value, str):
-            import json
-
             try:
                 value = json.loads(value)
             except json.JSONDecodeError as e:

@@ -74,9 +74,9 @@ class DraftPolicy:
             out[r] = best
         return out
 
-    def step_time(self, rows: int) -> float | None:
-        """t(rows), or None when nothing is measured yet."""
-        known = self._monotone()
+    def step_time(self, rows: int, known: dict[int, float] | None = None) -> float | None:
+        """t(rows), or None when nothing is measured yet. known: _monotone(), if already made."""
+        known = self._monotone() if known is None else known
         if not known:
             return None
         if rows in known:
@@ -105,12 +105,13 @@ class DraftPolicy:
         if self._steps % EXPLORE_EVERY == 0 and proposals:
             explored = proposals[(self._steps // EXPLORE_EVERY) % len(proposals)][0]
         shares = {rid: self.kept_share(rid) for rid, _ in proposals}
+        known = self._monotone()
         out: dict[str, int] = {}
         expected = float(rows)  # every row before the drafts yields its token
         for rid, n in sorted(proposals, key=lambda p: -shares[p[0]]):
             a = shares[rid]
             for j in range(1, min(n, self.max_drafts) + 1):
-                now, more = self.step_time(rows), self.step_time(rows + 1)
+                now, more = self.step_time(rows, known), self.step_time(rows + 1, known)
                 gain = a ** j
                 pays = now is None or more is None or gain * now >= expected * (more - now)
                 if not (pays or (rid == explored and j == 1)):

@@ -258,7 +258,8 @@ class ModelRunner:
             return self._forward(reqs, scheduler_output)
         tokens = sum(scheduler_output.num_scheduled_tokens[r.request_id] for r in reqs)
         compiled = getattr(self.forward_fn, "state", "eager") in ("ready", "compiled")
-        rows = tokens if self._as_decode(reqs, scheduler_output) else len(reqs)  # decode rows, drafts' too
+        as_decode = self._as_decode(reqs, scheduler_output)
+        rows = tokens if as_decode else len(reqs)  # decode rows, drafts' too
         key = step_key(rows, tokens)
         plan = step_plan(tuner, key, compiled_prefill=compiled and tokens != rows)
         if torch.get_num_threads() != plan.threads:
@@ -363,8 +364,6 @@ class ModelRunner:
         (the one-call CPU driver, CUDA graphs). Exact: every attention path writes a step's K/V
         into the cache before any row reads it, so row j of a request sees the tokens before it.
         """
-        if as_decode and any(n > 1 for n in query_lens):
-            return self._prepare_decode_rows(reqs, query_lens)
         block_size = self.block_size
         context_lens = [r.num_computed_tokens for r in reqs]
         seq_lens = [c + n for c, n in zip(context_lens, query_lens)]
@@ -375,15 +374,17 @@ class ModelRunner:
                                    f"{len(r.token_ids)} tokens and {len(r.block_ids)} blocks of {block_size}")
             ids.extend(r.token_ids[c:s])
         num_blocks = -(-max(seq_lens) // block_size)  # block-table columns needed this step
+        if as_decode or all(n == 1 for n in query_lens):  # decode rows: the same index math on Python ints
+            rows = [(r.block_ids, p) for r, c, s in zip(reqs, context_lens, seq_lens) for p in range(c, s)]
+            table = [b[:num_blocks] + [0] * (num_blocks - len(b[:num_blocks])) for b, _ in rows]
+            positions = [p for _, p in rows]
+            slot_mapping = torch.tensor([b[p // block_size] * block_size + p % block_size for b, p in rows],
+                                        dtype=torch.int64)
+            return self._inputs(ids, torch.tensor(positions, dtype=torch.int64), slot_mapping,
+                                torch.arange(len(rows) + 1, dtype=torch.int64), torch.tensor(table, dtype=torch.int32),
+                                [1] * len(rows), [p + 1 for p in positions], positions)
         table = [r.block_ids[:num_blocks] + [0] * (num_blocks - len(r.block_ids[:num_blocks])) for r in reqs]
         block_tables = torch.tensor(table, dtype=torch.int32)  # (B, num_blocks)
-        if all(n == 1 for n in query_lens):  # decode only: the same index math on a few Python ints
-            positions = torch.tensor(context_lens, dtype=torch.int64)
-            slot_mapping = torch.tensor([r.block_ids[c // block_size] * block_size + c % block_size
-                                         for r, c in zip(reqs, context_lens)], dtype=torch.int64)
-            query_start_loc = torch.arange(len(reqs) + 1, dtype=torch.int64)
-            return self._inputs(ids, positions, slot_mapping, query_start_loc, block_tables, query_lens, seq_lens,
-                                context_lens)
         q_lens = torch.tensor(query_lens, dtype=torch.int64)
         query_start_loc = torch.zeros(len(reqs) + 1, dtype=torch.int64)
         torch.cumsum(q_lens, 0, out=query_start_loc[1:])
@@ -394,30 +395,6 @@ class ModelRunner:
                         + positions % block_size)  # (T,)
         return self._inputs(ids, positions, slot_mapping, query_start_loc, block_tables, query_lens, seq_lens,
                             context_lens)
-
-    def _prepare_decode_rows(self, reqs: list[CachedRequestState], query_lens: list[int]
-                             ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        block_size = self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        table: list[list[int]] = []
-        num_blocks = -(-max(r.num_computed_tokens + n for r, n in zip(reqs, query_lens)) // block_size)
-        for r, n in zip(reqs, query_lens):
-            c = r.num_computed_tokens
-            if c + n > len(r.token_ids) or c + n > len(r.block_ids) * block_size:
-                raise RuntimeError(f"request {r.request_id!r}: {c + n} tokens scheduled through but it has "
-                                   f"{len(r.token_ids)} tokens and {len(r.block_ids)} blocks of {block_size}")
-            ids.extend(r.token_ids[c:c + n])
-            row = r.block_ids[:num_blocks] + [0] * (num_blocks - len(r.block_ids[:num_blocks]))
-            for p in range(c, c + n):
-                positions.append(p)
-                slots.append(r.block_ids[p // block_size] * block_size + p % block_size)
-                table.append(row)
-        num_rows = len(ids)
-        return self._inputs(ids, torch.tensor(positions, dtype=torch.int64), torch.tensor(slots, dtype=torch.int64),
-                            torch.arange(num_rows + 1, dtype=torch.int64), torch.tensor(table, dtype=torch.int32),
-                            [1] * num_rows, [p + 1 for p in positions], positions)
 
     def _inputs(self, ids: list[int], positions: torch.Tensor, slot_mapping: torch.Tensor,
                 query_start_loc: torch.Tensor, block_tables: torch.Tensor, query_lens: list[int],
