@@ -2,7 +2,8 @@
 csrc/gemv_bf16_cpu.c: y = x @ W.T (+ bias), x (..., K) float32, W (N, K) bfloat16, y float32.
 
 The weight is laid out once for the kernel (`pack`: rows in tiles of 4, each tile one sequential
-run of 64-byte lines; see the C file for why). The products are exactly those of
+run of 64-byte lines, each row's 8 values of a line in the order 0 4 1 5 2 6 3 7; see the C file
+for why). The products are exactly those of
 F.linear(x, W.float()) (a bfloat16 value widens to float32 without rounding); only the order of
 the sum differs. `gemv_bf16` returns None where the kernel does not apply (no compiler,
 PDCLUSTER_NATIVE=0, a GPU tensor, another input dtype): the caller then runs its own path, so a
@@ -20,12 +21,13 @@ import torch
 from . import native
 
 TILE_ROWS, CHUNK = 4, 8  # csrc/gemv_bf16_cpu.c's layout
+HALF = CHUNK // 2  # a row's 8 values of a chunk are stored as columns 0 4 1 5 2 6 3 7
 
 
 @dataclass(frozen=True)
 class Bf16Tiles:
     """A (n, k) bfloat16 weight in the kernel's layout: `data` is (ceil(n / 4), ceil(k / 8), 4, 8),
-    zero padded at both ends."""
+    zero padded at both ends; data[t, c, j, 2 * i + h] is W[4t + j, 8c + 4h + i]."""
 
     data: torch.Tensor
     n: int
@@ -38,7 +40,8 @@ class Bf16Tiles:
     def unpack(self) -> torch.Tensor:
         """The (n, k) bfloat16 weight these tiles hold."""
         t, c = self.data.shape[:2]
-        return self.data.permute(0, 2, 1, 3).reshape(t * TILE_ROWS, c * CHUNK)[: self.n, : self.k].contiguous()
+        rows = self.data.view(t, c, TILE_ROWS, HALF, 2).permute(0, 2, 1, 4, 3)  # (t, 4, c, h, i)
+        return rows.reshape(t * TILE_ROWS, c * CHUNK)[: self.n, : self.k].contiguous()
 
 
 def pack(weight: torch.Tensor) -> Bf16Tiles:
@@ -50,8 +53,8 @@ def pack(weight: torch.Tensor) -> Bf16Tiles:
     tiles, chunks = -(-n // TILE_ROWS), -(-k // CHUNK)
     padded = torch.zeros(tiles * TILE_ROWS, chunks * CHUNK, dtype=torch.bfloat16)
     padded[:n, :k] = weight
-    data = padded.view(tiles, TILE_ROWS, chunks, CHUNK).permute(0, 2, 1, 3).contiguous()
-    return Bf16Tiles(data, n, k)
+    data = padded.view(tiles, TILE_ROWS, chunks, 2, HALF).permute(0, 2, 1, 4, 3).contiguous()  # (t, c, 4, i, h)
+    return Bf16Tiles(data.view(tiles, chunks, TILE_ROWS, CHUNK), n, k)
 
 
 def pack_float32(weight: torch.Tensor) -> Bf16Tiles | None:

@@ -11,15 +11,20 @@
  *
  * Layout (made once at load by kernels/gemv_bf16_cpu.py `pack`): W's rows in tiles of 4; inside a
  * tile, K in chunks of 8; chunk c of tile t holds rows 4t..4t+3, columns 8c..8c+7, row after row:
- * 32 values, one 64-byte cache line. Both ends are zero padded (N to a multiple of 4, K to one of
+ * 32 values, one 64-byte cache line. Inside a row's 8 values the columns are interleaved as
+ * 0 4 1 5 2 6 3 7 (slot() below), so that each 32-bit lane holds columns i and i + 4: one shift and
+ * one mask widen 16 weights (tile_M). Both ends are zero padded (N to a multiple of 4, K to one of
  * 8). So a tile is one sequential run of memory the hardware prefetcher follows from its first
  * line, where the row-major layout made each thread chase 8 rows of 1.5-4 KB at once: on a 2-core
  * EPYC the 125M Llama's 49 products per decode step went 13.3 -> 8.8 ms at M = 1 (~1.5x, 30 GB/s
  * on the LM head), with no loss at any M up to 16 (benchmarks/gemv_bf16.py).
  *
  * Work split: tiles in blocks of 16 (64 output features) divided over the threads; inside a block
- * each tile is passed once per 3 rows of x (the tile, 4 * K * 2 bytes, stays in L1/L2 between
- * passes).
+ * each tile is passed once per group of up to MAX_PASS_ROWS rows of x (the tile, 4 * K * 2 bytes,
+ * stays in L1/L2 between passes), the rows spread evenly over the passes. Up to 5 rows a pass keeps
+ * the step bound by the weight read on a 2-core AVX2 EPYC (the 49 products: 7.8 ms at M = 4, 8.3 at
+ * 5, against 7.3-7.6 at M = 1-3); the earlier kernel, 3 rows a pass widened by vpmovzxwd, took
+ * 9.6 / 10.2 ms there and ~1.2x this one's time at M = 7-32 (RESULTS.md, session 25).
  *
  * Built at first use by kernels/native.py (-O3 -march=native -fopenmp); the AVX2/FMA path needs
  * those instructions at build time, otherwise the portable loop below runs (the compiler
@@ -35,6 +40,7 @@
  * prefetcher alone left ~10% on the table at block starts. Past the end of W is harmless: a
  * prefetch never faults. */
 #define PREFETCH_AHEAD 512
+#define MAX_PASS_ROWS 5
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -43,83 +49,74 @@ static inline float bf16_to_f32(uint16_t h) {
     return f;
 }
 
+/* Where column e (0..7) of a chunk's row sits among its 8 values: 0 4 1 5 2 6 3 7. */
+static inline int slot(int e) { return (e & 3) * 2 + (e >> 2); }
+
 /* Columns [8 * kfull, K) of one tile against rows of x: the partial last chunk. */
 static inline float tail_dot(const float *xr, const uint16_t *chunk, int j, int64_t k0, int64_t K) {
     float s = 0.0f;
-    for (int64_t k = k0; k < K; k++) s += xr[k] * bf16_to_f32(chunk[j * CHUNK + (k - k0)]);
+    for (int64_t k = k0; k < K; k++) s += xr[k] * bf16_to_f32(chunk[j * CHUNK + slot((int)(k - k0))]);
     return s;
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
-static inline __m256 load_bf16x8(const uint16_t *p) {
-    __m128i h = _mm_loadu_si128((const __m128i *)p);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-/* The four sums of a0..a3 (each a vector of 8 partial sums) in one 128-bit vector. */
-static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
-    __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-}
-
-/* One row of x against one tile over its kfull whole chunks: two chunks per iteration into two
- * sets of accumulators, so eight independent FMA chains keep the loads coming. out: 4 sums. */
-static void tile_1(const float *x, const uint16_t *wt, int64_t kfull, float *out) {
-    __m256 a[4], b[4];
-    for (int j = 0; j < 4; j++) a[j] = b[j] = _mm256_setzero_ps();
-    int64_t c = 0;
-    for (; c + 2 <= kfull; c += 2) {
-        const uint16_t *wc = wt + c * TILE_ROWS * CHUNK;
-        _mm_prefetch((const char *)(wc + PREFETCH_AHEAD), _MM_HINT_T0);
-        _mm_prefetch((const char *)(wc + PREFETCH_AHEAD + TILE_ROWS * CHUNK), _MM_HINT_T0);
-        __m256 x0 = _mm256_loadu_ps(x + c * CHUNK), x1 = _mm256_loadu_ps(x + (c + 1) * CHUNK);
-        for (int j = 0; j < 4; j++) {
-            a[j] = _mm256_fmadd_ps(x0, load_bf16x8(wc + j * CHUNK), a[j]);
-            b[j] = _mm256_fmadd_ps(x1, load_bf16x8(wc + TILE_ROWS * CHUNK + j * CHUNK), b[j]);
-        }
-    }
-    for (; c < kfull; c++) {
-        const uint16_t *wc = wt + c * TILE_ROWS * CHUNK;
-        __m256 x0 = _mm256_loadu_ps(x + c * CHUNK);
-        for (int j = 0; j < 4; j++) a[j] = _mm256_fmadd_ps(x0, load_bf16x8(wc + j * CHUNK), a[j]);
-    }
-    for (int j = 0; j < 4; j++) a[j] = _mm256_add_ps(a[j], b[j]);
-    _mm_storeu_ps(out, hsum4(a[0], a[1], a[2], a[3]));
-}
-
-/* MT (2 or 3) rows of x against one tile: each weight vector loaded and widened once for all MT
- * rows; 4 * MT accumulators + MT x vectors + 1 weight vector fit AVX2's 16 registers.
- * out: MT x 4 sums, row-major. */
+/* MT rows of x (1..MAX_PASS_ROWS) against one tile over its kfull whole chunks. A chunk is two
+ * 32-byte loads, one per pair of tile rows; each 32-bit lane holds columns i and i + 4 of one row
+ * (the interleave above), so a shift widens the first and a mask the second: two ALU operations
+ * per 16 weights, where widening with vpmovzxwd + shift took two per 8 and shared the FMA ports.
+ * x needs no preparation: its columns 8c..8c+3 and 8c+4..8c+7, broadcast to both 128-bit halves,
+ * match the lanes. Accumulator (m, p) holds row 2p's partial sums in its low half and row 2p+1's
+ * in its high half. Every row of x goes through the same sequence of operations whatever MT is,
+ * so a row's result does not depend on how many rows share the call. out: MT x 4 sums. */
 #define TILE_M(MT)                                                                                 \
     static void tile_##MT(const float *x, int64_t ldx, const uint16_t *wt, int64_t kfull, float *out) { \
-        __m256 acc[MT][4];                                                                         \
-        for (int m = 0; m < MT; m++)                                                               \
-            for (int j = 0; j < 4; j++) acc[m][j] = _mm256_setzero_ps();                           \
+        const __m256i odd = _mm256_set1_epi32((int)0xFFFF0000u);                                   \
+        __m256 acc[MT][2];                                                                         \
+        for (int m = 0; m < MT; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();                  \
         for (int64_t c = 0; c < kfull; c++) {                                                      \
             const uint16_t *wc = wt + c * TILE_ROWS * CHUNK;                                       \
             _mm_prefetch((const char *)(wc + PREFETCH_AHEAD), _MM_HINT_T0);                        \
-            __m256 xv[MT];                                                                         \
-            for (int m = 0; m < MT; m++) xv[m] = _mm256_loadu_ps(x + m * ldx + c * CHUNK);        \
-            for (int j = 0; j < 4; j++) {                                                          \
-                __m256 wv = load_bf16x8(wc + j * CHUNK);                                           \
-                for (int m = 0; m < MT; m++) acc[m][j] = _mm256_fmadd_ps(xv[m], wv, acc[m][j]);    \
+            const __m256i u0 = _mm256_loadu_si256((const __m256i *)wc);                            \
+            const __m256i u1 = _mm256_loadu_si256((const __m256i *)(wc + 2 * CHUNK));              \
+            const __m256 lo0 = _mm256_castsi256_ps(_mm256_slli_epi32(u0, 16));                     \
+            const __m256 hi0 = _mm256_castsi256_ps(_mm256_and_si256(u0, odd));                     \
+            const __m256 lo1 = _mm256_castsi256_ps(_mm256_slli_epi32(u1, 16));                     \
+            const __m256 hi1 = _mm256_castsi256_ps(_mm256_and_si256(u1, odd));                     \
+            for (int m = 0; m < MT; m++) {                                                         \
+                const float *xc = x + m * ldx + c * CHUNK;                                         \
+                const __m256 xl = _mm256_broadcast_ps((const __m128 *)xc);                         \
+                const __m256 xh = _mm256_broadcast_ps((const __m128 *)(xc + 4));                   \
+                acc[m][0] = _mm256_fmadd_ps(xl, lo0, acc[m][0]);                                   \
+                acc[m][1] = _mm256_fmadd_ps(xl, lo1, acc[m][1]);                                   \
+                acc[m][0] = _mm256_fmadd_ps(xh, hi0, acc[m][0]);                                   \
+                acc[m][1] = _mm256_fmadd_ps(xh, hi1, acc[m][1]);                                   \
             }                                                                                      \
         }                                                                                          \
-        for (int m = 0; m < MT; m++) _mm_storeu_ps(out + m * 4, hsum4(acc[m][0], acc[m][1], acc[m][2], acc[m][3])); \
+        for (int m = 0; m < MT; m++) {                                                             \
+            /* [r0 | r1] and [r2 | r3] -> r0, r1, r2, r3 */                                        \
+            __m256 h = _mm256_hadd_ps(acc[m][0], acc[m][1]);                                       \
+            h = _mm256_hadd_ps(h, h);                                                              \
+            _mm_storeu_ps(out + m * 4, _mm_unpacklo_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1))); \
+        }                                                                                          \
     }
+TILE_M(1)
 TILE_M(2)
 TILE_M(3)
+TILE_M(4)
+TILE_M(5)
 #endif
 
-/* Rows m0..m0+mt-1 of x against tile wt (whole chunks only): mt x 4 sums into out. */
+/* Rows of x against tile wt (whole chunks only): mt (1..MAX_PASS_ROWS) x 4 sums into out. */
 static void tile_rows(const float *x, int64_t ldx, const uint16_t *wt, int64_t kfull, int mt, float *out) {
 #if defined(__AVX2__) && defined(__FMA__)
     switch (mt) {
-        case 1: tile_1(x, wt, kfull, out); return;
+        case 1: tile_1(x, ldx, wt, kfull, out); return;
         case 2: tile_2(x, ldx, wt, kfull, out); return;
-        default: tile_3(x, ldx, wt, kfull, out); return;
+        case 3: tile_3(x, ldx, wt, kfull, out); return;
+        case 4: tile_4(x, ldx, wt, kfull, out); return;
+        default: tile_5(x, ldx, wt, kfull, out); return;
     }
 #else
     for (int m = 0; m < mt; m++)
@@ -127,7 +124,7 @@ static void tile_rows(const float *x, int64_t ldx, const uint16_t *wt, int64_t k
             float s = 0.0f;
             for (int64_t c = 0; c < kfull; c++)
                 for (int e = 0; e < CHUNK; e++)
-                    s += x[m * ldx + c * CHUNK + e] * bf16_to_f32(wt[(c * TILE_ROWS + j) * CHUNK + e]);
+                    s += x[m * ldx + c * CHUNK + e] * bf16_to_f32(wt[(c * TILE_ROWS + j) * CHUNK + slot(e)]);
             out[m * 4 + j] = s;
         }
 #endif
@@ -146,13 +143,14 @@ int pd_gemv_bf16(const float *x, int64_t ldx, const uint16_t *wp, const float *b
     if (threads > nblocks) threads = (int)nblocks;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < nblocks; b++) {
-        float part[3 * 4];
+        float part[MAX_PASS_ROWS * 4];
         const int64_t t_end = (b + 1) * TILES_PER_BLOCK < ntiles ? (b + 1) * TILES_PER_BLOCK : ntiles;
         for (int64_t t = b * TILES_PER_BLOCK; t < t_end; t++) {
             const uint16_t *wt = wp + t * tile_len;
             const uint16_t *last = wt + kfull * TILE_ROWS * CHUNK; /* the partial chunk, if any */
             for (int64_t m0 = 0; m0 < M;) {
-                const int mt = M - m0 >= 3 ? 3 : (int)(M - m0);
+                const int64_t left = M - m0, passes = (left + MAX_PASS_ROWS - 1) / MAX_PASS_ROWS;
+                const int mt = (int)((left + passes - 1) / passes); /* 6 rows: 3 + 3, 7: 4 + 3 */
                 tile_rows(x + m0 * ldx, ldx, wt, kfull, mt, part);
                 for (int m = 0; m < mt; m++)
                     for (int j = 0; j < TILE_ROWS; j++) {
@@ -169,7 +167,7 @@ int pd_gemv_bf16(const float *x, int64_t ldx, const uint16_t *wp, const float *b
     return 0;
 }
 
-/* W (N, K) float32, row-major with row stride ldw, into the tiled bfloat16 layout above (`out`:
+/* W (N, K) float32, row-major with row stride ldw, into the tiled, interleaved bfloat16 layout above (`out`:
  * ceil(N / 4) * 4 * ceil(K / 8) * 8 values, padding written as zeros), in one pass and without a
  * temporary. Returns 0, or 1 when some value is not a bfloat16 (its low 16 bits are not zero:
  * the copy would round it, so the caller keeps no copy; `out` is then garbage), or -1 on bad
@@ -186,12 +184,12 @@ int pd_pack_bf16_from_f32(const float *w, int64_t ldw, int64_t N, int64_t K, uin
             const int64_t row = t * TILE_ROWS + j;
             for (int64_t c = 0; c < kchunks; c++) {
                 uint16_t *d = dst + (c * TILE_ROWS + j) * CHUNK;
-                for (int e = 0; e < CHUNK; e++) {
+                for (int e = 0; e < CHUNK; e++) { /* column e of the chunk, into its slot */
                     const int64_t k = c * CHUNK + e;
                     uint32_t u = 0;
                     if (row < N && k < K) memcpy(&u, w + row * ldw + k, sizeof u);
                     inexact |= (u & 0xFFFFu) != 0;
-                    d[e] = (uint16_t)(u >> 16);
+                    d[slot(e)] = (uint16_t)(u >> 16);
                 }
             }
         }

@@ -19,9 +19,9 @@ def _bound(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Te
     return 2 * (w.shape[1] + 1) * torch.finfo(torch.float32).eps * scale
 
 
-# Every tile shape of the kernel (M = 1, 2, 3, 4 and chunks of 4 with a remainder), features that
-# leave a partial tile and a partial 64-feature block, K with and without a tail below 8.
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 16])
+# Every tile shape of the kernel (1-5 rows a pass; 6 = 3 + 3, 7 = 4 + 3, 16 = 4 x 4), features
+# that leave a partial tile and a partial 64-feature block, K with and without a tail below 8.
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 16])
 @pytest.mark.parametrize(("n", "k"), [(8, 8), (13, 21), (64, 768), (130, 40), (1, 3)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_linear_on_the_widened_weight(m: int, n: int, k: int, bias: bool) -> None:
@@ -51,6 +51,17 @@ def test_every_thread_count_gives_the_same_result(threads: int) -> None:
         torch.set_num_threads(before)
 
 
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it() -> None:
+    """Every row goes through the same operations in every pass shape, so a decode row's product
+    is bit for bit the same alone, in a batch, or beside its request's drafts."""
+    g = torch.Generator().manual_seed(3)
+    w = gemv_bf16_cpu.pack(torch.randn(70, 203, generator=g).to(torch.bfloat16))
+    x = torch.randn(13, 203, generator=g)
+    alone = torch.cat([gemv_bf16_cpu.gemv_bf16(x[i:i + 1], w) for i in range(13)])
+    for m in range(2, 14):
+        assert torch.equal(gemv_bf16_cpu.gemv_bf16(x[:m], w), alone[:m]), m
+
+
 def test_strided_rows_and_leading_dims() -> None:
     """x as every other row of a wider buffer, and (B, T, K) inputs: the output keeps x's leading dims."""
     g = torch.Generator().manual_seed(2)
@@ -73,10 +84,11 @@ def test_the_tiled_layout_holds_the_weight_and_a_tile_is_one_run(n: int, k: int)
     assert torch.equal(tiles.unpack(), w)
     t, c = -(-n // 4), -(-k // 8)
     assert tiles.data.shape == (t, c, 4, 8) and tiles.data.is_contiguous()
-    # Chunk 0 of tile 0: rows 0-3, columns 0-7, one after another (the padding is zeros).
+    # Chunk 0 of tile 0: rows 0-3, one after another, each row's columns 0-7 stored as
+    # 0 4 1 5 2 6 3 7 (the padding is zeros).
     padded = torch.zeros(t * 4, c * 8, dtype=torch.bfloat16)
     padded[:n, :k] = w
-    assert torch.equal(tiles.data[0, 0].reshape(-1), padded[:4, :8].reshape(-1))
+    assert torch.equal(tiles.data[0, 0].reshape(-1), padded[:4, [0, 4, 1, 5, 2, 6, 3, 7]].reshape(-1))
     assert tiles.nbytes == t * c * 32 * 2
     # Strided sources pack to the same tiles.
     assert torch.equal(gemv_bf16_cpu.pack(w.t().contiguous().t()).data, tiles.data)

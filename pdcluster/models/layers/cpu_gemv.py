@@ -7,7 +7,8 @@ At the few rows of a decode step a linear layer costs the read of its weight, so
 checkpoint's 2 bytes and widening in registers (kernels/csrc/gemv_bf16_cpu.c) halves the step's
 weight traffic. Measured on a 2-core AVX2 EPYC, the 125M bench Llama's 49 products per step: 1.6-1.8x
 oneDNN's packed float32 at M = 1, 1.45x at M = 4, 1.1-1.2x at M = 8-16 with W row-major; the tiled
-layout the copy now has (kernels/gemv_bf16_cpu.pack) took M = 1 a further 1.5x (benchmarks/gemv_bf16.py).
+layout the copy now has (kernels/gemv_bf16_cpu.pack) took M = 1 a further 1.5x, and widening by
+shift and mask 5 rows a pass took M = 4-16 to 2.3x / 1.9x / 1.5x of oneDNN (benchmarks/gemv_bf16.py).
 
 Exactness: widening bfloat16 to float32 is exact, so the kernel forms the same float32 products
 as F.linear on the float32 weight and differs only in the order of the sum. That is the float32
