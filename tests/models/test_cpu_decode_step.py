@@ -77,9 +77,10 @@ CASES = [
 
 
 @pytest.mark.parametrize(("arch", "kv_dtype", "cfg"), CASES, ids=[f"{a}-{k}-{len(c)}" for a, k, c in CASES])
-# The last: as many rows as the decode copies serve (cpu_gemv.MAX_ROWS = 32), of ragged lengths.
-@pytest.mark.parametrize("lens", [[9], [5, 13, 2], [2 + (7 * i) % 11 for i in range(32)]],
-                         ids=["batch1", "batch3", "batch32"])
+# The last: as many rows as the decode copies serve (cpu_gemv.MAX_ROWS), of ragged lengths: every
+# pass shape of the GEMV kernel (5 rows a pass, the last ones spread) in one step.
+@pytest.mark.parametrize("lens", [[9], [5, 13, 2], [2 + (7 * i) % 11 for i in range(cpu_gemv.MAX_ROWS)]],
+                         ids=["batch1", "batch3", "batch-max"])
 def test_bit_for_bit_the_eager_step(tmp_path, monkeypatch, arch: str, kv_dtype: str, cfg: dict,
                                     lens: list[int]) -> None:
     _bit_for_bit(tmp_path, monkeypatch, arch, kv_dtype, cfg, lens, "float32")
@@ -100,7 +101,7 @@ CASES_BF16 = [
 ]
 
 
-_BF16_ROWS = cpu_gemv.max_rows(torch.bfloat16)  # 32, or 8 on a CPU with bf16 dot products
+_BF16_ROWS = cpu_gemv.max_rows(torch.bfloat16)  # MAX_ROWS, or 8 on a CPU with bf16 dot products
 
 
 @pytest.mark.parametrize(("arch", "cfg"), CASES_BF16, ids=[f"{a}-{len(c)}" for a, c in CASES_BF16])

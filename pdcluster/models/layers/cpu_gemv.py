@@ -42,12 +42,13 @@ from pdcluster.kernels.gemv_bf16_cpu import Bf16Tiles
 from pdcluster.models.layers import cpu_gemm
 
 ENV = "PDCLUSTER_CPU_GEMV"  # "0" / "false" / "off" / "no": no bfloat16 decode copies
-# Up to this many rows the copy serves. Past ~16 rows both it and oneDNN's float32 GEMM are
-# FMA-bound and tie (the 49 products of a step at M = 32: 55.7 vs 56.7 ms on a 2-core AVX2 EPYC),
-# but serving 17-32 rows here lets the one-call decode driver (models/cpu_decode_step.py) take
-# those steps too: batch 24 / 32 decode steps 60.9 -> 53.5 / 73.9 -> 69.0 ms. At 48 rows the
-# driver only ties the eager layers (105.9 vs 105.8 ms): 32 it is (RESULTS.md, session 15).
-MAX_ROWS = 32
+# Up to this many rows the copy serves. Past ~8 rows both it and oneDNN's float32 GEMM are
+# FMA-bound; with 5 rows a pass (kernels/csrc/gemv_bf16_cpu.c) the copy's 49 products of a bench
+# Llama step still beat oneDNN's at M = 32 / 48 / 64 (41.8 / 61.9 / 85-90 ms against 53.9 / 72.1 /
+# 96-98 ms on a 2-core AVX2 EPYC), and it lets the one-call decode driver (models/cpu_decode_step.py)
+# take those steps: batch 48 / 64 decode steps 93-95 -> 78-87 / 120-127 -> 101-102 ms. At 96 rows
+# the products are 1.08x, at 128 0.95x: 64 it is (RESULTS.md, session 25; 32 before the 5-row pass).
+MAX_ROWS = 64
 # bfloat16 inputs on a CPU with bf16 dot products. This kernel does one FMA per weight per row;
 # on a 2-core AVX2 EPYC its products are bound by the weight read up to ~8 rows (1.95x oneDNN's
 # float32 at M = 4, 1.26x at 16, a tie at 32: RESULTS.md, session 12), the region where oneDNN's
