@@ -288,7 +288,8 @@ class ModelRunner:
             k = len(spec.get(r.request_id, ()))
             if ok:
                 rows.extend(range(end - 1 - k, end))
-                states.extend(self._sampling_state(r, len(r.token_ids) - k + j) for j in range(k + 1))
+                states.extend(self._sampling_state(r, len(r.token_ids) - k + j, j if k else None)
+                              for j in range(k + 1))
         with torch.inference_mode():
             embeds = None if self.mm is None else self.mm.inputs_embeds(
                 [r.request_id for r in reqs], [r.num_computed_tokens for r in reqs], query_lens, input_ids)
@@ -341,15 +342,19 @@ class ModelRunner:
             del r.token_ids[-k:]
         tokens = [token for token, _ in picked[:keep]]
         r.token_ids.extend(tokens)  # our copy; the scheduler appends to its Request itself
+        if k and r.grammar is not None:  # the sampler left a draft-checking request's matcher as it was
+            r.grammar.advance(tokens)
         r.num_computed_tokens += n - (k + 1 - keep)  # rejected drafts' KV is overwritten later
         return tokens, [lp for _, lp in picked[:keep] if lp is not None]
 
-    def _sampling_state(self, r: CachedRequestState, end: int | None = None) -> Any:
-        """The sampler's view of r for the token after r.token_ids[:end] (default: all of them)."""
+    def _sampling_state(self, r: CachedRequestState, end: int | None = None, drafts_before: int | None = None
+                        ) -> Any:
+        """The sampler's view of r for the token after r.token_ids[:end] (default: all of them);
+        drafts_before: in a step that checks r's drafts, how many of them that token follows."""
         from pdcluster.engine.sampler import SamplingState
 
         return SamplingState(r.sampling_params, r.token_ids[: r.num_prompt_tokens],
-                             r.token_ids[r.num_prompt_tokens:end], r.eos_token_ids, r.grammar)
+                             r.token_ids[r.num_prompt_tokens:end], r.eos_token_ids, r.grammar, drafts_before)
 
     def prepare_inputs(self, reqs: list[CachedRequestState], query_lens: list[int], as_decode: bool = False
                        ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:

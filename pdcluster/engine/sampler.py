@@ -58,8 +58,13 @@ class SamplingState:
     output_token_ids: list[int]  # generated so far (penalties, min_tokens, seeded position)
     eos_token_ids: tuple[int, ...]
     # structured_output.GrammarState of a constrained request; the sampler advances it with the
-    # token it picks.
+    # token it picks, unless this row checks drafts (below).
     grammar: Any = None
+    # A row of a step that checks drafts (speculative decoding): how many of the request's drafts
+    # come before this row's token (the last ones of output_token_ids). Its grammar mask is the
+    # matcher's state after them, and the runner, not the sampler, advances the matcher with the
+    # tokens that are kept. None: an ordinary row.
+    drafts_before: int | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -141,7 +146,9 @@ class Sampler:
             if constrained:
                 from pdcluster.engine.structured_output import apply_grammar_masks  # lazy: imports xgrammar
 
-                apply_grammar_masks(x, [s.grammar for s in states])
+                apply_grammar_masks(x, [s.grammar for s in states],
+                                    [s.output_token_ids[len(s.output_token_ids) - (s.drafts_before or 0):]
+                                     for s in states])
             self._apply_allowed(x, states)
             self._apply_logit_bias(x, states)
             self._apply_penalties(x, states)
@@ -160,7 +167,7 @@ class Sampler:
             token_ids[rows] = self._sample_random(x[rows], [states[i] for i in random])
         chosen = token_ids.tolist()
         for s, t in zip(states, chosen):
-            if s.grammar is not None:
+            if s.grammar is not None and s.drafts_before is None:
                 s.grammar.advance([t])
         return chosen, self._logprobs(raw, token_ids, states)
 

@@ -225,10 +225,10 @@ class Scheduler:
         """Drafts req could check after its token this step: none when speculation is off, it is
         not a decode, there is no room (budget, max_tokens, max_model_len, a sliding window's step
         bound), no n-gram matched, or SpeculativeConfig.disable_by_batch_size requests run.
-        Requests under a grammar get none: its matcher cannot take tokens back."""
+        A request under a grammar gets them too: its rows are masked in the matcher's state after
+        the drafts before them, which is rolled back after (structured_output.apply_grammar_masks)."""
         spec = self.speculative
         if (spec is None or num_new != 1 or req.num_computed_tokens != req.num_tokens - 1
-                or req.sampling_params.structured_outputs is not None
                 or (spec.disable_by_batch_size is not None and len(self.running) >= spec.disable_by_batch_size)):
             return []
         room = min(spec.num_speculative_tokens, budget, self.max_model_len - req.num_tokens,

@@ -134,17 +134,57 @@ class GrammarState:
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, row)
 
+    def try_accept(self, token_ids: list[int] | tuple[int, ...]) -> int:
+        """Accept draft tokens for as long as the grammar allows them; how many it took. Unlike
+        advance, a refusal is expected (a draft is a guess) and changes nothing: the caller
+        rolls the accepted ones back with rollback once the step's masks are filled."""
+        taken = 0
+        for t in token_ids:
+            if not self.active or not self._matcher.accept_token(int(t)):
+                break
+            taken += 1
+        return taken
 
-def apply_grammar_masks(logits: torch.Tensor, grammars: list[GrammarState | None]) -> bool:
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self._matcher.rollback(num_tokens)
+
+
+def apply_grammar_masks(logits: torch.Tensor, grammars: list[GrammarState | None],
+                        drafts_before: list[list[int]] | None = None) -> bool:
     """Mask, in place, every token row i's grammar forbids (logits (B, V), any device). One
-    bitmask for the batch, filled on CPU, applied in one call. Returns whether anything was masked."""
-    rows = [i for i, g in enumerate(grammars) if g is not None and g.active]
-    if not rows:
-        return False
+    bitmask for the batch, filled on CPU, applied in one call. Returns whether anything was masked.
+
+    drafts_before[i]: the draft tokens row i comes after (speculative decoding: the rows of one
+    request share its matcher and come in order, row j after its first j drafts). Each row is
+    masked in the matcher's state after its drafts; the drafts are accepted for the fill and
+    rolled back afterwards. A row after a draft the grammar refuses is left unmasked: it can never
+    be kept, since the row that checks that draft samples under a mask without it."""
     vocab_size = logits.shape[1]
-    bitmask = xgr.allocate_token_bitmask(len(grammars), vocab_size)
-    for i in rows:
-        grammars[i].fill(bitmask, i)  # type: ignore[union-attr]
+    bitmask = None
+    rows: list[int] = []
+    taken: dict[int, tuple[GrammarState, int, bool]] = {}  # id -> (matcher, drafts taken, one refused)
+    for i, g in enumerate(grammars):
+        if g is None:
+            continue
+        before = drafts_before[i] if drafts_before is not None else []
+        _, n, refused = taken.get(id(g), (g, 0, False))
+        if len(before) < n:
+            raise ValueError(f"grammar row {i}: its {len(before)} drafts come before the {n} already taken")
+        if not refused and len(before) > n:
+            more = g.try_accept(before[n:])
+            refused, n = more < len(before) - n, n + more
+        taken[id(g)] = (g, n, refused)
+        if refused or not g.active:
+            continue
+        if bitmask is None:
+            bitmask = xgr.allocate_token_bitmask(len(grammars), vocab_size)
+        g.fill(bitmask, i)
+        rows.append(i)
+    for g, n, _ in taken.values():
+        g.rollback(n)
+    if bitmask is None:
+        return False
     if logits.device.type == "cpu":
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=rows)
     else:

@@ -288,14 +288,43 @@ def test_stop_strings_and_eos_inside_accepted_drafts(tmp_path):
     stop = free.text[10:13]  # a string the output is known to hold
     for params in (SamplingParams(temperature=0.0, max_tokens=40, stop=[stop]),
                    SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[free.token_ids[9]]),
-                   SamplingParams(temperature=0.0, max_tokens=40),
-                   # A grammar request checks no drafts (its matcher cannot take tokens back).
-                   SamplingParams(temperature=0.0, max_tokens=12, structured_outputs={"regex": "(abc){3}[0-9]+"})):
+                   SamplingParams(temperature=0.0, max_tokens=40)):
         a = spec.generate([prompt], params)[0].outputs[0]
         b = plain.generate([prompt], params)[0].outputs[0]
         assert (a.text, list(a.token_ids), a.finish_reason) == (b.text, list(b.token_ids), b.finish_reason)
     stats = spec.engine.get_stats()
     assert stats["kv_blocks_used"] == 0 and stats["spec_decode_drafts"] > 0
-    before = stats["spec_decode_draft_tokens"]
-    spec.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, structured_outputs={"regex": "(abc){4}"}))
-    assert spec.engine.get_stats()["spec_decode_draft_tokens"] == before
+
+
+def test_grammar_requests_check_drafts_and_equal_plain(tmp_path):
+    """A request under a grammar checks drafts too: each row is masked in the matcher's state after
+    the drafts before it (rolled back after), and the matcher advances by the kept tokens only.
+    Outputs equal the plain engine's, greedy and seeded: a grammar that forces the drafted text
+    (drafts kept), one that refuses the drafts part way (the rows after a refused draft are never
+    kept), a choice, and a JSON schema after a prompt that spells its answer."""
+    from bytelevel_tiny import make_bytelevel_checkpoint
+
+    path = make_bytelevel_checkpoint(tmp_path / "bl")
+    spec = LLM(path, speculative_config=NGRAM, **ENGINE)
+    plain = LLM(path, **ENGINE)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "enum": ["ada", "bob"]},
+                                               "ok": {"type": "boolean"}},
+              "required": ["name", "ok"], "additionalProperties": False}
+    cases = [("abcabcabcabcabc", {"regex": "(abc){5}"}),  # forced: every draft from the prompt is kept
+             ("abcabcabcabcabc", {"regex": "(abc){3}[0-9]+"}),  # the fourth "abc" drafted, refused
+             ("abcabcabcabcabc", {"choice": ["abcabcabd", "abcabcabcabcabcX"]}),
+             ('{"name":"ada","ok":true} {"name":"ada","ok":true} ', {"json": schema})]
+    for prompt, so in cases:
+        for kw in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 7}):
+            params = SamplingParams(max_tokens=24, structured_outputs=so, **kw)
+            before = _spec_stats(spec)
+            a = spec.generate([prompt], params)[0].outputs[0]
+            b = plain.generate([prompt], params)[0].outputs[0]
+            assert (a.text, list(a.token_ids), a.finish_reason) == (b.text, list(b.token_ids), b.finish_reason), so
+            after = _spec_stats(spec)
+            assert after["spec_decode_draft_tokens"] > before["spec_decode_draft_tokens"], so
+    forced = spec.generate(["abcabcabcabcabc"], SamplingParams(temperature=0.0, max_tokens=24,
+                                                               structured_outputs={"regex": "(abc){5}"}))[0].outputs[0]
+    assert forced.text == "abc" * 5 and forced.finish_reason == "stop"
+    stats = spec.engine.get_stats()
+    assert stats["spec_decode_accepted_tokens"] > 0 and stats["kv_blocks_used"] == 0

@@ -206,3 +206,39 @@ def test_the_async_engine_compiles_grammars_off_the_event_loop(llm, monkeypatch)
 
 def test_a_deep_but_bounded_schema_is_taken():
     assert SamplingParams(structured_outputs={"json": _nested(64)}).structured_outputs is not None
+
+
+def test_masks_after_drafts_are_the_matchers_after_them_and_are_rolled_back(tmp_path):
+    """Speculative decoding's rows (apply_grammar_masks with drafts_before): row j of a request is
+    masked as a matcher advanced over its first j drafts would mask it; the rows after a draft the
+    grammar refuses are left alone; afterwards the shared matcher is where it was."""
+    import torch
+
+    from pdcluster.engine.structured_output import GrammarCompilerCache, apply_grammar_masks, build_state
+    from pdcluster.engine.tokenizer import Tokenizer
+
+    path = make_bytelevel_checkpoint(tmp_path / "m")
+    tok = Tokenizer.from_pretrained(path)
+    cache = GrammarCompilerCache.from_tokenizer(tok, 384, [2])
+    spec = StructuredOutputs(regex="(abc){2}[0-9]")
+    drafts = tok.encode("abcabca", add_special_tokens=False)  # the last one is refused: a digit is due
+    assert len(drafts) == 7
+
+    def allowed(logits: torch.Tensor) -> list[frozenset[int]]:
+        return [frozenset(torch.nonzero(row > float("-inf")).flatten().tolist()) for row in logits]
+
+    shared = build_state(cache, spec, (2,), (), [])
+    logits = torch.zeros(8, 384)
+    apply_grammar_masks(logits, [shared] * 8, [drafts[:j] for j in range(8)])
+    got = allowed(logits)
+    for j in range(7):
+        want = torch.zeros(1, 384)
+        apply_grammar_masks(want, [build_state(cache, spec, (2,), (), drafts[:j])])
+        assert got[j] == allowed(want)[0], j
+    assert got[6] == frozenset(tok.encode("0123456789", add_special_tokens=False))
+    assert got[7] == frozenset(range(384))  # after the refused draft: unmasked, never kept
+    fresh = torch.zeros(1, 384)
+    apply_grammar_masks(fresh, [build_state(cache, spec, (2,), (), [])])
+    again = torch.zeros(1, 384)
+    apply_grammar_masks(again, [shared])
+    assert allowed(again) == allowed(fresh) == [frozenset(tok.encode("a", add_special_tokens=False))]
