@@ -72,6 +72,7 @@ class GrammarCompilerCache:
                 self._cache.move_to_end(key)
                 return hit
         compiled = self._compile(spec)
+        _check_startable(compiled, spec.kind)
         with self._lock:
             self._cache[key] = compiled
             while len(self._cache) > self._max:
@@ -99,6 +100,16 @@ class GrammarCompilerCache:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             first = _LOG_PREFIX.sub("", first)
             raise ValueError(f"structured_outputs.{kind} cannot be compiled: {first[:300]}") from None
+
+
+def _check_startable(compiled: xgr.CompiledGrammar, kind: str) -> None:
+    """Refuse a grammar no token of this vocabulary can begin (a word-level vocabulary cannot
+    spell `{`, say): every row would be masked to nothing, and the first token sampled from an
+    all-masked row would be refused. Once per compiled spec (the cache keeps it)."""
+    bitmask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+    xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
+    if not bool(bitmask.any()):
+        raise ValueError(f"structured_outputs.{kind}: no token of this model's vocabulary can begin it")
 
 
 class GrammarState:

@@ -79,6 +79,21 @@ def test_uncompilable_spec_is_a_value_error(llm, so, field):
         llm.generate(["hi"], SamplingParams(structured_outputs=so))
 
 
+def test_a_spec_no_token_can_begin_is_a_value_error(tmp_path):
+    """A word-level vocabulary cannot spell `{`: every row would be masked to nothing. Refused by
+    name at admission; a spec it can begin is served, and the engine goes on."""
+    from tiny_models import make_tiny_checkpoint
+
+    llm = LLM(make_tiny_checkpoint("llama", tmp_path / "w"), max_model_len=128)
+    with pytest.raises(ValueError, match=r"structured_outputs\.json: no token of this model's vocabulary"):
+        llm.generate(["hi"], SamplingParams(structured_outputs={"json": {"type": "object"}}))
+    vocab = llm.engine.core.runner.grammar_cache().vocab_size
+    word = next(w for w in (f"t{i}" for i in range(3, vocab)) if len(w) == 3)
+    out = llm.generate(["hi"], SamplingParams(max_tokens=4, structured_outputs={"choice": [word]}))[0].outputs[0]
+    assert out.text.strip() == word and out.finish_reason == "stop"
+    assert llm.engine.get_stats()["kv_blocks_used"] == 0
+
+
 def _nested(levels: int) -> dict:
     schema: dict = {"type": "integer"}
     for _ in range(levels - 1):
