@@ -175,25 +175,27 @@ def apply_grammar_masks(logits: torch.Tensor, grammars: list[GrammarState | None
     bitmask = None
     rows: list[int] = []
     taken: dict[int, tuple[GrammarState, int, bool]] = {}  # id -> (matcher, drafts taken, one refused)
-    for i, g in enumerate(grammars):
-        if g is None:
-            continue
-        before = drafts_before[i] if drafts_before is not None else []
-        _, n, refused = taken.get(id(g), (g, 0, False))
-        if len(before) < n:
-            raise ValueError(f"grammar row {i}: its {len(before)} drafts come before the {n} already taken")
-        if not refused and len(before) > n:
-            more = g.try_accept(before[n:])
-            refused, n = more < len(before) - n, n + more
-        taken[id(g)] = (g, n, refused)
-        if refused or not g.active:
-            continue
-        if bitmask is None:
-            bitmask = xgr.allocate_token_bitmask(len(grammars), vocab_size)
-        g.fill(bitmask, i)
-        rows.append(i)
-    for g, n, _ in taken.values():
-        g.rollback(n)
+    try:
+        for i, g in enumerate(grammars):
+            if g is None:
+                continue
+            before = drafts_before[i] if drafts_before is not None else []
+            _, n, refused = taken.get(id(g), (g, 0, False))
+            if len(before) < n:
+                raise ValueError(f"grammar row {i}: its {len(before)} drafts come before the {n} already taken")
+            if not refused and len(before) > n:
+                more = g.try_accept(before[n:])
+                refused, n = more < len(before) - n, n + more
+            taken[id(g)] = (g, n, refused)
+            if refused or not g.active:
+                continue
+            if bitmask is None:
+                bitmask = xgr.allocate_token_bitmask(len(grammars), vocab_size)
+            g.fill(bitmask, i)
+            rows.append(i)
+    finally:  # every matcher back where the step found it, whatever happened
+        for g, n, _ in taken.values():
+            g.rollback(n)
     if bitmask is None:
         return False
     if logits.device.type == "cpu":
