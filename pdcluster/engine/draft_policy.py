@@ -9,7 +9,12 @@ each row adds ~1/8 of the step). vLLM checks every draft it finds; here the engi
 sides and checks a draft only when it raises the step's expected tokens per second.
 
 Inputs, fed by the scheduler: the time of each decode-shaped step by its number of rows (one row
-per token: EngineCore times the runner), and each request's drafts checked and kept. Estimates:
+per token: EngineCore times the runner), and each request's drafts checked and kept. A row count's
+first step is not a price (it carries that shape's one-time costs: the thread tuner's first step
+of a key, buffers), and a step far above its count's average (the tuner's one-thread probe, a
+neighbour's burst) counts as SPIKE times the average: a row count that rarely runs would otherwise
+keep a price that a single outlier set, and the policy would stop checking the drafts that would
+measure it again. Estimates:
 
     t(r)     step seconds at r rows: a moving average per row count, made non-decreasing in r
              (a step of more rows never costs less: sub-millisecond steps are noisy enough to say
@@ -35,6 +40,7 @@ PRIOR_WEIGHT = 2.0  # draft checks' worth of the engine-wide share in a request'
 GLOBAL_ALPHA = 0.05  # weight of one check in the engine-wide share
 START_SHARE = 0.6  # the engine-wide share before any check
 EXPLORE_EVERY = 16
+SPIKE = 1.25  # a step counts at most this much above its row count's average
 
 
 @dataclass
@@ -45,11 +51,15 @@ class DraftPolicy:
     share: float = START_SHARE  # engine-wide share of drafts kept
     _counts: dict[str, tuple[float, float]] = field(default_factory=dict)  # request -> (kept, checked)
     _steps: int = 0
+    _seen: set[int] = field(default_factory=set)  # row counts whose first step went by
 
     # -- measurements ----------------------------------------------------------------------------
     def record_step(self, rows: int, seconds: float) -> None:
+        if rows not in self._seen:  # its one-time costs: not a price (module docstring)
+            self._seen.add(rows)
+            return
         old = self.step_s.get(rows)
-        self.step_s[rows] = seconds if old is None else old + ALPHA * (seconds - old)
+        self.step_s[rows] = seconds if old is None else old + ALPHA * (min(seconds, SPIKE * old) - old)
 
     def record_check(self, request_id: str, checked: int, kept: int) -> None:
         if checked <= 0:

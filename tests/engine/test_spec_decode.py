@@ -106,8 +106,27 @@ def _policy(costs: dict[int, float], share: float = 0.6, max_drafts: int = 4):
 
     p = DraftPolicy(max_drafts, share=share)
     for rows, ms in costs.items():
+        p.record_step(rows, 1.0)  # a row count's first step is not a price, whatever it took
         p.record_step(rows, ms / 1e3)
     return p
+
+
+def test_policy_prices_ignore_first_steps_and_damp_spikes():
+    from pdcluster.engine.draft_policy import ALPHA, SPIKE, DraftPolicy
+
+    p = DraftPolicy(4)
+    p.record_step(5, 0.012)  # the first 5-row step: one-time costs
+    assert p.step_time(5) is None
+    p.record_step(5, 0.009)
+    assert p.step_time(5) == pytest.approx(0.009)
+    p.record_step(5, 0.020)  # a one-thread probe: counts as SPIKE x the average
+    assert p.step_time(5) == pytest.approx(0.009 + ALPHA * (SPIKE - 1) * 0.009)
+    for _ in range(40):  # a lasting rise still gets through
+        p.record_step(5, 0.020)
+    assert p.step_time(5) == pytest.approx(0.020, rel=0.02)
+    for _ in range(40):  # and a fall at once
+        p.record_step(5, 0.008)
+    assert p.step_time(5) == pytest.approx(0.008, rel=0.02)
 
 
 def test_policy_checks_drafts_while_rows_are_cheap():
