@@ -118,16 +118,18 @@ class DraftPolicy:
         known = self._monotone()
         out: dict[str, int] = {}
         expected = float(rows)  # every row before the drafts yields its token
+        now = self.step_time(rows, known)  # t(rows), carried as rows grow
         for rid, n in sorted(proposals, key=lambda p: -shares[p[0]]):
             a = shares[rid]
             for j in range(1, min(n, self.max_drafts) + 1):
-                now, more = self.step_time(rows, known), self.step_time(rows + 1, known)
+                more = self.step_time(rows + 1, known)
                 gain = a ** j
                 pays = now is None or more is None or gain * now >= expected * (more - now)
                 if not (pays or (rid == explored and j == 1)):
                     break
                 out[rid] = j
                 rows += 1
+                now = more
                 expected += gain
         return out
 
