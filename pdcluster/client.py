@@ -59,6 +59,9 @@ class Delta:
     stop_reason: int | str | None = None
     usage: Usage | None = None  # on the final delta
     error: str | None = None
+    # With error: the request field at fault when the request itself could not go on (its grammar,
+    # allowed_token_ids or min_tokens left no token to sample); None when the cluster failed it.
+    error_field: str | None = None
     logprobs: list[Any] = field(default_factory=list)  # proto SampleLogprobs, one per token
     token_arrival_times: list[float] = field(default_factory=list)
     prompt_token_ids: list[int] = field(default_factory=list)
@@ -87,6 +90,7 @@ def delta_from_proto(msg: Any) -> Delta:
         usage=Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens, msg.usage.cached_tokens)
         if msg.HasField("usage") else None,
         error=msg.error_message or None,
+        error_field=msg.error_field or None,
         logprobs=list(msg.logprobs),
         token_arrival_times=list(msg.token_arrival_times),
         prompt_token_ids=list(msg.prompt_token_ids) if "prompt_token_ids" in has else [],
@@ -109,7 +113,7 @@ def merge_deltas(deltas: Sequence[Delta]) -> CompletionResult:
         result.prompt_logprobs = result.prompt_logprobs or d.prompt_logprobs
         if d.finished:
             result.finished, result.finish_reason, result.stop_reason = True, d.finish_reason, d.stop_reason
-            result.usage, result.error, result.route = d.usage, d.error, d.route
+            result.usage, result.error, result.error_field, result.route = d.usage, d.error, d.error_field, d.route
             result.first_token_time = d.first_token_time
     result.text = "".join(texts)
     return result

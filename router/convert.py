@@ -24,7 +24,8 @@ def response_from_worker(w: worker_pb2.WorkerGenerateResponse, request_id: str) 
     numbers 1-11 but differ at 12, so a byte-level copy would be wrong."""
     r = router_pb2.GenerateResponse(request_id=request_id, token_ids=w.token_ids, text=w.text,
                                     token_arrival_times=w.token_arrival_times, finished=w.finished,
-                                    finish_reason=w.finish_reason, error_message=w.error_message)
+                                    finish_reason=w.finish_reason, error_message=w.error_message,
+                                    error_field=w.error_field)
     if w.logprobs:
         r.logprobs.extend(w.logprobs)
     if w.prompt_logprobs:

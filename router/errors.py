@@ -78,5 +78,14 @@ def worker_verdict(code: grpc.StatusCode, message: str) -> RouterError:
     return RouterError(code, message, field)
 
 
+def leg_failure(message: str, field: str = "") -> RouterError:
+    """A leg that ended with finish_reason ERROR after it started: the request's own fault when
+    the worker names a field (its constraints left no token to sample: 400 naming it), else the
+    worker's (500)."""
+    if field:
+        return invalid(field, message)
+    return RouterError(grpc.StatusCode.INTERNAL, message or "generation failed")
+
+
 def unavailable(message: str) -> RouterError:
     return RouterError(grpc.StatusCode.UNAVAILABLE, message)

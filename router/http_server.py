@@ -32,7 +32,7 @@ from pdcluster._proto import common_pb2, router_pb2, worker_pb2
 from .admission import Admission
 from .auth import ApiKey
 from .config import RouterConfig
-from .errors import RouterError, invalid
+from .errors import RouterError, invalid, leg_failure
 from .json_text import loads_bounded
 from .metrics import RouterMetrics
 from .openai_fanout import FanOut
@@ -45,7 +45,7 @@ from .preprocess import PreparedRequest, Preprocessor
 from .reasoning import for_request
 from .registry import WorkerRegistry
 from .request_state import RequestState
-from .response_store import ResponseStore, output_as_input
+from .response_store import ResponseStore, list_page, output_as_input
 from .responses_api import ResponsesRequest, parse_responses, rename_error
 from .responses_shaper import ResponseShaper
 
@@ -88,6 +88,7 @@ class HttpFrontend:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/responses", self.responses)
         app.router.add_get("/v1/responses/{response_id}", self.stored_response)
+        app.router.add_get("/v1/responses/{response_id}/input_items", self.response_input_items)
         app.router.add_delete("/v1/responses/{response_id}", self.delete_response)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
@@ -166,7 +167,11 @@ class HttpFrontend:
     def error(self, err: RouterError, opts: OpenAIOptions | None = None) -> web.Response:
         """An error answer; a worker's refusal of the structured-output spec (it compiles it) is
         reported under the field the client used."""
-        return _error(_client_field(err, opts))
+        return _error(self.client_error(err, opts))
+
+    @staticmethod
+    def client_error(err: RouterError, opts: OpenAIOptions | None = None) -> RouterError:
+        return _client_field(err, opts)
 
     # -- generation -----------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -214,9 +219,9 @@ class HttpFrontend:
                 return _error(RouterError(grpc.StatusCode.INTERNAL, "no response from the worker"))
             if opts.stream:
                 return await self._stream(request, state, builder, opts, first, deltas)
-            return await self._collect(builder, first, deltas)
+            return await self._collect(builder, opts, first, deltas)
 
-    async def _collect(self, builder: ResponseBuilder, first: worker_pb2.WorkerGenerateResponse,
+    async def _collect(self, builder: ResponseBuilder, opts: OpenAIOptions, first: worker_pb2.WorkerGenerateResponse,
                        deltas: Any) -> web.Response:
         texts: list[str] = []
         logprobs: list[Any] = []
@@ -228,7 +233,7 @@ class HttpFrontend:
 
         last = await _through_final(first, deltas, take)
         if last.finish_reason == common_pb2.FINISH_REASON_ERROR:
-            return _error(_failed(last))
+            return _error(_failed(last, opts))
         body = builder.full("".join(texts), last.finish_reason, logprobs, stop_reason(last))
         return web.Response(body=_dumps(body), content_type=_JSON)
 
@@ -244,9 +249,7 @@ class HttpFrontend:
             while True:
                 builder.account(delta)
                 if delta.finished and delta.finish_reason == common_pb2.FINISH_REASON_ERROR:
-                    err = {"error": {"message": delta.error_message or "generation failed",
-                                     "type": "InternalServerError", "param": None, "code": 500}}
-                    await _event(resp, err)
+                    await _event(resp, _failed(delta, opts).openai_body())
                     break
                 chunk = builder.delta_chunk(delta)
                 if chunk is not None:  # None: a chat with tools holds its text until the end
@@ -297,7 +300,7 @@ class HttpFrontend:
             if not opts.stream:
                 last = await _through_final(delta, deltas, shaper.add)
                 if last.finish_reason == common_pb2.FINISH_REASON_ERROR:
-                    return _error(_failed(last))
+                    return _error(rename_error(_failed(last, opts)))
                 body = shaper.full(last.finish_reason)
                 self._keep(body, info)
                 return web.Response(body=_dumps(body), content_type=_JSON)
@@ -343,7 +346,7 @@ class HttpFrontend:
         if not response.get("store"):
             return
         if response["status"] not in ("completed", "incomplete") or not self.store.put(
-                response, [*info.conversation, *output_as_input(response["output"])]):
+                response, [*info.conversation, *output_as_input(response["output"])], len(info.conversation)):
             response["store"] = False
 
     async def stored_response(self, request: web.Request) -> web.Response:
@@ -352,6 +355,18 @@ class HttpFrontend:
         if entry is None:
             return _error(RouterError(grpc.StatusCode.NOT_FOUND, "no stored response has this id", "response_id"))
         return web.Response(body=_dumps(entry.response), content_type=_JSON)
+
+    async def response_input_items(self, request: web.Request) -> web.Response:
+        """GET /v1/responses/{id}/input_items: the items a stored answer was generated from
+        (earlier turns, then its request's input), one page of them (response_store.list_page)."""
+        entry = self.store.get(request.match_info["response_id"])
+        if entry is None:
+            return _error(RouterError(grpc.StatusCode.NOT_FOUND, "no stored response has this id", "response_id"))
+        try:
+            page = list_page(entry.input_items(), request.query)
+        except RouterError as e:
+            return _error(e)
+        return web.Response(body=_dumps(page), content_type=_JSON)
 
     async def delete_response(self, request: web.Request) -> web.Response:
         """DELETE /v1/responses/{id}: forget it."""
@@ -375,8 +390,8 @@ async def _through_final(first: worker_pb2.WorkerGenerateResponse, deltas: Any,
             return delta
 
 
-def _failed(last: worker_pb2.WorkerGenerateResponse) -> RouterError:
-    return RouterError(grpc.StatusCode.INTERNAL, last.error_message or "generation failed")
+def _failed(last: worker_pb2.WorkerGenerateResponse, opts: OpenAIOptions | None = None) -> RouterError:
+    return _client_field(leg_failure(last.error_message, last.error_field), opts)
 
 
 def _client_field(err: RouterError, opts: OpenAIOptions | None) -> RouterError:

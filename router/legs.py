@@ -117,9 +117,11 @@ class LegRunner:
                 # unexhausted after the final delta, costs a finalizer task per request.
                 while (resp := await call.read()) is not grpc.aio.EOF:
                     finished = resp.finished
-                    if finished and resp.finish_reason == common_pb2.FINISH_REASON_ERROR and self._migrating(state):
+                    if (finished and resp.finish_reason == common_pb2.FINISH_REASON_ERROR and not resp.error_field
+                            and self._migrating(state)):
                         # The worker failed the request mid-way (a failed step, a lost KV pull):
-                        # the orchestrator resumes it elsewhere, maybe on this same worker.
+                        # the orchestrator resumes it elsewhere, maybe on this same worker. Not a
+                        # request that failed itself (error_field): it would fail there too.
                         raise RouterError(grpc.StatusCode.INTERNAL,
                                           f"worker {handle.worker_id} failed: {resp.error_message}")
                     yield resp

@@ -28,7 +28,7 @@ from aiohttp import web
 from pdcluster._proto import common_pb2, worker_pb2
 from pdcluster.sampling_params import sibling_seed
 
-from .errors import RouterError
+from .errors import RouterError, leg_failure
 from .openai_protocol import OpenAIOptions
 from .openai_responses import ResponseBuilder, merged_usage, stop_reason
 from .preprocess import PreparedRequest
@@ -137,8 +137,7 @@ class FanOut:
                 return self.front.error(RouterError(grpc.StatusCode.INTERNAL, "no response from the worker"), self.opts)
             failed = next((g.last for g in group if g.last.finish_reason == common_pb2.FINISH_REASON_ERROR), None)
             if failed is not None:
-                return self.front.error(RouterError(grpc.StatusCode.INTERNAL,
-                                                    failed.error_message or "generation failed"), self.opts)
+                return self.front.error(leg_failure(failed.error_message, failed.error_field), self.opts)
             if self.opts.best_of > self.opts.n:
                 group = sorted(group, key=lambda g: g.cumulative_logprob(), reverse=True)[: self.opts.n]
             for k, g in enumerate(group):
@@ -175,9 +174,9 @@ class FanOut:
                         break
                 elif isinstance(delta, RouterError) or (
                         delta.finished and delta.finish_reason == common_pb2.FINISH_REASON_ERROR):
-                    message = delta.message if isinstance(delta, RouterError) else delta.error_message
-                    await _event(resp, {"error": {"message": message or "generation failed",
-                                                  "type": "InternalServerError", "param": None, "code": 500}})
+                    err = delta if isinstance(delta, RouterError) else leg_failure(delta.error_message,
+                                                                                   delta.error_field)
+                    await _event(resp, self.front.client_error(err, self.opts).openai_body())
                     break
                 else:
                     g.builder.account(delta)

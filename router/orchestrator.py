@@ -114,7 +114,8 @@ class Orchestrator:
                             done = True
                             failed = resp.finish_reason == common_pb2.FINISH_REASON_ERROR
                             state.finished_cleanly = not failed
-                            state.status = "INTERNAL" if failed else "OK"
+                            state.status = ("OK" if not failed else
+                                            "INVALID_ARGUMENT" if resp.error_field else "INTERNAL")
                         yield resp
                     break
                 except RouterError as err:

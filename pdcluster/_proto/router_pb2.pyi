@@ -90,7 +90,7 @@ class RouteInfo(_message.Message):
     def __init__(self, prefill_worker_id: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., disaggregated: _Optional[bool] = ..., num_retries: _Optional[int] = ..., num_migrations: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "logprobs", "token_arrival_times", "finished", "finish_reason", "stop_token_id", "stop_str", "usage", "error_message", "prompt_token_ids", "route", "first_token_time", "prompt_logprobs")
+    __slots__ = ("request_id", "token_ids", "text", "logprobs", "token_arrival_times", "finished", "finish_reason", "stop_token_id", "stop_str", "usage", "error_message", "prompt_token_ids", "route", "first_token_time", "prompt_logprobs", "error_field")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class GenerateResponse(_message.Message):
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_TIME_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -121,7 +122,8 @@ class GenerateResponse(_message.Message):
     route: RouteInfo
     first_token_time: float
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.SampleLogprobs]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.SampleLogprobs, _Mapping]]] = ..., token_arrival_times: _Optional[_Iterable[float]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_str: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., error_message: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., route: _Optional[_Union[RouteInfo, _Mapping]] = ..., first_token_time: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.SampleLogprobs, _Mapping]]] = ...) -> None: ...
+    error_field: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.SampleLogprobs, _Mapping]]] = ..., token_arrival_times: _Optional[_Iterable[float]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_str: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., error_message: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., route: _Optional[_Union[RouteInfo, _Mapping]] = ..., first_token_time: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.SampleLogprobs, _Mapping]]] = ..., error_field: _Optional[str] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ("role",)

@@ -78,7 +78,7 @@ class WorkerGenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_transfer_params: _Optional[_Union[_common_pb2.KvTransferParams, _Mapping]] = ..., stream: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., prefill_output_token_ids: _Optional[_Iterable[int]] = ..., images: _Optional[_Iterable[bytes]] = ..., ec_transfer_params: _Optional[_Iterable[_Union[_common_pb2.EcTransferParams, _Mapping]]] = ..., await_kv_transfer_id: _Optional[str] = ..., kv_params_timeout_s: _Optional[float] = ...) -> None: ...
 
 class WorkerGenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "logprobs", "token_arrival_times", "finished", "finish_reason", "stop_token_id", "stop_str", "usage", "error_message", "kv_transfer_params", "stream_tag", "ec_transfer_params", "prompt_logprobs")
+    __slots__ = ("request_id", "token_ids", "text", "logprobs", "token_arrival_times", "finished", "finish_reason", "stop_token_id", "stop_str", "usage", "error_message", "kv_transfer_params", "stream_tag", "ec_transfer_params", "prompt_logprobs", "error_field")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +94,7 @@ class WorkerGenerateResponse(_message.Message):
     STREAM_TAG_FIELD_NUMBER: _ClassVar[int]
     EC_TRANSFER_PARAMS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -109,7 +110,8 @@ class WorkerGenerateResponse(_message.Message):
     stream_tag: int
     ec_transfer_params: _common_pb2.EcTransferParams
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.SampleLogprobs]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.SampleLogprobs, _Mapping]]] = ..., token_arrival_times: _Optional[_Iterable[float]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_str: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., error_message: _Optional[str] = ..., kv_transfer_params: _Optional[_Union[_common_pb2.KvTransferParams, _Mapping]] = ..., stream_tag: _Optional[int] = ..., ec_transfer_params: _Optional[_Union[_common_pb2.EcTransferParams, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.SampleLogprobs, _Mapping]]] = ...) -> None: ...
+    error_field: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.SampleLogprobs, _Mapping]]] = ..., token_arrival_times: _Optional[_Iterable[float]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_str: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., error_message: _Optional[str] = ..., kv_transfer_params: _Optional[_Union[_common_pb2.KvTransferParams, _Mapping]] = ..., stream_tag: _Optional[int] = ..., ec_transfer_params: _Optional[_Union[_common_pb2.EcTransferParams, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.SampleLogprobs, _Mapping]]] = ..., error_field: _Optional[str] = ...) -> None: ...
 
 class StreamGenerate(_message.Message):
     __slots__ = ("request", "timeout_s", "tag")

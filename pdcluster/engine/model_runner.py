@@ -29,7 +29,7 @@ from pdcluster.dtypes import torch_dtype
 from pdcluster.engine.connector_hooks import ConnectorHooks
 from pdcluster.engine.kv_connector import KVCacheLayout, KVConnectorBase
 from pdcluster.engine.ngram_proposer import num_accepted
-from pdcluster.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from pdcluster.engine.outputs import ModelRunnerOutput, RequestFault, SchedulerOutput
 from pdcluster.engine.prompt_logprobs import chunk_prompt_logprobs
 from pdcluster.engine.thread_tuner import ThreadTuner, step_key, step_plan
 from pdcluster.env_flags import env_enabled
@@ -310,16 +310,18 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
                 sampled, logprobs = self._get_sampler()(logits, states)
         out = ModelRunnerOutput([r.request_id for r in reqs], [], [], prompt_logprobs=prompt_logprobs)
-        results = iter(zip(sampled, logprobs))
+        results = iter(zip(sampled, logprobs, states))
         for r, n, ok in zip(reqs, query_lens, do_sample):
             if not ok:
                 r.num_computed_tokens += n
                 out.sampled_token_ids.append([])
                 out.logprobs.append([])
                 continue
-            tokens, entries = self._take_sampled(r, n, spec.get(r.request_id, ()), results)
+            tokens, entries, fault = self._take_sampled(r, n, spec.get(r.request_id, ()), results)
             out.sampled_token_ids.append(tokens)
             out.logprobs.append(entries)
+            if fault is not None:  # the scheduler ends it; our state goes with its finished id
+                out.faults[r.request_id] = fault
         return out
 
     @staticmethod
@@ -331,21 +333,27 @@ class ModelRunner:
                                   for r in reqs)
 
     @staticmethod
-    def _take_sampled(r: CachedRequestState, n: int, drafts: Any, results: Any) -> tuple[list[int], list[Any]]:
+    def _take_sampled(r: CachedRequestState, n: int, drafts: Any, results: Any
+                      ) -> tuple[list[int], list[Any], RequestFault | None]:
         """One request's sampled tokens from `results` (k + 1 of them with k drafts): the drafts
         the model agreed with, then its own next token; our state follows (the scheduler rolls its
-        Request back the same way from the count)."""
+        Request back the same way from the count). A kept row whose masks left it no token
+        (SamplingState.fault) ends the request: the tokens before it, and the fault."""
         k = len(drafts)
         picked = [next(results) for _ in range(k + 1)]
-        keep = num_accepted(drafts, [token for token, _ in picked]) + 1
+        keep = num_accepted(drafts, [token for token, _, _ in picked]) + 1
         if k:
             del r.token_ids[-k:]
-        tokens = [token for token, _ in picked[:keep]]
+        failed = next((j for j, (_, _, state) in enumerate(picked[:keep]) if state.fault is not None), None)
+        if failed is not None:  # our state goes with the finished id the scheduler sends
+            return ([token for token, _, _ in picked[:failed]], [lp for _, lp, _ in picked[:failed] if lp is not None],
+                    picked[failed][2].fault)
+        tokens = [token for token, _, _ in picked[:keep]]
         r.token_ids.extend(tokens)  # our copy; the scheduler appends to its Request itself
         if k and r.grammar is not None:  # the sampler left a draft-checking request's matcher as it was
             r.grammar.advance(tokens)
         r.num_computed_tokens += n - (k + 1 - keep)  # rejected drafts' KV is overwritten later
-        return tokens, [lp for _, lp in picked[:keep] if lp is not None]
+        return tokens, [lp for _, lp, _ in picked[:keep] if lp is not None], None
 
     def _sampling_state(self, r: CachedRequestState, end: int | None = None, drafts_before: int | None = None
                         ) -> Any:

@@ -51,6 +51,7 @@ class _RequestState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    error_field: str | None = None
     num_cached_tokens: int = 0
     kv_transfer_params: KVTransferParams | None = None
     num_prior_tokens: int = 0  # output tokens generated before this request (not in token_ids)
@@ -174,7 +175,8 @@ class OutputProcessor:
                 out, new_token_ids=out.new_token_ids[i:i + 1], new_logprobs=out.new_logprobs[i:i + 1],
                 prompt_logprobs=out.prompt_logprobs if i == 0 else None,
                 finish_reason=out.finish_reason if last else None, stop_reason=out.stop_reason if last else None,
-                error=out.error if last else None, kv_transfer_params=out.kv_transfer_params if last else None)
+                error=out.error if last else None, error_field=out.error_field if last else None,
+                kv_transfer_params=out.kv_transfer_params if last else None)
             texts.append(self._update(state, piece))
             kept = i + 1
             if state.finished:
@@ -198,7 +200,7 @@ class OutputProcessor:
             state.kv_transfer_params = out.kv_transfer_params
         if out.finished:
             state.finish_reason, state.stop_reason = out.finish_reason, out.stop_reason
-            state.error = out.error
+            state.error, state.error_field = out.error, out.error_field
         if state.detokenizer is None:
             return ""
         text_ids = out.new_token_ids
@@ -273,6 +275,7 @@ class OutputProcessor:
             num_cached_tokens=state.num_cached_tokens,
             kv_transfer_params=state.kv_transfer_params,
             error=state.error,
+            error_field=state.error_field,
             prompt_logprobs=list(prompt_logprobs) if prompt_logprobs is not None else None,
         )
 

@@ -77,6 +77,17 @@ class SampleLogprobs:
     top: list[Logprob]
 
 
+@dataclass(frozen=True)
+class RequestFault:
+    """A request that cannot go on because of what it asked for, not because anything failed:
+    its structured-output grammar, allowed_token_ids or min_tokens leave no token of the
+    vocabulary to sample. It ends with finish_reason "error" naming `field`, and the router
+    neither migrates nor retries it (another worker would reach the same point)."""
+
+    field: str
+    message: str
+
+
 @dataclass
 class ModelRunnerOutput:
     request_ids: list[str]
@@ -92,6 +103,8 @@ class ModelRunnerOutput:
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
     invalid_block_ids: set[int] = field(default_factory=set)
+    # Requests whose own constraints left no token to sample this step: they end with an error.
+    faults: dict[str, RequestFault] = field(default_factory=dict)
 
 
 @dataclass
@@ -106,6 +119,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     error: str | None = None
+    error_field: str | None = None  # with error: the request field at fault (RequestFault)
     kv_transfer_params: KVTransferParams | None = None
     num_cached_tokens: int = 0
 
@@ -141,6 +155,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     kv_transfer_params: KVTransferParams | None = None
     error: str | None = None
+    error_field: str | None = None  # with error: the request field at fault (RequestFault)
     metrics: dict[str, float] = field(default_factory=dict)
     # SamplingParams.prompt_logprobs: one entry per prompt token after the first (sampled = that
     # token, with its rank), in the delta that carries the first tokens and in the whole result.

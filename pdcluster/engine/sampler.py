@@ -8,6 +8,7 @@ Pipeline per step (each stage runs only on the rows that use it, vectorised over
       -> logit_bias
       -> penalties (repetition, presence, frequency)
       -> min_tokens mask (eos / stop_token_ids forbidden until min_tokens outputs exist)
+      -> a row these masks leave with no token fails its request (SamplingState.fault)
       -> bad_words bans (lifted for a row they would leave with no token at all)
       -> greedy rows: argmax
       -> random rows: / temperature -> min_p -> top_k -> top_p -> softmax -> inverse CDF
@@ -34,7 +35,7 @@ import torch
 
 from pdcluster.bad_words import banned_ids
 from pdcluster.engine.logprobs import token_logprobs
-from pdcluster.engine.outputs import SampleLogprobs
+from pdcluster.engine.outputs import RequestFault, SampleLogprobs
 from pdcluster.env_flags import env_enabled
 from pdcluster.kernels.argmax_cpu import argmax_rows
 from pdcluster.sampling_params import SamplingParams
@@ -65,6 +66,9 @@ class SamplingState:
     # matcher's state after them, and the runner, not the sampler, advances the matcher with the
     # tokens that are kept. None: an ordinary row.
     drafts_before: int | None = None
+    # Set by the sampler when the request's masks left this row no token to sample: the token
+    # it returns for the row means nothing, and the request ends with this error.
+    fault: RequestFault | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -143,16 +147,18 @@ class Sampler:
         edits = any(banned) or any(bad) or any(s.has_penalties for s in states) or constrained or biased
         x = raw.clone() if edits else raw
         if edits:
+            grammar_rows: list[int] = []
             if constrained:
                 from pdcluster.engine.structured_output import apply_grammar_masks  # lazy: imports xgrammar
 
-                apply_grammar_masks(x, [s.grammar for s in states],
-                                    [s.output_token_ids[len(s.output_token_ids) - (s.drafts_before or 0):]
-                                     for s in states])
+                grammar_rows = apply_grammar_masks(x, [s.grammar for s in states],
+                                                   [s.output_token_ids[len(s.output_token_ids) - (s.drafts_before or 0):]
+                                                    for s in states])
             self._apply_allowed(x, states)
             self._apply_logit_bias(x, states)
             self._apply_penalties(x, states)
             self._apply_bans(x, banned)
+            self._fail_empty_rows(x, states, grammar_rows, banned)
             self._apply_bad_words(x, bad)
         greedy = [i for i, s in enumerate(states) if s.is_greedy]
         random = [i for i, s in enumerate(states) if not s.is_greedy]
@@ -167,7 +173,7 @@ class Sampler:
             token_ids[rows] = self._sample_random(x[rows], [states[i] for i in random])
         chosen = token_ids.tolist()
         for s, t in zip(states, chosen):
-            if s.grammar is not None and s.drafts_before is None:
+            if s.grammar is not None and s.drafts_before is None and s.fault is None:
                 s.grammar.advance([t])
         return chosen, self._logprobs(raw, token_ids, states)
 
@@ -214,6 +220,35 @@ class Sampler:
     @functools.lru_cache(maxsize=256)  # noqa: B019 - one Sampler per runner, for the process' life
     def _id_tensor(self, ids: tuple[int, ...]) -> torch.Tensor:
         return self._index([t for t in ids if t < self.vocab_size])
+
+    def _fail_empty_rows(self, x: torch.Tensor, states: list[SamplingState], grammar_rows: list[int],
+                         banned: list[tuple[int, ...]]) -> None:
+        """A row its masks leave with no token (every logit -inf) has nothing to sample: a grammar
+        this vocabulary cannot continue, a grammar that allows only its end while min_tokens
+        forbids the stop tokens, allowed_token_ids that the grammar refuses. Its state gets a
+        RequestFault naming the fields, so the request ends with an error instead of going on with
+        a token they forbid (an argmax of -inf picks token 0). The row gets one finite logit so
+        that sampling the rest of the batch goes on as usual. bad_words never empties a row: it
+        lifts its own bans first (below)."""
+        grammar = set(grammar_rows)
+        masked = [i for i, s in enumerate(states) if i in grammar or s.params.allowed_token_ids or banned[i]]
+        if not masked:
+            return
+        peaks = (x if len(masked) == len(states) else x[self._index(masked)]).amax(dim=-1)
+        for j in torch.isneginf(peaks).nonzero().flatten().tolist():
+            i = masked[j]
+            s = states[i]
+            fields = [name for name, on in (("structured_outputs", i in grammar),
+                                            ("allowed_token_ids", bool(s.params.allowed_token_ids)),
+                                            ("min_tokens", bool(banned[i]))) if on]
+            after = len(s.output_token_ids)
+            if fields == ["structured_outputs"]:
+                message = (f"structured_outputs: the grammar allows no token of this model's vocabulary "
+                           f"after {after} output tokens")
+            else:
+                message = f"{' and '.join(fields)} together leave no token to sample after {after} output tokens"
+            s.fault = RequestFault(fields[0], message)
+            x[i, 0] = 0.0
 
     def _apply_bad_words(self, x: torch.Tensor, bad: list[list[int]]) -> None:
         """A bad word's ban is lifted for a row it would leave with no token at all (every allowed

@@ -28,6 +28,7 @@ from pdcluster.engine.outputs import (
     EngineCoreOutput,
     ModelRunnerOutput,
     NewRequestData,
+    RequestFault,
     SchedulerOutput,
 )
 from pdcluster.engine.remote_kv import RemoteKV
@@ -141,11 +142,12 @@ class Scheduler:
         self._finished_ids.add(req.request_id)
         return self.remote.finish(req, was)
 
-    def _fail(self, req: Request, error: str) -> None:
-        """Finish a queued request with FINISHED_ERROR; its output goes out with the next update()."""
+    def _fail(self, req: Request, error: str, field: str | None = None) -> None:
+        """Finish a queued request with FINISHED_ERROR; its output goes out with the next update().
+        field: the request field at fault (outputs.RequestFault), when the request itself is."""
         params = self._finish(req, RequestStatus.FINISHED_ERROR, error)
         self._pending_outputs.append(EngineCoreOutput(
-            req.request_id, [], finish_reason="error", error=error, kv_transfer_params=params,
+            req.request_id, [], finish_reason="error", error=error, error_field=field, kv_transfer_params=params,
             num_cached_tokens=max(0, req.num_cached_tokens)))
 
     def _preempt(self, req: Request) -> None:
@@ -356,6 +358,11 @@ class Scheduler:
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # finished or preempted since schedule(): its results are void
             i = index.get(request_id)
+            fault = runner_output.faults.get(request_id)
+            if fault is not None:  # its own masks left it no token: it ends here, with the error
+                logprobs = runner_output.logprobs[i] if i is not None and i < len(runner_output.logprobs) else []
+                self._end_on_fault(req, runner_output.sampled_token_ids[i] if i is not None else [], logprobs, fault)
+                continue
             drafts = scheduler_output.scheduled_spec_token_ids.get(request_id)
             if drafts and i is not None:  # the rejected drafts' KV is not the request's: roll back
                 num_accepted = len(runner_output.sampled_token_ids[i]) - 1
@@ -379,6 +386,17 @@ class Scheduler:
         self.remote.on_sending_done(runner_output.finished_sending)
         outputs, self._pending_outputs = self._pending_outputs, []
         return outputs
+
+    def _end_on_fault(self, req: Request, token_ids: list[int], logprobs: list[Any], fault: RequestFault) -> None:
+        """The runner found a row of req's step that its own masks left with no token: the
+        tokens before that row (drafts it kept) are its last, then it fails naming the field,
+        unless those tokens stopped it first."""
+        out = self._append_tokens(req, token_ids, logprobs) if token_ids else None
+        if out is not None:
+            self._pending_outputs.append(out)
+            if out.finish_reason is not None:
+                return
+        self._fail(req, fault.message, fault.field)
 
     def _append_tokens(self, req: Request, token_ids: list[int], logprobs: list[Any]) -> EngineCoreOutput | None:
         new, status = append_until_stop(req, token_ids, self.max_model_len)

@@ -114,7 +114,8 @@ def _check_startable(compiled: xgr.CompiledGrammar, kind: str) -> None:
 
 class GrammarState:
     """One request's matcher. `rejected` is set when a token the grammar refuses was forced on it
-    (only possible if a caller bypassed the mask); the request then runs unconstrained."""
+    (only a prior output from elsewhere can be: the sampler never picks a masked token, and a row
+    its masks leave empty fails its request, sampler.py); the request then runs unconstrained."""
 
     def __init__(self, compiled: xgr.CompiledGrammar, stop_token_ids: list[int],
                  output_token_ids: list[int] | tuple[int, ...] = ()) -> None:
@@ -162,9 +163,9 @@ class GrammarState:
 
 
 def apply_grammar_masks(logits: torch.Tensor, grammars: list[GrammarState | None],
-                        drafts_before: list[list[int]] | None = None) -> bool:
+                        drafts_before: list[list[int]] | None = None) -> list[int]:
     """Mask, in place, every token row i's grammar forbids (logits (B, V), any device). One
-    bitmask for the batch, filled on CPU, applied in one call. Returns whether anything was masked.
+    bitmask for the batch, filled on CPU, applied in one call. Returns the rows it masked.
 
     drafts_before[i]: the draft tokens row i comes after (speculative decoding: the rows of one
     request share its matcher and come in order, row j after its first j drafts). Each row is
@@ -197,13 +198,13 @@ def apply_grammar_masks(logits: torch.Tensor, grammars: list[GrammarState | None
         for g, n, _ in taken.values():
             g.rollback(n)
     if bitmask is None:
-        return False
+        return []
     if logits.device.type == "cpu":
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=rows)
     else:
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
                                         vocab_size=vocab_size, indices=rows)
-    return True
+    return rows
 
 
 def build_state(cache: GrammarCompilerCache, spec: StructuredOutputs, eos_token_ids: tuple[int, ...],

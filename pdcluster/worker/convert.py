@@ -81,6 +81,7 @@ def output_to_response(
                                              cached_tokens=out.num_cached_tokens))
         if out.error:
             resp.error_message = out.error
+            resp.error_field = out.error_field or ""
             resp.finish_reason = common_pb2.FINISH_REASON_ERROR
         if out.kv_transfer_params is not None:
             resp.kv_transfer_params.CopyFrom(kv_params_to_proto(out.kv_transfer_params))
@@ -104,7 +105,7 @@ def merge_responses(responses: Sequence[worker_pb2.WorkerGenerateResponse]) -> w
         merged.request_id = last.request_id
         merged.text = "".join(r.text for r in responses)
         merged.finished, merged.finish_reason = last.finished, last.finish_reason
-        merged.error_message = last.error_message
+        merged.error_message, merged.error_field = last.error_message, last.error_field
         if last.HasField("usage"):
             merged.usage.CopyFrom(last.usage)
         which = last.WhichOneof("stop_reason")

@@ -87,11 +87,39 @@ def test_a_spec_no_token_can_begin_is_a_value_error(tmp_path):
     llm = LLM(make_tiny_checkpoint("llama", tmp_path / "w"), max_model_len=128)
     with pytest.raises(ValueError, match=r"structured_outputs\.json: no token of this model's vocabulary"):
         llm.generate(["hi"], SamplingParams(structured_outputs={"json": {"type": "object"}}))
-    vocab = llm.engine.core.runner.grammar_cache().vocab_size
-    word = next(w for w in (f"t{i}" for i in range(3, vocab)) if len(w) == 3)
+    # "t7": no shorter token spells a prefix of it ("t" is none), so the grammar's only way is it
+    word = "t7"
     out = llm.generate(["hi"], SamplingParams(max_tokens=4, structured_outputs={"choice": [word]}))[0].outputs[0]
     assert out.text.strip() == word and out.finish_reason == "stop"
+    # One it can begin but not go on with (its tokens carry no space): the request ends at the
+    # first row the grammar leaves empty, by name, instead of running on unconstrained.
+    res = llm.generate(["hi"], SamplingParams(max_tokens=8, structured_outputs={"regex": f"{word}( {word})+"}))[0]
+    assert res.outputs[0].finish_reason == "error" and res.error_field == "structured_outputs"
+    assert res.error == "structured_outputs: the grammar allows no token of this model's vocabulary after 1 output tokens"
+    assert res.outputs[0].text.strip() == word
     assert llm.engine.get_stats()["kv_blocks_used"] == 0
+
+
+def test_masks_that_leave_a_row_no_token_fail_the_request_by_name(llm):
+    """allowed_token_ids of only stop tokens with min_tokens: no token is left while min_tokens
+    holds (this one is refused at admission, so the sampler is driven directly). Such a row fails
+    its request with a RequestFault naming the fields instead of sampling a token they forbid;
+    its neighbour in the batch is sampled as ever, and a failed row's grammar is not advanced."""
+    import torch
+
+    from pdcluster.engine.sampler import Sampler, SamplingState
+
+    eos = llm.engine.tokenizer.eos_token_id
+    vocab = llm.engine.tokenizer.vocab_size
+    sampler = Sampler(vocab, seed=0)
+    dead = SamplingState(SamplingParams(allowed_token_ids=[eos]), [1, 2], [], (eos,))
+    object.__setattr__(dead.params, "min_tokens", 3)  # what admission refuses, past it
+    free = SamplingState(SamplingParams(temperature=0.0), [1, 2], [], (eos,))
+    logits = torch.randn(2, vocab)
+    tokens, _ = sampler(logits, [dead, free])
+    assert dead.fault is not None and dead.fault.field == "allowed_token_ids"
+    assert dead.fault.message == "allowed_token_ids and min_tokens together leave no token to sample after 0 output tokens"
+    assert free.fault is None and tokens[1] == int(logits[1].argmax())
 
 
 def _nested(levels: int) -> dict:

@@ -173,6 +173,19 @@ def test_previous_response_id_continues_a_stored_conversation(cluster, reference
                              temperature=0, extra_body={"ignore_eos": True}) as stream:
         third = [ev for ev in stream][-1].response  # response.incomplete: the token limit
     assert third.output_text == third_want.text and oa.responses.retrieve(third.id).output_text == third.output_text
+    # What the second answer was generated from: the first turn, then its own input, newest first.
+    items = oa.responses.input_items.list(second.id)
+    assert [(it.type, it.role, it.content[0].text) for it in items.data] == [
+        ("message", "user", follow), ("message", "assistant", first.output_text), ("message", "user", QUESTION)]
+    code, page = urllib_get(c, f"/v1/responses/{second.id}/input_items?order=asc&limit=2")
+    assert code == 200 and page["has_more"] and [it["content"][0]["type"] for it in page["data"]] == [
+        "input_text", "output_text"]
+    code, rest = urllib_get(c, f"/v1/responses/{second.id}/input_items?order=asc&after={page['last_id']}")
+    assert code == 200 and not rest["has_more"] and rest["data"][0]["id"] == items.data[0].id
+    for query, param in [("limit=0", "limit"), ("order=up", "order"), ("after=msg_x", "after"), ("include=x", "include")]:
+        code, err = urllib_get(c, f"/v1/responses/{second.id}/input_items?{query}")
+        assert code == 400 and err["error"]["param"] == param, err
+    assert urllib_get(c, "/v1/responses/resp_nope/input_items")[0] == 404
     code, err = post(c, "/v1/responses", {"input": "hi", "max_output_tokens": 2, "store": False})
     assert code == 200 and err["store"] is False
     assert urllib_get(c, "/v1/responses/" + err["id"])[0] == 404
