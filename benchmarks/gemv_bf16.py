@@ -5,6 +5,7 @@ copy, ~200 MB of them, so nothing is served from the caches).
 
     python benchmarks/gemv_bf16.py                 # M = 1 2 4 8 16 32, 2 threads
     python benchmarks/gemv_bf16.py --rows 1 4 --threads 1
+    python benchmarks/gemv_bf16.py --onednn-dtype bfloat16   # a CPU with bf16 dot products: oneDNN in bf16
 
 Per shape: ms per product (median of --rounds rounds of --reps products), float32 GB/s for oneDNN
 (the bytes it reads), bfloat16 GB/s for the kernel, the ratio. Last: one decode step's 49 products
@@ -38,6 +39,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--cold-mb", type=int, default=200)
+    parser.add_argument("--onednn-dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="oneDNN's side: float32 (what a CPU without BF16 computes in) or bfloat16 (what "
+                             "a CPU with bf16 dot products computes in: AVX512-BF16, AMX)")
     args = parser.parse_args()
     import torch
 
@@ -50,12 +54,14 @@ def main() -> None:
     flags = open("/proc/cpuinfo").read()
     isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in flags]
     print(f"threads={args.threads} cpu_isa={','.join(isa)} torch={torch.__version__}")
+    dtype = getattr(torch, args.onednn_dtype)
+    tag = "fp32" if dtype == torch.float32 else "bf16"
     weights = {}
     for name, n, k, _ in SHAPES:
-        copies = max(2, int(args.cold_mb * 1e6 / (n * k * 4)))
-        fp32 = [torch.randn(n, k) * 0.02 for _ in range(copies)]
-        weights[name] = ([cpu_gemm.pack_weight(w).blocked for w in fp32], [gemv_bf16_cpu.pack(w.bfloat16()) for w in fp32])
-        del fp32
+        copies = max(2, int(args.cold_mb * 1e6 / (n * k * dtype.itemsize)))
+        plain = [(torch.randn(n, k) * 0.02).to(dtype) for _ in range(copies)]
+        weights[name] = ([cpu_gemm.pack_weight(w).blocked for w in plain], [gemv_bf16_cpu.pack(w.bfloat16()) for w in plain])
+        del plain
     for m in args.rows:
         step = {"onednn": 0.0, "bf16": 0.0}
         for name, n, k, per_step in SHAPES:
@@ -63,13 +69,14 @@ def main() -> None:
             x = torch.randn(m, k)
             reps = max(5, int(2e8 / (n * k * 4)))
 
-            a = _timed(lambda i, x=x, w=packed: cpu_gemm.packed_linear(x, w[i]), len(packed), reps, args.rounds)
+            a = _timed(lambda i, x=x.to(dtype), w=packed: cpu_gemm.packed_linear(x, w[i]), len(packed), reps, args.rounds)
             c = _timed(lambda i, x=x, w=bf16: gemv_bf16_cpu.gemv_bf16(x, w[i]), len(bf16), reps, args.rounds)
             step["onednn"] += a * per_step
             step["bf16"] += c * per_step
-            print(f"M={m:3d} {name:8s} {n:5d}x{k:<5d} oneDNN fp32 {a:7.3f} ms ({n * k * 4 / a / 1e6:5.1f} GB/s)  "
+            print(f"M={m:3d} {name:8s} {n:5d}x{k:<5d} oneDNN {tag} {a:7.3f} ms "
+                  f"({n * k * dtype.itemsize / a / 1e6:5.1f} GB/s)  "
                   f"bf16 kernel {c:7.3f} ms ({n * k * 2 / c / 1e6:5.1f} GB/s)  {a / c:5.2f}x")
-        print(f"M={m:3d} one decode step's products: oneDNN fp32 {step['onednn']:.2f} ms, bf16 kernel "
+        print(f"M={m:3d} one decode step's products: oneDNN {tag} {step['onednn']:.2f} ms, bf16 kernel "
               f"{step['bf16']:.2f} ms -> {step['onednn'] / step['bf16']:.2f}x")
 
 
