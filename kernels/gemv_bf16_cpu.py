@@ -77,8 +77,9 @@ def pack_float32(weight: torch.Tensor) -> Bf16Tiles | None:
 
 
 @functools.cache
-def _fns() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
-    """(the product, the float32 packer) from the built library, or None."""
+def _fns() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
+    """(the product, the float32 packer, the product for an x of bfloat16 values) from the built
+    library, or None."""
     lib = native.load("gemv_bf16_cpu")
     if lib is None:
         return None
@@ -89,7 +90,18 @@ def _fns() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
     g = lib.pd_pack_bf16_from_f32
     g.argtypes = [p, i64, i64, i64, p, c_int]
     g.restype = c_int
-    return f, g
+    fx = lib.pd_gemv_bf16x
+    fx.argtypes = f.argtypes
+    fx.restype = c_int
+    return f, g, fx
+
+
+@functools.cache
+def has_bf16_dot() -> bool:
+    """Whether products of bfloat16-valued rows (bf16_x=True) run on bf16 dot-product
+    instructions here (a build for a CPU with AVX512-BF16), not on the float32 FMA tiles."""
+    lib = native.load("gemv_bf16_cpu")
+    return lib is not None and bool(lib.pd_gemv_bf16x_dot())
 
 
 def available() -> bool:
@@ -100,7 +112,12 @@ def gemv_bf16_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
 
 
-def gemv_bf16(x: torch.Tensor, tiles: Bf16Tiles, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+def gemv_bf16(x: torch.Tensor, tiles: Bf16Tiles, bias: torch.Tensor | None = None,
+              bf16_x: bool = False) -> torch.Tensor | None:
+    """x (..., K) float32 @ W.T (+ bias) over W's tiles, or None where the kernel cannot run.
+    bf16_x: every value of x is a bfloat16 (a bf16 model's activations, widened): then, on a CPU
+    with bf16 dot products, the kernel multiplies bf16 pairs (has_bf16_dot), the same exact
+    products summed in another order."""
     if (x.device.type != "cpu" or x.dtype != torch.float32
             or (bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu"))):
         return None
@@ -116,7 +133,7 @@ def gemv_bf16(x: torch.Tensor, tiles: Bf16Tiles, bias: torch.Tensor | None = Non
         x2 = x2.contiguous()
     b = None if bias is None else bias.contiguous()
     out = torch.empty(x2.shape[0], n, dtype=torch.float32)
-    rc = fns[0](x2.data_ptr(), max(x2.stride(0), k), tiles.data.data_ptr(), None if b is None else b.data_ptr(),
+    rc = fns[2 if bf16_x else 0](x2.data_ptr(), max(x2.stride(0), k), tiles.data.data_ptr(), None if b is None else b.data_ptr(),
             out.data_ptr(), x2.shape[0], n, k, torch.get_num_threads())
     if rc != 0:
         return None

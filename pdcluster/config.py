@@ -8,6 +8,7 @@ from the memory budget) and returns a frozen `EngineConfig`. Nothing downstream 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from dataclasses import dataclass, field
@@ -397,18 +398,22 @@ def _apply_compute_dtype(model: ModelConfig, compute_dtype: str, device: str) ->
     return dataclasses.replace(model, dtype=compute_dtype, requested_dtype=model.dtype)
 
 
-def cpu_has_fast_half_precision() -> bool:
-    """True when this CPU has native bf16 dot products (x86 AVX512-BF16 / AMX, Arm BF16)."""
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (/proc/cpuinfo's x86 `flags` or Arm `Features`; empty elsewhere)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = set()
             for line in f:
                 if line.startswith(("flags", "Features")):
-                    flags.update(line.split(":", 1)[1].split())
-                    break
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
-        return False
-    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+        pass
+    return frozenset()
+
+
+def cpu_has_fast_half_precision() -> bool:
+    """True when this CPU has native bf16 dot products (x86 AVX512-BF16 / AMX, Arm BF16)."""
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
 def _resolve_device(device: str) -> str:

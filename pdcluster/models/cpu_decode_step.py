@@ -230,9 +230,9 @@ def _build(decoder: Any, kv_caches: Any, key: tuple[Any, ...]) -> _Plan:
     a0, m0 = decoder.layers[0].self_attn, decoder.layers[0].mlp
     rot = next((layer.self_attn.rotary_emb for layer in decoder.layers if layer.self_attn.rotary_emb), None)
     k0 = kv_caches[0]
-    ptrs = decode_step_cpu.kernel_pointers()
-    assert ptrs is not None
     dtype = decoder.norm.weight.dtype
+    ptrs = decode_step_cpu.kernel_pointers(bf16=dtype == torch.bfloat16)
+    assert ptrs is not None
     keep: list[torch.Tensor] = []
     model = decode_step_cpu.ModelDesc(
         hidden=decoder.norm.weight.shape[0], inter=m0.down_proj.in_features, hq=a0.num_heads, hk=a0.num_kv_heads,

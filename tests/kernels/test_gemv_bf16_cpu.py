@@ -62,6 +62,26 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it() -> None:
         assert torch.equal(gemv_bf16_cpu.gemv_bf16(x[:m], w), alone[:m]), m
 
 
+@pytest.mark.parametrize(("n", "k"), [(203, 203), (4096, 40), (5, 8)])
+def test_bf16_rows_agree_and_a_rows_result_does_not_depend_on_the_rows_beside_it(n: int, k: int) -> None:
+    """bf16_x (x's values are bfloat16): on a CPU with AVX512-BF16, dot products over bf16 pairs,
+    one tile or four at a time (from 12 rows), up to 8 or 6 rows a pass; elsewhere the FMA tiles.
+    Either way within the float32 bound of the exact sum, and a row's result is bit for bit the
+    same alone or beside any number of rows (features leave partial tile groups and blocks, K a
+    partial chunk)."""
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    tiles = gemv_bf16_cpu.pack(w)
+    x = torch.randn(64, k, generator=g).bfloat16().float()
+    b = torch.randn(n, generator=g)
+    alone = torch.cat([gemv_bf16_cpu.gemv_bf16(x[i:i + 1], tiles, b, bf16_x=True) for i in range(64)])
+    assert ((alone - gemv_bf16_cpu.gemv_bf16_torch(x, w, b)).abs() <= _bound(x, w.float(), b)).all()
+    for m in (2, 5, 8, 9, 11, 12, 13, 18, 25, 64):
+        assert torch.equal(gemv_bf16_cpu.gemv_bf16(x[:m], tiles, b, bf16_x=True), alone[:m]), m
+    if not gemv_bf16_cpu.has_bf16_dot():  # then it is the FMA kernel itself
+        assert torch.equal(alone, gemv_bf16_cpu.gemv_bf16(x, tiles, b))
+
+
 def test_strided_rows_and_leading_dims() -> None:
     """x as every other row of a wider buffer, and (B, T, K) inputs: the output keeps x's leading dims."""
     g = torch.Generator().manual_seed(2)
@@ -148,9 +168,8 @@ def test_a_bf16_valued_layer_gets_a_copy_and_decode_rows_use_it() -> None:
 
 
 def test_bfloat16_rows_served_up_to_this_cpus_limit(monkeypatch) -> None:
-    """A bf16 layer (a CPU that computes in bf16): its decode rows run the kernel, widened in and
-    rounded once on the way out, up to max_rows(bfloat16), which is MAX_ROWS_NATIVE_BF16 on a CPU
-    with bf16 dot products (oneDNN's own bf16 GEMM above) and MAX_ROWS elsewhere."""
+    """A bf16 layer (a CPU that computes in bf16): its decode rows run the kernel (bf16_x: dot
+    products where the CPU has them), rounded once on the way out, up to max_rows(bfloat16)."""
     values = torch.randn(48, 32).to(torch.bfloat16)
     layer = ReplicatedLinear(32, 48, True, torch.bfloat16)
     layer.weight.data.copy_(values)
@@ -160,15 +179,29 @@ def test_bfloat16_rows_served_up_to_this_cpus_limit(monkeypatch) -> None:
     x = torch.randn(3, 32).bfloat16()
     got = layer(x)
     assert got.dtype == torch.bfloat16
-    assert torch.equal(got, gemv_bf16_cpu.gemv_bf16(x.float(), layer.gemv_weight, layer.bias.float()).bfloat16())
-    for native, limit in ((False, cpu_gemv.MAX_ROWS), (True, cpu_gemv.MAX_ROWS_NATIVE_BF16)):
-        monkeypatch.setattr(cpu_gemv, "_BF16_ROWS", limit if native else cpu_gemv.MAX_ROWS)
+    assert torch.equal(got, gemv_bf16_cpu.gemv_bf16(x.float(), layer.gemv_weight, layer.bias.float(),
+                                                    bf16_x=True).bfloat16())
+    for limit in (cpu_gemv.MAX_ROWS, cpu_gemv.MAX_ROWS_NATIVE_BF16):
+        monkeypatch.setattr(cpu_gemv, "_bf16_rows", lambda limit=limit: limit)
         assert cpu_gemv.max_rows(torch.bfloat16) == limit
         assert cpu_gemv.max_rows(torch.float32) == cpu_gemv.MAX_ROWS  # float32 inputs never change
         for rows in (1, limit, limit + 1):
             assert cpu_gemv.serves(layer.gemv_weight, torch.randn(rows, 32).bfloat16()) == (rows <= limit)
     assert cpu_gemv.max_rows(torch.float16) == 0  # nothing else is served
     assert not cpu_gemv.serves(layer.gemv_weight, torch.randn(1, 32).half())
+
+
+@pytest.mark.parametrize(("flags", "dot", "limit"), [
+    (frozenset({"avx2"}), False, "MAX_ROWS"),                                   # oneDNN emulates bf16
+    (frozenset({"avx512_bf16"}), True, "MAX_ROWS"),                             # the kernel's dot products
+    (frozenset({"avx512_bf16"}), False, "MAX_ROWS_NATIVE_BF16"),                # a build without them
+    (frozenset({"avx512_bf16", "amx_bf16"}), True, "MAX_ROWS_NATIVE_BF16"),     # AMX tiles out-compute it
+])
+def test_how_many_bfloat16_rows_the_copy_serves_on_each_cpu(monkeypatch, flags, dot, limit) -> None:
+    monkeypatch.setattr(cpu_gemv, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(cpu_gemv, "cpu_has_fast_half_precision", lambda: bool(flags & {"avx512_bf16"}))
+    monkeypatch.setattr(gemv_bf16_cpu, "has_bf16_dot", lambda: dot)
+    assert cpu_gemv._bf16_rows.__wrapped__() == getattr(cpu_gemv, limit)
 
 
 def test_no_copy_for_values_bf16_cannot_hold_or_when_switched_off(monkeypatch) -> None:

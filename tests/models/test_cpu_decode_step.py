@@ -101,7 +101,7 @@ CASES_BF16 = [
 ]
 
 
-_BF16_ROWS = cpu_gemv.max_rows(torch.bfloat16)  # MAX_ROWS, or 8 on a CPU with bf16 dot products
+_BF16_ROWS = cpu_gemv.max_rows(torch.bfloat16)  # MAX_ROWS, or 8 where oneDNN out-computes the kernel
 
 
 @pytest.mark.parametrize(("arch", "cfg"), CASES_BF16, ids=[f"{a}-{len(c)}" for a, c in CASES_BF16])
@@ -164,9 +164,9 @@ def test_steps_it_does_not_take_run_the_eager_layers(tmp_path) -> None:
 
 
 def test_a_native_bf16_cpu_takes_bfloat16_steps_only_up_to_its_limit(tmp_path, monkeypatch) -> None:
-    """Where oneDNN has bf16 dot products (cpu_gemv.MAX_ROWS_NATIVE_BF16), a bigger bf16 decode
-    step runs the eager layers (oneDNN's products), a step at the limit the driver."""
-    monkeypatch.setattr(cpu_gemv, "_BF16_ROWS", cpu_gemv.MAX_ROWS_NATIVE_BF16)
+    """Where oneDNN's bf16 products out-compute the kernel (cpu_gemv.MAX_ROWS_NATIVE_BF16), a
+    bigger bf16 decode step runs the eager layers (oneDNN's products), a step at the limit the driver."""
+    monkeypatch.setattr(cpu_gemv, "_bf16_rows", lambda: cpu_gemv.MAX_ROWS_NATIVE_BF16)
     n = cpu_gemv.MAX_ROWS_NATIVE_BF16 + 1
     path = make_tiny_checkpoint("llama", tmp_path / "l", dtype=torch.bfloat16)
     runner = _runner(path, num_kv_blocks=5 * n, max_num_seqs=2 * n, compute="bfloat16")

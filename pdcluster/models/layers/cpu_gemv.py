@@ -26,16 +26,19 @@ reads every product from these tiles; so that its step is bit for bit the eager 
 layers' decode-sized bf16 products run on the same kernel (x widened exactly, the float32 result
 rounded to bfloat16 once, as oneDNN's bf16 GEMM rounds its float32 sum). Cost: a second copy of
 the linear weights (the oneDNN-packed one serves prefill); PDCLUSTER_CPU_GEMV=0 trades it back.
-On a CPU with bf16 dot-product instructions (AVX512-BF16, AMX) oneDNN's bf16 GEMM does two or more
-times the multiply-adds per instruction that this kernel's widen-and-FMA does, so there the copy
-serves fewer rows (max_rows): only where both are bound by the weight read, not by arithmetic.
+On a CPU with AVX512-BF16 the kernel multiplies the bf16 rows with the same dot-product
+instructions oneDNN uses (gemv_bf16_cpu.has_bf16_dot), and the copy serves MAX_ROWS rows. With
+AMX, or a build without that path, oneDNN's bf16 GEMM out-computes the kernel's widen-and-FMA,
+so the copy serves fewer rows (max_rows): only where both are bound by the weight read.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from pdcluster.config import cpu_has_fast_half_precision
+from pdcluster.config import cpu_flags, cpu_has_fast_half_precision
 from pdcluster.env_flags import env_enabled
 from pdcluster.kernels import gemv_bf16_cpu
 from pdcluster.kernels.gemv_bf16_cpu import Bf16Tiles
@@ -49,14 +52,16 @@ ENV = "PDCLUSTER_CPU_GEMV"  # "0" / "false" / "off" / "no": no bfloat16 decode c
 # take those steps: batch 48 / 64 decode steps 93-95 -> 78-87 / 120-127 -> 101-102 ms. At 96 rows
 # the products are 1.08x, at 128 0.95x: 64 it is (RESULTS.md, session 25; 32 before the 5-row pass).
 MAX_ROWS = 64
-# bfloat16 inputs on a CPU with bf16 dot products. This kernel does one FMA per weight per row;
-# on a 2-core AVX2 EPYC its products are bound by the weight read up to ~8 rows (1.95x oneDNN's
-# float32 at M = 4, 1.26x at 16, a tie at 32: RESULTS.md, session 12), the region where oneDNN's
-# native bf16 products are bound by the same read; past it oneDNN's dot-product instructions
-# (2x the multiply-adds per instruction, far more with AMX) out-compute it. A reasoned limit, not
-# yet measured on such a CPU. Without bf16 instructions oneDNN emulates bf16 and MAX_ROWS holds.
+# bfloat16 inputs on a CPU with bf16 dot products whose kernel build has no dot-product path (or
+# that has AMX): there oneDNN's dot-product instructions out-compute the float32 FMA tiles past
+# the rows where both are bound by the weight read (AMX tiles far more so). On a 2-core
+# AVX512-BF16 EPYC the FMA tiles took 13.1 / 25.2 ms for a step's 49 products at 8 / 16 rows
+# against oneDNN bf16's 8.5 / 11.4. With the kernel's bf16 dot-product path (AVX512-BF16, no
+# AMX) bf16 inputs get MAX_ROWS: its products reach 0.72x oneDNN's speed at 12-64 rows, but the
+# one-call decode driver they admit beats the eager layers: batch 16 / 32 decode steps 23.3 /
+# 42.2 -> 20.5 / 35.6 ms (RESULTS.md, session 26). Without bf16 instructions oneDNN emulates
+# bf16 and MAX_ROWS holds.
 MAX_ROWS_NATIVE_BF16 = 8
-_BF16_ROWS = MAX_ROWS_NATIVE_BF16 if cpu_has_fast_half_precision() else MAX_ROWS  # a fact of this CPU
 PROBE_ROWS = (1, 3)
 
 
@@ -103,12 +108,23 @@ def decode_copy(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Bf16T
     return copy if cpu_gemm.probe_agrees(torch.cat(parts), x, w, b) else None
 
 
+@functools.cache
+def _bf16_rows() -> int:
+    """A fact of this CPU and this build: see MAX_ROWS_NATIVE_BF16."""
+    if not cpu_has_fast_half_precision():
+        return MAX_ROWS
+    if "amx_bf16" not in cpu_flags() and gemv_bf16_cpu.has_bf16_dot():
+        return MAX_ROWS
+    return MAX_ROWS_NATIVE_BF16
+
+
 def max_rows(dtype: torch.dtype) -> int:
     """The most rows of a `dtype` input the copies serve (0: none): MAX_ROWS for float32 inputs,
-    and for bfloat16 ones too unless this CPU has bf16 dot products (then MAX_ROWS_NATIVE_BF16)."""
+    and for bfloat16 ones too unless this CPU has bf16 dot products that out-compute the kernel
+    (then MAX_ROWS_NATIVE_BF16)."""
     if dtype == torch.float32:
         return MAX_ROWS
-    return _BF16_ROWS if dtype == torch.bfloat16 else 0
+    return _bf16_rows() if dtype == torch.bfloat16 else 0
 
 
 def serves(copy: Bf16Tiles | None, x: torch.Tensor) -> bool:
@@ -127,7 +143,7 @@ def linear(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -
         if x.dtype == torch.float32:
             out = gemv_bf16_cpu.gemv_bf16(x, copy, bias)
         else:  # bfloat16: widened in (exact), the float32 sum rounded once on the way out
-            out = gemv_bf16_cpu.gemv_bf16(x.float(), copy, None if bias is None else bias.float())
+            out = gemv_bf16_cpu.gemv_bf16(x.float(), copy, None if bias is None else bias.float(), bf16_x=True)
             out = None if out is None else out.to(torch.bfloat16)
         if out is not None:
             return out
