@@ -252,7 +252,7 @@ class HttpFrontend:
                     await _event(resp, _failed(delta, opts).openai_body())
                     break
                 chunk = builder.delta_chunk(delta)
-                if chunk is not None:  # None: a chat with tools holds its text until the end
+                if chunk is not None:  # None: nothing to send yet (a chat with tools holds what may be a call)
                     await _event(resp, chunk)
                 if delta.finished:
                     if opts.include_usage:

@@ -12,6 +12,7 @@ from pdcluster._proto import common_pb2, worker_pb2
 from .openai_protocol import OpenAIOptions
 from .openai_tools import extract_tool_calls
 from .reasoning import ReasoningSplitter, split
+from .tool_stream import ToolCallStream, streams
 
 FINISH_REASONS = {
     common_pb2.FINISH_REASON_STOP: "stop",
@@ -48,6 +49,9 @@ class ResponseBuilder:
         self.prompt_logprobs: list[common_pb2.SampleLogprobs] = []  # from the first delta, when asked
         # --reasoning-parser: the streamed text's split (whole answers use reasoning.split)
         self._splitter = ReasoningSplitter(opts.reasoning) if opts.reasoning is not None else None
+        # tool_choice auto with a built-in parser: content streams up to where a call may start
+        self._tool_stream = (ToolCallStream(opts.tools) if opts.chat and streams(opts.tools)
+                             and opts.reasoning is None else None)
         # return_token_ids: the prompt's ids, every output id so far, and those no chunk carried yet
         self._prompt_ids = list(prompt_token_ids) if opts.return_token_ids else None
         self._ids: list[int] = []
@@ -225,6 +229,8 @@ class ResponseBuilder:
         assert mode is not None
         if mode.choice == "named":
             return self._named_tool_chunk(delta, mode.name or "")
+        if self._tool_stream is not None:
+            return self._streamed_tool_chunk(delta, self._tool_stream)
         self._held.append(delta.text)
         if not delta.finished:
             return None
@@ -240,6 +246,26 @@ class ResponseBuilder:
         choice["delta"] = out
         choice["logprobs"] = None
         return self._chunk(choice)
+
+    def _streamed_tool_chunk(self, delta: worker_pb2.WorkerGenerateResponse, ts: ToolCallStream
+                             ) -> dict[str, Any] | None:
+        """tool_choice auto: the text no parse can take back as content now; at the end the rest
+        of the content and the calls, as the whole answer's parse gives them (tool_stream.py)."""
+        content = ts.feed(delta.text)
+        if not delta.finished:
+            if not content:
+                return None
+            return self._chunk({"index": self.index, "delta": {"content": content}, "logprobs": None,
+                                "finish_reason": None})
+        tail, calls = ts.finish()
+        content += tail or ""
+        finish = FINISH_REASONS.get(delta.finish_reason)
+        out: dict[str, Any] = {"content": content} if content else {}
+        if calls:
+            out["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
+            finish = "tool_calls" if finish == "stop" else finish
+        return self._chunk({"index": self.index, "delta": out, "logprobs": None, "finish_reason": finish,
+                            "stop_reason": stop_reason(delta)})
 
     def _named_tool_chunk(self, delta: worker_pb2.WorkerGenerateResponse, name: str) -> dict[str, Any] | None:
         """A forced function's arguments are the output itself: streamed as argument fragments,
