@@ -23,7 +23,7 @@ from pdcluster._proto import common_pb2, worker_pb2
 from pdcluster.handoff_trace import trace
 
 from .config import RouterConfig
-from .errors import RouterError, unavailable, worker_verdict
+from .errors import RouterError, leg_failure, unavailable, worker_verdict
 from .metrics import RouterMetrics
 from .policies import RouteRequest, RoutingPolicy
 from .registry import WorkerHandle, WorkerRegistry
@@ -60,6 +60,8 @@ def first_delta(request_id: str, last: worker_pb2.WorkerGenerateResponse) -> wor
 
 def check_prefill(last: worker_pb2.WorkerGenerateResponse | None) -> worker_pb2.WorkerGenerateResponse:
     """The prefill leg's last response, or the RouterError that it failed."""
+    if last is not None and last.finish_reason == common_pb2.FINISH_REASON_ERROR and last.error_field:
+        raise leg_failure(last.error_message, last.error_field)  # the request's own fault: a 400
     if last is None or last.finish_reason == common_pb2.FINISH_REASON_ERROR:
         raise RouterError(grpc.StatusCode.INTERNAL,
                           f"prefill leg failed: {last.error_message if last else 'no response'}")

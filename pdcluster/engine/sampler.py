@@ -224,12 +224,13 @@ class Sampler:
     def _fail_empty_rows(self, x: torch.Tensor, states: list[SamplingState], grammar_rows: list[int],
                          banned: list[tuple[int, ...]]) -> None:
         """A row its masks leave with no token (every logit -inf) has nothing to sample: a grammar
-        this vocabulary cannot continue, a grammar that allows only its end while min_tokens
-        forbids the stop tokens, allowed_token_ids that the grammar refuses. Its state gets a
-        RequestFault naming the fields, so the request ends with an error instead of going on with
-        a token they forbid (an argmax of -inf picks token 0). The row gets one finite logit so
-        that sampling the rest of the batch goes on as usual. bad_words never empties a row: it
-        lifts its own bans first (below)."""
+        this vocabulary can begin but not continue (a word-level vocabulary's "t1" of "t10"), or
+        any combination admission's static checks did not catch (they refuse allowed_token_ids or
+        min_tokens beside a grammar, and allowed_token_ids of only stop tokens under min_tokens).
+        Its state gets a RequestFault naming the fields, so the request ends with an error instead
+        of going on with a token they forbid (an argmax of -inf picks token 0). The row gets one
+        finite logit so that sampling the rest of the batch goes on as usual. bad_words never
+        empties a row: it lifts its own bans first (below)."""
         grammar = set(grammar_rows)
         masked = [i for i, s in enumerate(states) if i in grammar or s.params.allowed_token_ids or banned[i]]
         if not masked:

@@ -56,3 +56,26 @@ def test_a_grammar_the_vocabulary_cannot_continue_is_a_400_naming_the_field(loop
     finally:
         worker.terminate()
         worker.stop()
+
+
+def test_a_prefill_leg_that_failed_itself_is_a_400_naming_the_field():
+    """A disaggregated request's prefill leg that ends with the request's own fault is the same
+    400 (no decode leg follows); any other failed prefill leg stays the cluster's 500."""
+    import grpc
+    import pytest
+
+    from pdcluster._proto import common_pb2, worker_pb2
+    from pdcluster.router.errors import RouterError
+    from pdcluster.router.legs import check_prefill
+
+    own = worker_pb2.WorkerGenerateResponse(finished=True, finish_reason=common_pb2.FINISH_REASON_ERROR,
+                                            error_message="structured_outputs: the grammar allows no token",
+                                            error_field="structured_outputs")
+    with pytest.raises(RouterError) as e:
+        check_prefill(own)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and e.value.field == "structured_outputs"
+    assert e.value.http_status == 400
+    own.error_field = ""
+    with pytest.raises(RouterError) as e:
+        check_prefill(own)
+    assert e.value.code == grpc.StatusCode.INTERNAL and e.value.http_status == 500
