@@ -135,9 +135,9 @@ class DecodeStep:
     def run(self, decoder: Any, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: Any,
             meta: AttentionMetadata) -> torch.Tensor | None:
         rows = hidden.shape[0]
-        if (rows == 0 or rows > cpu_gemv.max_rows(hidden.dtype) or meta.max_query_len != 1
-                or meta.num_tokens != meta.num_reqs
-                or not hidden.is_cpu or torch.compiler.is_dynamo_compiling()):
+        # The trace check first: dynamo cannot trace max_rows' cached CPU check.
+        if (torch.compiler.is_dynamo_compiling() or rows == 0 or rows > cpu_gemv.max_rows(hidden.dtype)
+                or meta.max_query_len != 1 or meta.num_tokens != meta.num_reqs or not hidden.is_cpu):
             return None
         plan = self._get_plan(decoder, kv_caches)  # a refused model stops here, on a cached answer
         hooks = None if plan is None or plan.dtype != hidden.dtype else layer_hooks(decoder)

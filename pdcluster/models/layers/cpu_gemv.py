@@ -130,9 +130,9 @@ def max_rows(dtype: torch.dtype) -> int:
 def serves(copy: Bf16Tiles | None, x: torch.Tensor) -> bool:
     """Whether x's product runs on the bfloat16 copy: a float32 or bfloat16 input of at most
     max_rows(x.dtype) rows, outside a dynamo trace (the kernel is a ctypes call the graph cannot
-    hold)."""
-    return (copy is not None and x.numel() <= max_rows(x.dtype) * x.shape[-1]
-            and not torch.compiler.is_dynamo_compiling())
+    hold; checked first, since dynamo cannot trace max_rows' cached CPU check either)."""
+    return (copy is not None and not torch.compiler.is_dynamo_compiling()
+            and x.numel() <= max_rows(x.dtype) * x.shape[-1])
 
 
 def linear(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
