@@ -53,9 +53,11 @@ def test_workers_take_only_the_runs_router(demo_model: str, tmp_path) -> None:
             out = client.generate(list(range(5, 20)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
             assert len(out.token_ids) == 4
         # The refusals are counted and named on each worker's /metrics (security/tls_audit.py).
+        # gRPC's channel may try a refused handshake again before the probe closes it (its ~1 s
+        # reconnect backoff against however long the close takes): at least two, each one named.
         for inst in ready["instances"].values():  # named 127.0.0.1, or "unseen" (reset before the read)
             refused, named, unseen = wait_refusals(inst["metrics"], "worker", 2)
-            assert refused == 2 and named + unseen == 2
+            assert refused >= 2 and named + unseen == refused
         # Each worker got its own identity (by path), and no other instance's key.
         keys = {}
         for pid in descendants(proc.pid):

@@ -52,9 +52,10 @@ def test_up_workers_refuse_plaintext_and_other_ca(cluster_env, tmp_path) -> None
             _health(worker, creds)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     # Both refusals are counted on the worker's /metrics (security/tls_audit.py), each named
-    # 127.0.0.1 or "unseen" (a client that reset the connection before the audit read).
+    # 127.0.0.1 or "unseen" (a client that reset the connection before the audit read). gRPC's
+    # channel may try a refused handshake again before the probe closes it: at least two.
     refused, named, unseen = wait_refusals(inst["metrics"], "worker", 2)
-    assert refused == 2 and named + unseen == 2
+    assert refused >= 2 and named + unseen == refused
     with Client(ready["grpc"], timeout=120) as client:  # the router's own certificate works
         out = client.generate(list(range(5, 20)), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
         assert len(out.token_ids) == 3
