@@ -59,7 +59,7 @@ def kernel_pointers(bf16: bool = False) -> dict[str, int] | None:
     gemv, ew, paged = gemv_bf16_cpu._fns(), elementwise_cpu._lib(), paged_decode_cpu._fn()
     if _lib() is None or gemv is None or ew is None or paged is None:
         return None
-    return {"gemv": _address(gemv[2 if bf16 else 0]), "rms": _address(ew.pd_rms_norm), "rotary": _address(ew.pd_rotary),
+    return {"gemv": _address(gemv.product_bf16x if bf16 else gemv.product), "rms": _address(ew.pd_rms_norm), "rotary": _address(ew.pd_rotary),
             "silu": _address(ew.pd_silu_and_mul), "paged": _address(paged)}
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -70,16 +71,22 @@ def pack_float32(weight: torch.Tensor) -> Bf16Tiles | None:
     n, k = weight.shape
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
     data = torch.empty(-(-n // TILE_ROWS), -(-k // CHUNK), TILE_ROWS, CHUNK, dtype=torch.bfloat16)
-    rc = fns[1](w.data_ptr(), max(w.stride(0), k), n, k, data.data_ptr(), torch.get_num_threads())
+    rc = fns.pack(w.data_ptr(), max(w.stride(0), k), n, k, data.data_ptr(), torch.get_num_threads())
     if rc < 0:
         raise ValueError(f"pack_float32: the kernel refused weight {tuple(weight.shape)} (code {rc})")
     return Bf16Tiles(data, n, k) if rc == 0 else None
 
 
+class _Fns(NamedTuple):
+    product: ctypes._CFuncPtr  # pd_gemv_bf16: float32 rows
+    pack: ctypes._CFuncPtr  # pd_pack_bf16_from_f32
+    product_bf16x: ctypes._CFuncPtr  # pd_gemv_bf16x: rows whose values are bfloat16
+    bf16_dot: bool  # whether product_bf16x runs on bf16 dot-product instructions here
+
+
 @functools.cache
-def _fns() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
-    """(the product, the float32 packer, the product for an x of bfloat16 values) from the built
-    library, or None."""
+def _fns() -> _Fns | None:
+    """The kernel's entry points from the built library, or None."""
     lib = native.load("gemv_bf16_cpu")
     if lib is None:
         return None
@@ -93,15 +100,14 @@ def _fns() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr, ctypes._CFuncPtr] | None
     fx = lib.pd_gemv_bf16x
     fx.argtypes = f.argtypes
     fx.restype = c_int
-    return f, g, fx
+    return _Fns(f, g, fx, bool(lib.pd_gemv_bf16x_dot()))
 
 
-@functools.cache
 def has_bf16_dot() -> bool:
     """Whether products of bfloat16-valued rows (bf16_x=True) run on bf16 dot-product
     instructions here (a build for a CPU with AVX512-BF16), not on the float32 FMA tiles."""
-    lib = native.load("gemv_bf16_cpu")
-    return lib is not None and bool(lib.pd_gemv_bf16x_dot())
+    fns = _fns()
+    return fns is not None and fns.bf16_dot
 
 
 def available() -> bool:
@@ -133,7 +139,7 @@ def gemv_bf16(x: torch.Tensor, tiles: Bf16Tiles, bias: torch.Tensor | None = Non
         x2 = x2.contiguous()
     b = None if bias is None else bias.contiguous()
     out = torch.empty(x2.shape[0], n, dtype=torch.float32)
-    rc = fns[2 if bf16_x else 0](x2.data_ptr(), max(x2.stride(0), k), tiles.data.data_ptr(), None if b is None else b.data_ptr(),
+    rc = (fns.product_bf16x if bf16_x else fns.product)(x2.data_ptr(), max(x2.stride(0), k), tiles.data.data_ptr(), None if b is None else b.data_ptr(),
             out.data_ptr(), x2.shape[0], n, k, torch.get_num_threads())
     if rc != 0:
         return None

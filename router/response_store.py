@@ -68,7 +68,7 @@ def list_page(items: Sequence[dict[str, Any]], query: Mapping[str, str]) -> dict
         if name not in ("limit", "order", "after"):
             raise invalid(name, "is not served by this list (its parameters: limit, order, after)")
     raw_limit = query.get("limit", "20")
-    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= MAX_LIST_LIMIT:
+    if not (raw_limit.isascii() and raw_limit.isdigit()) or not 1 <= int(raw_limit) <= MAX_LIST_LIMIT:
         raise invalid("limit", f"must be an integer from 1 to {MAX_LIST_LIMIT}, got {raw_limit[:40]!r}")
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):

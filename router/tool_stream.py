@@ -53,9 +53,13 @@ class ToolCallStream:
         self._markers, self._openers = _FORMATS[mode.parser]
         self._text = ""
         self._sent = 0  # characters of _text sent as content
+        self._held = False  # a call may start at _sent: nothing more is sent before finish()
+        self._opening_known = not self._openers  # whether the answer's opening was checked
 
     def feed(self, text: str) -> str:
         self._text += text
+        if self._held:
+            return ""
         safe = self._safe_end()
         if safe <= self._sent:
             return ""
@@ -76,18 +80,25 @@ class ToolCallStream:
         return None, calls
 
     def _safe_end(self) -> int:
-        """How far the text can be sent: up to where a call may start, less trailing whitespace."""
+        """How far the text can be sent: up to where a call may start, less trailing whitespace.
+        Each feed looks only at the text after what was sent (a marker cannot start inside it)."""
         text = self._text
-        head = text.lstrip()
-        if not head:
-            return 0  # nothing but whitespace yet: its fate depends on what follows
-        if any(head.startswith(p) or p.startswith(head) for p in self._openers):
-            return 0  # the answer may be a call from its first character: held to the end
+        if not self._opening_known:
+            head = text.lstrip()
+            if not head:
+                return 0  # nothing but whitespace yet: its fate depends on what follows
+            if any(head.startswith(p) for p in self._openers):
+                self._held = True  # the answer may be a call from its first character
+                return 0
+            if any(p.startswith(head) for p in self._openers):
+                return 0  # too short to tell yet
+            self._opening_known = True
         end = len(text)
         for marker in self._markers:
-            found = text.find(marker)
+            found = text.find(marker, self._sent)
             if found >= 0:
                 end = min(end, found)
+                self._held = True
             else:  # a marker may be starting at the end: hold its longest partial match
                 for n in range(min(len(marker) - 1, len(text)), 0, -1):
                     if text.endswith(marker[:n]):

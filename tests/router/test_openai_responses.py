@@ -182,7 +182,7 @@ def test_previous_response_id_continues_a_stored_conversation(cluster, reference
         "input_text", "output_text"]
     code, rest = urllib_get(c, f"/v1/responses/{second.id}/input_items?order=asc&after={page['last_id']}")
     assert code == 200 and not rest["has_more"] and rest["data"][0]["id"] == items.data[0].id
-    for query, param in [("limit=0", "limit"), ("order=up", "order"), ("after=msg_x", "after"), ("include=x", "include")]:
+    for query, param in [("limit=0", "limit"), ("limit=%C2%B2", "limit"), ("order=up", "order"), ("after=msg_x", "after"), ("include=x", "include")]:
         code, err = urllib_get(c, f"/v1/responses/{second.id}/input_items?{query}")
         assert code == 400 and err["error"]["param"] == param, err
     assert urllib_get(c, "/v1/responses/resp_nope/input_items")[0] == 404
