@@ -81,6 +81,9 @@ class RouterSection:
     # Conditional disaggregation: prompts whose uncached part is at most this many tokens are
     # served by a decode worker alone (0: always disaggregate when both pools exist).
     disagg_min_uncached_tokens: int = 0
+    # Load-aware disaggregation: while the least busy prefill worker has more than this many prompt
+    # tokens queued (and a decode worker fewer), a decode worker prefills the request (0: never).
+    disagg_max_prefill_backlog_tokens: int = 0
     stall_timeout_s: float = 0.0         # silence after the first token that counts as a failed worker
     health_interval_s: float = 1.0
     eject_after_failures: int = 1        # a restarted actor is a new port: one failed check is enough
@@ -296,7 +299,7 @@ def _parse_router(raw: Any) -> RouterSection:
     for key in ("max_inflight", "eject_after_failures"):
         if key in d:
             out[key] = _int(d[key], f"router.{key}")
-    for key in ("max_retries", "max_migrations", "disagg_min_uncached_tokens"):
+    for key in ("max_retries", "max_migrations", "disagg_min_uncached_tokens", "disagg_max_prefill_backlog_tokens"):
         if key in d:
             out[key] = _int(d[key], f"router.{key}", minimum=0)
     for key in ("health_interval_s", "request_timeout_s"):

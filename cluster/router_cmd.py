@@ -86,6 +86,10 @@ def add_router_flags(p: argparse.ArgumentParser, *, grpc_port: int = 50051, http
     p.add_argument("--disagg-threshold", type=int, default=0,
                    help="conditional disaggregation: prompts whose uncached part is at most this many tokens "
                         "are served entirely by a decode worker (0: always disaggregate when both pools exist)")
+    p.add_argument("--disagg-max-prefill-backlog", type=int, default=0,
+                   help="load-aware disaggregation: while the least busy prefill worker has more than this many "
+                        "prompt tokens queued and a decode worker fewer, a decode worker prefills the request itself "
+                        "(0: never)")
     p.add_argument("--disagg-mode", choices=("sequential", "concurrent"), default="sequential",
                    help="sequential: the decode leg is sent once the prefill leg returned (default); concurrent: "
                         "both legs at once, the decode worker admits its leg while the prefill runs")
@@ -151,7 +155,8 @@ def router_config(args: argparse.Namespace, workers: tuple[str, ...], key_dir: s
         stall_timeout_s=args.stall_timeout,
         health_interval_s=args.health_interval,
         request_timeout_s=args.request_timeout, key_dir=key_dir, tls=tls, worker_tls=worker_tls,
-        disagg_min_uncached_tokens=args.disagg_threshold, worker_channel=args.worker_channel,
+        disagg_min_uncached_tokens=args.disagg_threshold,
+        disagg_max_prefill_backlog_tokens=args.disagg_max_prefill_backlog, worker_channel=args.worker_channel,
         disagg_mode=args.disagg_mode, disagg_params_timeout_s=args.disagg_params_timeout)
 
 

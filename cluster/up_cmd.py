@@ -57,6 +57,10 @@ def add_up_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--disagg-threshold", dest="disagg_min_uncached_tokens", type=int, default=None,
                    help="conditional disaggregation: prompts whose uncached part is at most this many tokens are "
                         "served by a decode worker alone (router.disagg_min_uncached_tokens; 0: always disaggregate)")
+    p.add_argument("--disagg-max-prefill-backlog", dest="disagg_max_prefill_backlog_tokens", type=int, default=None,
+                   help="load-aware disaggregation: while the least busy prefill worker has more than this many prompt "
+                        "tokens queued, a decode worker prefills the request (router.disagg_max_prefill_backlog_tokens; "
+                        "0: never)")
     p.add_argument("--disagg-mode", choices=("sequential", "concurrent"), default="sequential",
                    help="as `serve`: sequential sends the decode leg once the prefill leg returned (default); "
                         "concurrent sends both at once, the decode worker admits its leg while the prefill runs")
@@ -130,7 +134,7 @@ def add_engine_overrides(p: argparse.ArgumentParser) -> None:
 
 _OVERRIDES = ("model", "prefill", "decode", "workers", "encode", "ec_connector", "tp", "connector", "grpc_port", "http_port", "router_host",
               "policy", "key_dir", "log_dir", "max_restarts", "ready_timeout_s", "num_cpus", "namespace", "dashboard",
-              "disagg_min_uncached_tokens", "max_migrations")
+              "disagg_min_uncached_tokens", "disagg_max_prefill_backlog_tokens", "max_migrations")
 
 
 def build_config(args: argparse.Namespace) -> Any:
@@ -188,8 +192,8 @@ def apply_overrides(raw: Mapping[str, Any], overrides: Mapping[str, Any]) -> dic
         per_pool = {k: ov[k] for k in ("tp", "max_restarts") if k in ov}
         pools = {role: _merge(p, **per_pool) for role, p in pools.items()}
         out["pools"] = pools
-    router = {k: ov[k] for k in ("grpc_port", "http_port", "policy", "disagg_min_uncached_tokens", "max_migrations")
-              if k in ov}
+    router = {k: ov[k] for k in ("grpc_port", "http_port", "policy", "disagg_min_uncached_tokens",
+                                 "disagg_max_prefill_backlog_tokens", "max_migrations") if k in ov}
     if "router_host" in ov:
         router["host"] = ov["router_host"]
     if router:

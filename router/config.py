@@ -59,8 +59,12 @@ class RouterConfig:
     key_name: str = "router"                 # this router's key pair in key_dir
     kv_poll_interval_s: float = 0.01         # how often KV events are applied to the index
     prefix_load_weight: float = 0.5
-    # Disaggregation: prefill remotely only when the uncached part of the prompt is longer.
+    # Disaggregation (router/disagg_rule.py): a decode worker prefills a prompt itself when its
+    # uncached part is at most disagg_min_uncached_tokens, or when the least busy prefill worker
+    # has more than disagg_max_prefill_backlog_tokens prompt tokens queued and a decode worker
+    # fewer (0: neither rule).
     disagg_min_uncached_tokens: int = 0
+    disagg_max_prefill_backlog_tokens: int = 0
     # "sequential": the decode leg is sent when the prefill leg has returned; "concurrent": both
     # legs at once, the decode worker admits its leg while prefill runs and gets the params by
     # Worker.ProvideKVParams (router/concurrent_disagg.py). A decode leg waits for them at most
@@ -122,6 +126,9 @@ class RouterConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.responses_store_bytes < 0:
             raise ValueError(f"responses_store_bytes must be >= 0 (0: none kept), got {self.responses_store_bytes}")
+        for name in ("disagg_min_uncached_tokens", "disagg_max_prefill_backlog_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.disagg_mode not in DISAGG_MODES:
             raise ValueError(f"disagg_mode: {self.disagg_mode!r} is not one of {DISAGG_MODES}")
         if not 0 < self.disagg_params_timeout_s <= 3600:

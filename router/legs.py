@@ -68,6 +68,16 @@ def check_prefill(last: worker_pb2.WorkerGenerateResponse | None) -> worker_pb2.
     return last
 
 
+def prefill_tokens(wreq: worker_pb2.WorkerGenerateRequest) -> int:
+    """The prompt tokens a leg has its worker compute (its share of the worker's prefill backlog):
+    the whole prompt, and the output sent so far for a resumed request; none for a decode leg that
+    loads its KV. A cached prefix counts too: the router cannot know what stays cached."""
+    if wreq.await_kv_transfer_id or (wreq.HasField("kv_transfer_params")
+                                     and wreq.kv_transfer_params.do_remote_prefill):
+        return 0
+    return len(wreq.prompt_token_ids) + len(wreq.prefill_output_token_ids)
+
+
 class LegRunner:
     def __init__(self, config: RouterConfig, registry: WorkerRegistry, policy: RoutingPolicy,
                  metrics: RouterMetrics) -> None:
@@ -113,11 +123,15 @@ class LegRunner:
             call = handle.client.generate(wreq, timeout)
             state.touch(handle, call)
             handle.num_inflight += 1
+            backlog = prefill_tokens(wreq)
+            handle.prefill_backlog += backlog
             finished = False
             try:
                 # read() rather than `async for`: grpc's iterator is an async generator that, left
                 # unexhausted after the final delta, costs a finalizer task per request.
                 while (resp := await call.read()) is not grpc.aio.EOF:
+                    handle.prefill_backlog -= backlog  # the first response: the prompt is computed
+                    backlog = 0
                     finished = resp.finished
                     if (finished and resp.finish_reason == common_pb2.FINISH_REASON_ERROR and not resp.error_field
                             and self._migrating(state)):
@@ -155,6 +169,7 @@ class LegRunner:
                          state.request_id, leg, handle.address, e.code().name)
             finally:
                 handle.num_inflight -= 1
+                handle.prefill_backlog -= backlog
                 state.active_calls.pop(handle.address, None)
                 if not finished and not call.done():
                     call.cancel()  # cancelled, abandoned or failed: the worker stops now

@@ -21,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from .disagg_rule import LOCAL_REASONS
 from .kv_sync import KVEventSync
 from .registry import WorkerRegistry
 
@@ -56,6 +57,10 @@ class RouterMetrics:
         self.prompt_tokens = hot.counter("pdcluster_router_prompt_tokens", "Prompt tokens of finished requests")
         self.generation_tokens = hot.counter("pdcluster_router_generation_tokens", "Tokens streamed to clients")
         self.disagg = hot.counter("pdcluster_router_disaggregated_requests", "Requests by serving mode", ("mode",))
+        # Requests a decode worker prefilled itself while both pools were up (disagg_rule.py).
+        self.decode_prefills = hot.counter("pdcluster_router_decode_prefills",
+                                           "Requests a decode worker prefilled itself with a prefill pool up, by reason",
+                                           ("reason",))
         self.prefill_leg = Histogram("pdcluster_router_prefill_leg_seconds",
                                      "Prefill leg duration (disaggregated: includes KV hand-off setup)",
                                      buckets=_TTFT_BUCKETS, registry=r)
@@ -74,6 +79,8 @@ class RouterMetrics:
         # Both modes are exported from the start (0 until used), as with labels() children.
         self.aggregated = self.disagg.labels("aggregated")
         self.disaggregated = self.disagg.labels("disaggregated")
+        for reason in LOCAL_REASONS:
+            self.decode_prefills.labels(reason)
 
     def count_request(self, frontend: str, status: str) -> None:
         """One finished or refused request."""
@@ -195,6 +202,10 @@ class _WorkerCollector(Collector):
             "pdcluster_router_worker_running": (
                 GaugeMetricFamily("pdcluster_router_worker_running", "Requests running on the worker (Stats)",
                                   labels=labels), lambda h: h.stats.num_running if h.stats else 0),
+            "pdcluster_router_worker_prefill_backlog_tokens": (
+                GaugeMetricFamily("pdcluster_router_worker_prefill_backlog_tokens",
+                                  "Prompt tokens this router sent the worker to compute, not yet prefilled",
+                                  labels=labels), lambda h: h.prefill_backlog),
             "pdcluster_router_worker_kv_usage": (
                 GaugeMetricFamily("pdcluster_router_worker_kv_usage", "KV cache use of the worker, [0, 1]",
                                   labels=labels), lambda h: h.stats.kv_usage if h.stats else 0.0),

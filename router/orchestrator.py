@@ -7,8 +7,8 @@
       aggregated:        one leg on a `both` (or decode) worker
       disaggregated:     prefill leg (max_tokens=1, do_remote_decode) on a prefill worker, then a
                          decode leg with the kv_transfer_params it returned (DESIGN.md section 3);
-                         chosen only when both pools are up and the uncached part of the prompt is
-                         longer than disagg_min_uncached_tokens (else the decode side prefills)
+                         chosen when both pools are up, unless disagg_rule.py sends the prompt to a
+                         decode worker (uncached part short, or the prefill pool backlogged)
       concurrent:        (disagg_mode="concurrent") both legs at once, the params handed to the
                          admitted decode leg by Worker.ProvideKVParams (concurrent_disagg.py)
     finally              a request that did not finish cleanly (client cancel, deadline, error)
@@ -33,7 +33,7 @@ import grpc
 from pdcluster._proto import common_pb2, worker_pb2
 from pdcluster.handoff_trace import trace
 
-from . import concurrent_disagg
+from . import concurrent_disagg, disagg_rule
 from .config import RouterConfig
 from .convert import error_response
 from .ec_stage import EcStage
@@ -63,6 +63,8 @@ class Orchestrator:
         self.legs = LegRunner(config, registry, policy, metrics)
         self.migrator = Migrator(config, registry, self.legs, metrics)
         self.ec = EcStage(config, registry, metrics)
+        self.disagg_rule = disagg_rule.DisaggRule(config.disagg_min_uncached_tokens,
+                                                  config.disagg_max_prefill_backlog_tokens)
         self._running: dict[str, RequestState] = {}
         self._background: set[asyncio.Task] = set()
         self.stall_watch = StallWatch(config.stall_timeout_s, self._running)
@@ -171,13 +173,19 @@ class Orchestrator:
             yield resp
 
     def _use_disaggregation(self, state: RequestState) -> bool:
-        if not self.registry.candidates(("prefill",)) or not self.registry.candidates(("decode",)):
+        prefill = self.registry.candidates(("prefill",))
+        decode = self.registry.candidates(("decode",))
+        if not prefill or not decode:
             return False
-        threshold = self.config.disagg_min_uncached_tokens
-        if threshold <= 0:
-            return True
-        cached = self._best_cached_tokens(state)
-        return len(state.prep.prompt_token_ids) - cached > threshold
+        rule = self.disagg_rule
+        uncached = len(state.prep.prompt_token_ids)
+        if rule.min_uncached_tokens > 0:
+            uncached -= self._best_cached_tokens(state)
+        choice = rule.choose(uncached, (h.prefill_backlog for h in prefill), (h.prefill_backlog for h in decode))
+        if choice != disagg_rule.REMOTE:
+            self.metrics.decode_prefills.labels(choice).inc()
+            return False
+        return True
 
     def _best_cached_tokens(self, state: RequestState) -> int:
         hashes = self.legs.block_hashes(state)  # None unless the policy routes by cached prefix

@@ -49,6 +49,9 @@ class WorkerHandle:
     stats: common_pb2.WorkerStats | None = None
     stats_at: float = 0.0  # monotonic time of the last Stats answer
     num_inflight: int = 0  # requests this router has on the worker and not seen finish
+    # Prompt tokens of this router's legs that compute a prompt on the worker, from the call until
+    # the leg's first response (LegRunner; read by disagg_rule.py).
+    prefill_backlog: int = 0
     task: asyncio.Task | None = field(default=None, repr=False)
     tls_stamp: object = None  # the TLS files `client` was built from (tls_reload.py)
 

@@ -18,6 +18,7 @@ the field: `configs.disaggregated.decode: must be a positive integer, got 0`.
       disaggregated: {prefill: 1, decode: 1, connector: p2p, engine: {max_model_len: 1024}}
       pinned: {prefill: 1, decode: 1, pin_cpus: true}   # local only: each worker on cores of its own
       conditional: {prefill: 1, decode: 1, disagg_threshold: 256}  # short uncached prompts stay on decode
+      loadaware: {prefill: 1, decode: 1, disagg_max_prefill_backlog: 512}  # decode prefills while P is behind
     ray: {address: local, num_cpus: 4}   # --launcher ray only: `pdcluster up` fields
 
 A configuration is translated into a `pdcluster up` cluster config and validated by its schema
@@ -40,7 +41,7 @@ LAUNCHERS = ("local", "ray")
 RESERVED_WORKLOAD = frozenset({"request_rate", "host", "port", "base_url", "router", "save_result", "result_dir",
                                "result_filename", "label", "metadata", "disable_tqdm"})
 CONFIG_FIELDS = ("workers", "prefill", "decode", "tp", "connector", "connector_options", "engine", "placement",
-                 "policy", "pin_cpus", "disagg_threshold")
+                 "policy", "pin_cpus", "disagg_threshold", "disagg_max_prefill_backlog")
 TOP_FIELDS = ("name", "model", "launcher", "output_dir", "rates", "baseline", "workload", "configs", "ray",
               "ready_timeout_s", "warmup_prompts", "repeats")
 DEFAULT_WARMUP_PROMPTS = 4
@@ -194,10 +195,12 @@ def cluster_dict(name: str, raw: Any, model: str | None) -> dict[str, Any]:
     router: dict[str, Any] = {}
     if d.get("policy") is not None:
         router["policy"] = d["policy"]
-    if d.get("disagg_threshold") is not None:
-        if aggregated:
-            raise SweepError(f"{path}.disagg_threshold: needs prefill and decode pools")
-        router["disagg_min_uncached_tokens"] = d["disagg_threshold"]  # checked by the cluster schema
+    for key, router_key in (("disagg_threshold", "disagg_min_uncached_tokens"),
+                            ("disagg_max_prefill_backlog", "disagg_max_prefill_backlog_tokens")):
+        if d.get(key) is not None:
+            if aggregated:
+                raise SweepError(f"{path}.{key}: needs prefill and decode pools")
+            router[router_key] = d[key]  # checked by the cluster schema
     if router:
         out["router"] = router
     if not isinstance(d.get("pin_cpus", False), bool):

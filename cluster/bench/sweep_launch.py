@@ -50,6 +50,8 @@ def serve_argv(entry: ClusterEntry) -> list[str]:
         argv += ["--policy", router["policy"]]
     if router.get("disagg_min_uncached_tokens") is not None:
         argv += ["--disagg-threshold", str(router["disagg_min_uncached_tokens"])]
+    if router.get("disagg_max_prefill_backlog_tokens") is not None:
+        argv += ["--disagg-max-prefill-backlog", str(router["disagg_max_prefill_backlog_tokens"])]
     if entry.pinned:
         argv.append("--pin-cpus")
     # One pool's options stand for all: `serve` passes the same worker flags to every worker.

@@ -154,6 +154,20 @@ def test_conditional_disaggregation_threshold_reaches_the_router() -> None:
         parse_sweep(_sweep(configs={"neg": {"prefill": 1, "decode": 1, "disagg_threshold": -1}}))
 
 
+def test_prefill_backlog_limit_reaches_the_router() -> None:
+    from pdcluster.cluster.bench.sweep_launch import serve_argv
+
+    (aware,) = parse_sweep(_sweep(configs={"aware": {"prefill": 1, "decode": 1,
+                                                     "disagg_max_prefill_backlog": 512}})).configs
+    argv = serve_argv(aware)
+    assert argv[argv.index("--disagg-max-prefill-backlog") + 1] == "512"
+    assert aware.cluster["router"]["disagg_max_prefill_backlog_tokens"] == 512
+    with pytest.raises(SweepError, match=r"configs\.agg\.disagg_max_prefill_backlog: needs prefill and decode"):
+        parse_sweep(_sweep(configs={"agg": {"workers": 2, "disagg_max_prefill_backlog": 512}}))
+    with pytest.raises(SweepError, match=r"disagg_max_prefill_backlog_tokens"):
+        parse_sweep(_sweep(configs={"neg": {"prefill": 1, "decode": 1, "disagg_max_prefill_backlog": -1}}))
+
+
 def test_ray_config_is_a_valid_cluster_config() -> None:
     from pdcluster.cluster.bench.sweep_launch import ray_config
     from pdcluster.cluster.config import ClusterConfig

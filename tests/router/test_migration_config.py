@@ -38,6 +38,9 @@ def test_serve_flags_reach_the_router_config() -> None:
     assert (config.max_migrations, config.disagg_min_uncached_tokens, config.stall_timeout_s) == (5, 64, 7.5)
     config = _router_config(_parse(add_serve, "serve"), (), None, None)
     assert (config.max_migrations, config.disagg_min_uncached_tokens) == (2, 0)
+    assert config.disagg_max_prefill_backlog_tokens == 0
+    config = _router_config(_parse(add_serve, "serve", "--disagg-max-prefill-backlog", "768"), (), None, None)
+    assert config.disagg_max_prefill_backlog_tokens == 768
 
 
 def test_cluster_yaml_router_section(tmp_path) -> None:
@@ -51,7 +54,9 @@ def test_cluster_yaml_router_section(tmp_path) -> None:
     config = RouterConfig(**{k: v for k, v in fields.items() if k in {f.name for f in dataclasses.fields(RouterConfig)}})
     assert (config.max_migrations, config.disagg_min_uncached_tokens) == (0, 128)
     assert set(fields) <= {f.name for f in dataclasses.fields(RouterConfig)}
-    for key in ("max_migrations", "disagg_min_uncached_tokens"):
+    c = ClusterConfig.from_dict({"router": {"disagg_max_prefill_backlog_tokens": 512}})
+    assert RouterConfig(disagg_max_prefill_backlog_tokens=512) and c.router.disagg_max_prefill_backlog_tokens == 512
+    for key in ("max_migrations", "disagg_min_uncached_tokens", "disagg_max_prefill_backlog_tokens"):
         with pytest.raises(ConfigError, match=rf"^router\.{key}: must be"):
             ClusterConfig.from_dict({"router": {key: -1}})
 
@@ -67,3 +72,6 @@ def test_up_flags_override_the_file(tmp_path) -> None:
     c = build_config(_parse(add_up_commands, "up", "--config", str(path), "--disagg-threshold", "48",
                             "--max-migrations", "3"))
     assert (c.router.max_migrations, c.router.disagg_min_uncached_tokens) == (3, 48)
+    assert c.router.disagg_max_prefill_backlog_tokens == 0
+    c = build_config(_parse(add_up_commands, "up", "--config", str(path), "--disagg-max-prefill-backlog", "300"))
+    assert (c.router.disagg_min_uncached_tokens, c.router.disagg_max_prefill_backlog_tokens) == (16, 300)

@@ -3,7 +3,9 @@ connector, demo model, CPU): a decode worker SIGKILLed mid-stream (the request m
 other decode worker, which computes the prompt itself and continues after the tokens sent), a
 prefill worker dead before the first token (retried on the other), and conditional
 disaggregation (`prefix_aware` + disagg_min_uncached_tokens: a prompt whose uncached part is short
-is served by a decode worker alone, a longer one is disaggregated; the threshold both ways).
+is served by a decode worker alone, a longer one is disaggregated; the threshold both ways), and
+load-aware disaggregation (a prefill worker stopped with a backlog over the limit: the decode
+worker prefills the next request).
 
 Decode workers run through tests/chaos/mark_hold_cli.py: a "mig-" request stops at output length
 4 until its worker is killed (mark_hold.py), so the kill lands mid-request on any machine.
@@ -18,6 +20,7 @@ import secrets
 import types
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -185,3 +188,44 @@ def test_threshold_zero_always_disaggregates(make):
     c = make(("p0", "d0"), policy="prefix_aware", disagg_min_uncached_tokens=0)
     assert final(c, [5, 6])[-1].route.disaggregated
     assert c.metric(MODES, {"mode": "aggregated"}) == 0
+
+
+def test_decode_worker_prefills_while_the_prefill_worker_is_behind(make, reference):
+    """Load-aware disaggregation (disagg_max_prefill_backlog_tokens): the prefill worker is stopped
+    (SIGSTOP) holding a prompt longer than the limit, so the next request is prefilled by the decode
+    worker instead of queueing behind it. Resumed, the prefill worker finishes the held request
+    disaggregated, the router's backlog counts return to zero, and with the prefill worker keeping
+    up requests are disaggregated again. No health checks meanwhile: a stopped worker would be
+    ejected, and the request would stay on the decode worker for that reason instead."""
+    c = make(("p0", "d0"), disagg_max_prefill_backlog_tokens=40, health_interval_s=300.0)
+    rng = random.Random(20261207)  # prompts no other test sends
+    held = [rng.randrange(10, 600) for _ in range(48)]
+    quick = [rng.randrange(10, 600) for _ in range(20)]
+    after = [rng.randrange(10, 600) for _ in range(24)]
+    p0 = by_name(c, "p0")
+    backlogs = lambda: c.lt.call(lambda: {h.worker_id: h.prefill_backlog for h in c.router.registry.handles})  # noqa: E731
+    reason = lambda r: c.metric("pdcluster_router_decode_prefills_total", {"reason": r})  # noqa: E731
+    assert (reason("backlog"), reason("short")) == (0, 0)
+
+    p0.pause()
+    with ThreadPoolExecutor(1) as pool:
+        try:
+            first = pool.submit(final, c, held, 6)
+            assert wait_until(lambda: backlogs()["p0"] == len(held), 30), backlogs()
+            assert c.metric("pdcluster_router_worker_prefill_backlog_tokens",
+                            {"worker": "p0", "address": p0.address, "role": "prefill"}) == len(held)
+            out = final(c, quick)
+            assert not out[-1].route.disaggregated and out[-1].route.decode_worker_id == "d0"
+            assert tokens(out) == reference.tokens(quick, 4)
+            assert reason("backlog") == 1 and not first.done()
+        finally:
+            p0.resume()
+        out = first.result(timeout=120)
+    assert out[-1].route.disaggregated and out[-1].route.prefill_worker_id == "p0"
+    assert tokens(out) == reference.tokens(held, 6)
+    assert wait_until(lambda: set(backlogs().values()) == {0}, 30), backlogs()
+
+    out = final(c, after)
+    assert out[-1].route.disaggregated
+    assert tokens(out) == reference.tokens(after, 4)
+    assert reason("backlog") == 1

@@ -1,0 +1,54 @@
+"""Whether a request is disaggregated: the router's rule, pure (no I/O, no clocks).
+
+With both pools up, a request is prefilled on a prefill worker and decoded on a decode worker,
+unless a decode worker should compute its prompt itself:
+
+    short     its uncached part is at most `min_uncached_tokens` (conditional disaggregation: a
+              short prompt costs the decode worker about what the hand-off would);
+    backlog   the least busy prefill worker already has more than `max_prefill_backlog_tokens`
+              prompt tokens sent to it and not yet prefilled, and a decode worker has fewer. The
+              request would queue behind them while the decode worker can start it now.
+
+Why the backlog rule: one prefill worker serves every prompt that two aggregated instances on the
+same cores would split, so at the same request rate it runs at twice their prefill load and its
+queue sets TTFT (measured on the pinned sweep, benchmarks/RESULTS.md sessions 26-27). Sending a
+prompt to the decode worker only while the prefill worker is behind keeps the decode pool's steps
+free of prefills whenever the prefill pool keeps up, which is what disaggregation is for.
+
+Backlogs are the router's own counts (`WorkerHandle.prefill_backlog`, kept by LegRunner): the
+prompt tokens of its legs that compute a prompt on that worker, from the call until the leg's
+first response. A decode leg that loads its KV counts nothing. Other routers' requests are not
+seen: with several routers each one balances its own share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+REMOTE = "disaggregated"
+SHORT = "short"
+BACKLOG = "backlog"
+LOCAL_REASONS = (SHORT, BACKLOG)
+
+
+@dataclass(frozen=True)
+class DisaggRule:
+    min_uncached_tokens: int = 0         # 0: any prompt may be disaggregated
+    max_prefill_backlog_tokens: int = 0  # 0: no limit (a prefill worker's queue never sends work back)
+
+    def __post_init__(self) -> None:
+        for name in ("min_uncached_tokens", "max_prefill_backlog_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    def choose(self, uncached_tokens: int, prefill_backlogs: Iterable[int], decode_backlogs: Iterable[int]) -> str:
+        """REMOTE, or the reason a decode worker prefills the request itself (SHORT, BACKLOG).
+        The backlogs are those of the healthy workers of each pool (both non-empty)."""
+        if self.min_uncached_tokens > 0 and uncached_tokens <= self.min_uncached_tokens:
+            return SHORT
+        if self.max_prefill_backlog_tokens > 0:
+            prefill = min(prefill_backlogs)
+            if prefill > self.max_prefill_backlog_tokens and min(decode_backlogs) < prefill:
+                return BACKLOG
+        return REMOTE
