@@ -82,7 +82,8 @@ class RouterSection:
     # served by a decode worker alone (0: always disaggregate when both pools exist).
     disagg_min_uncached_tokens: int = 0
     # Load-aware disaggregation: while the least busy prefill worker has more than this many prompt
-    # tokens queued (and a decode worker fewer), a decode worker prefills the request (0: never).
+    # tokens queued, a decode worker that would be done with the prompt before the prefill worker
+    # could start it prefills it itself (0: never).
     disagg_max_prefill_backlog_tokens: int = 0
     stall_timeout_s: float = 0.0         # silence after the first token that counts as a failed worker
     health_interval_s: float = 1.0

@@ -88,8 +88,8 @@ def add_router_flags(p: argparse.ArgumentParser, *, grpc_port: int = 50051, http
                         "are served entirely by a decode worker (0: always disaggregate when both pools exist)")
     p.add_argument("--disagg-max-prefill-backlog", type=int, default=0,
                    help="load-aware disaggregation: while the least busy prefill worker has more than this many "
-                        "prompt tokens queued and a decode worker fewer, a decode worker prefills the request itself "
-                        "(0: never)")
+                        "prompt tokens queued, a decode worker that would finish the prompt before the prefill worker "
+                        "could start it prefills it itself (0: never)")
     p.add_argument("--disagg-mode", choices=("sequential", "concurrent"), default="sequential",
                    help="sequential: the decode leg is sent once the prefill leg returned (default); concurrent: "
                         "both legs at once, the decode worker admits its leg while the prefill runs")

@@ -59,8 +59,8 @@ def add_up_commands(sub: argparse._SubParsersAction) -> None:
                         "served by a decode worker alone (router.disagg_min_uncached_tokens; 0: always disaggregate)")
     p.add_argument("--disagg-max-prefill-backlog", dest="disagg_max_prefill_backlog_tokens", type=int, default=None,
                    help="load-aware disaggregation: while the least busy prefill worker has more than this many prompt "
-                        "tokens queued, a decode worker prefills the request (router.disagg_max_prefill_backlog_tokens; "
-                        "0: never)")
+                        "tokens queued, a decode worker prefills the prompts it would finish before the prefill worker "
+                        "could start them (router.disagg_max_prefill_backlog_tokens; 0: never)")
     p.add_argument("--disagg-mode", choices=("sequential", "concurrent"), default="sequential",
                    help="as `serve`: sequential sends the decode leg once the prefill leg returned (default); "
                         "concurrent sends both at once, the decode worker admits its leg while the prefill runs")

@@ -62,7 +62,7 @@ class RouterConfig:
     # Disaggregation (router/disagg_rule.py): a decode worker prefills a prompt itself when its
     # uncached part is at most disagg_min_uncached_tokens, or when the least busy prefill worker
     # has more than disagg_max_prefill_backlog_tokens prompt tokens queued and a decode worker
-    # fewer (0: neither rule).
+    # would be done with the prompt before the prefill worker could start it (0: neither rule).
     disagg_min_uncached_tokens: int = 0
     disagg_max_prefill_backlog_tokens: int = 0
     # "sequential": the decode leg is sent when the prefill leg has returned; "concurrent": both

@@ -25,11 +25,14 @@ def test_short_prompts_stay_on_the_decode_worker():
 
 def test_backlog_sends_work_back_only_while_the_prefill_pool_is_behind():
     rule = DisaggRule(max_prefill_backlog_tokens=512)
-    assert rule.choose(900, [512], [0]) == REMOTE          # at the limit: still the prefill pool's
-    assert rule.choose(900, [513], [0]) == BACKLOG         # over it, an idle decode worker starts now
-    assert rule.choose(900, [513, 100], [0]) == REMOTE     # the least busy prefill worker is what counts
-    assert rule.choose(900, [2000], [2000]) == REMOTE      # the decode worker is no less behind
-    assert rule.choose(900, [2000], [5000, 1999]) == BACKLOG  # ... unless one of them is
+    assert rule.choose(100, [512], [0]) == REMOTE          # at the limit: still the prefill pool's
+    assert rule.choose(100, [513], [0]) == BACKLOG         # over it, an idle decode worker is done first
+    assert rule.choose(100, [513, 100], [0]) == REMOTE     # the least busy prefill worker is what counts
+    # The decode worker takes it only if it would be done before the prefill worker could start it:
+    assert rule.choose(400, [1000], [599]) == BACKLOG      # 599 + 400 < 1000
+    assert rule.choose(400, [1000], [600]) == REMOTE       # 600 + 400 = 1000
+    assert rule.choose(900, [513], [0]) == REMOTE          # a long prompt waits for the prefill pool
+    assert rule.choose(900, [2000], [5000, 1000]) == BACKLOG  # the least busy decode worker counts
     # Both rules: a short prompt is SHORT whatever the backlog.
     both = DisaggRule(min_uncached_tokens=64, max_prefill_backlog_tokens=512)
     assert both.choose(64, [0], [0]) == SHORT
