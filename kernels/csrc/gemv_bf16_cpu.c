@@ -159,10 +159,8 @@ static void tile_rows(const float *x, int64_t ldx, const uint16_t *wt, int64_t k
  * broadcast to the 4 rows' quarters, meet each weight line: one load, one instruction per row of
  * x. Accumulator m's quarter r holds row r's 4 partial sums; every row of x goes through the same
  * instructions whatever MT is, so a row's result does not depend on the rows beside it. */
-#define MAX_DP_PASS_ROWS 8       /* one tile at a time */
-#define MAX_DP_GROUP_PASS_ROWS 6 /* DP_GROUP tiles at a time: 24 accumulators */
-#define DP_GROUP 4               /* tiles a dot-product pass covers at once, from DP_GROUP_MIN_ROWS rows */
-#define DP_GROUP_MIN_ROWS 12
+#define MAX_DP_PASS_ROWS 6 /* DP_GROUP tiles at a time: 24 accumulators */
+#define DP_GROUP 4         /* tiles a pass covers at once once the rows need several passes */
 /* Up to 4 quarters r0..r3 (4 partial sums each) -> r0, r1, r2, r3: the same reduction for every
  * tile and row, however the tiles and rows were grouped. */
 static inline void dp_sums(__m512 a, float *out) {
@@ -175,10 +173,12 @@ static inline void dp_sums(__m512 a, float *out) {
  * accumulators (up to 24 of the 32 registers), so each weight line loaded serves MT rows and each
  * x broadcast NT tiles. One tile at a time the loads outnumber the dot products once there are
  * many rows: the 49 products of a bench-Llama step took 1.6x oneDNN's bf16 time at 16-64 rows,
- * 4 tiles at a time 1.35x. Below DP_GROUP_MIN_ROWS rows the step is bound by the weight read, and
- * one sequential stream per thread reads it faster than four (at 1 / 4 / 8 rows: 4.7 / 6.0 / 9.4 ms
- * against 6.9 / 9.4 / 10.9; RESULTS.md, session 26). out: MT rows x NT * 4 sums (row stride
- * DP_GROUP * 4). */
+ * 4 tiles at a time 1.35x (session 26). While one pass holds every row the step is bound by the
+ * weight read, and one sequential stream per thread reads it faster than four; once the rows need
+ * two passes, four tiles at a time win. Interleaved A/B of the 49 products, weights cold, ms
+ * (session 27): one tile 7.1 / 7.1 / 8.3 / 9.0 at 1 / 4 / 5 / 6 rows against four 9.0 / 9.9 /
+ * 9.6 / 9.4; at 7 / 10 rows one tile (two passes) 13.7 / 15.7 against four 12.3 / 13.7. out: MT
+ * rows x NT * 4 sums (row stride DP_GROUP * 4). */
 #define TILE_DP(MT, NT)                                                                            \
     __attribute__((noinline)) static void tile_dp_##MT##_##NT(const uint16_t *xp, int64_t ldxp,  \
                                                                const uint16_t *wt, int64_t tile_len, \
@@ -211,11 +211,8 @@ TILE_DP_ROWS(3)
 TILE_DP_ROWS(4)
 TILE_DP_ROWS(5)
 TILE_DP_ROWS(6)
-TILE_DP(7, 1)
-TILE_DP(8, 1)
 
-/* mt rows against nt tiles: DP_GROUP at once (mt <= MAX_DP_GROUP_PASS_ROWS), or one
- * (mt <= MAX_DP_PASS_ROWS). */
+/* mt rows (1..MAX_DP_PASS_ROWS) against nt tiles: DP_GROUP at once, or one. */
 static void tiles_dp(const uint16_t *xp, int64_t ldxp, const uint16_t *wt, int64_t tile_len, int64_t kfull,
                      int mt, int nt, float *out) {
 #define DP_CASE(MT)                                                                                \
@@ -229,22 +226,33 @@ static void tiles_dp(const uint16_t *xp, int64_t ldxp, const uint16_t *wt, int64
         DP_CASE(3)
         DP_CASE(4)
         DP_CASE(5)
-        DP_CASE(6)
-        case 7: tile_dp_7_1(xp, ldxp, wt, tile_len, kfull, out); return;
-        default: tile_dp_8_1(xp, ldxp, wt, tile_len, kfull, out); return;
+        default: DP_CASE(6)
     }
 #undef DP_CASE
 }
 #else
 #define HAVE_BF16_DOT 0
-#define MAX_DP_PASS_ROWS MAX_PASS_ROWS
 #endif
 
 /* Rows m0 .. m0 + mt - 1 of tile t's 4 outputs: the whole chunks' sums from part (row stride
- * ldp), the partial last chunk of K from x's floats, the bias. */
+ * ldp), the partial last chunk of K from x's floats, the bias. A tile with neither (every tile of
+ * a model's usual shapes but a padded last one) takes the short way: per row one 4-wide add and
+ * store, which the compiler vectorizes. The general loop cost as much as a quarter of the dot
+ * products' time at 16-64 rows (a call and a branch per output; RESULTS.md, session 27). */
 static inline void store_rows(const float *x, int64_t ldx, const uint16_t *wt, const float *bias, float *y,
                               int64_t m0, int mt, int64_t t, int64_t N, int64_t K, int64_t kfull,
                               const float *part, int ldp) {
+    const int64_t col0 = t * TILE_ROWS;
+    if (kfull * CHUNK == K && col0 + TILE_ROWS <= N) {
+        float b[TILE_ROWS] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (bias) memcpy(b, bias + col0, sizeof b);
+        for (int m = 0; m < mt; m++) {
+            float *yr = y + (m0 + m) * N + col0;
+            const float *pr = part + m * ldp;
+            for (int j = 0; j < TILE_ROWS; j++) yr[j] = pr[j] + b[j];
+        }
+        return;
+    }
     const uint16_t *last = wt + kfull * TILE_ROWS * CHUNK; /* the partial chunk, if any */
     for (int m = 0; m < mt; m++)
         for (int j = 0; j < TILE_ROWS; j++) {
@@ -269,8 +277,7 @@ static void gemv_tiles(const float *x, int64_t ldx, const uint16_t *xp, int64_t 
 #if HAVE_BF16_DOT
     if (xp != NULL) {
         /* Rows are spread evenly over passes as below; a row's sums do not depend on the grouping. */
-        const int group = M >= DP_GROUP_MIN_ROWS ? DP_GROUP : 1;
-        const int max_pass = group > 1 ? MAX_DP_GROUP_PASS_ROWS : MAX_DP_PASS_ROWS;
+        const int group = M > MAX_DP_PASS_ROWS ? DP_GROUP : 1;
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (int64_t b = 0; b < nblocks; b++) {
             float part[MAX_DP_PASS_ROWS * DP_GROUP * 4];
@@ -278,7 +285,7 @@ static void gemv_tiles(const float *x, int64_t ldx, const uint16_t *xp, int64_t 
             for (int64_t t0 = b * TILES_PER_BLOCK; t0 < t_end;) {
                 const int nt = t_end - t0 >= group ? group : 1;
                 for (int64_t m0 = 0; m0 < M;) {
-                    const int64_t left = M - m0, passes = (left + max_pass - 1) / max_pass;
+                    const int64_t left = M - m0, passes = (left + MAX_DP_PASS_ROWS - 1) / MAX_DP_PASS_ROWS;
                     const int mt = (int)((left + passes - 1) / passes);
                     tiles_dp(xp + m0 * ldxp, ldxp, wp + t0 * tile_len, tile_len, kfull, mt, nt, part);
                     for (int t = 0; t < nt; t++)
