@@ -210,8 +210,12 @@ def _parse_cluster(raw: Any, connector_names: Callable[[], list[str]]) -> Cluste
         raise ConfigError(f"connector: prefill and decode pools need a KV connector (e.g. name: "
                           f"{connector_names()[0] if connector_names() else 'p2p'})")
     ec_connector = _parse_ec_connector(d.get("ec_connector"), "encode" in pools)
-    out: dict[str, Any] = {"pools": pools, "connector": connector, "ec_connector": ec_connector,
-                           "router": _parse_router(d.get("router"))}
+    router = _parse_router(d.get("router"))
+    if "both" in pools:  # an aggregated cluster never disaggregates: a rule for it would do nothing
+        for key in ("disagg_min_uncached_tokens", "disagg_max_prefill_backlog_tokens"):
+            if getattr(router, key):
+                raise ConfigError(f"router.{key}: needs prefill and decode pools, got a `both` pool")
+    out: dict[str, Any] = {"pools": pools, "connector": connector, "ec_connector": ec_connector, "router": router}
     for key in ("model", "key_dir", "log_dir"):
         if d.get(key) is not None:
             out[key] = _str(d[key], key)

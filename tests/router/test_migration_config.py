@@ -11,9 +11,11 @@ import pytest
 
 from pdcluster.cluster.config import ClusterConfig, ConfigError
 from pdcluster.cluster.router_cmd import router_config as _router_config
-from pdcluster.cluster.serve_cmd import add_serve
+from pdcluster.cluster.serve_cmd import _pools, add_serve
 from pdcluster.cluster.up_cmd import add_up_commands, build_config
 from pdcluster.router.config import RouterConfig
+
+PD_POOLS = {"pools": {"prefill": {"instances": 1}, "decode": {"instances": 1}}, "connector": {"name": "p2p"}}
 
 
 def _parse(add, *argv: str) -> argparse.Namespace:
@@ -45,7 +47,7 @@ def test_serve_flags_reach_the_router_config() -> None:
 
 def test_cluster_yaml_router_section(tmp_path) -> None:
     c = ClusterConfig.from_dict({"router": {"max_migrations": 0, "disagg_min_uncached_tokens": 128,
-                                            "stall_timeout_s": 20}})
+                                            "stall_timeout_s": 20}, **PD_POOLS})
     assert (c.router.max_migrations, c.router.disagg_min_uncached_tokens, c.router.stall_timeout_s) == (0, 128, 20.0)
     with pytest.raises(ConfigError, match=r"^router\.stall_timeout_s: must be a non-negative number"):
         ClusterConfig.from_dict({"router": {"stall_timeout_s": -2}})
@@ -54,7 +56,7 @@ def test_cluster_yaml_router_section(tmp_path) -> None:
     config = RouterConfig(**{k: v for k, v in fields.items() if k in {f.name for f in dataclasses.fields(RouterConfig)}})
     assert (config.max_migrations, config.disagg_min_uncached_tokens) == (0, 128)
     assert set(fields) <= {f.name for f in dataclasses.fields(RouterConfig)}
-    c = ClusterConfig.from_dict({"router": {"disagg_max_prefill_backlog_tokens": 512}})
+    c = ClusterConfig.from_dict({"router": {"disagg_max_prefill_backlog_tokens": 512}, **PD_POOLS})
     assert RouterConfig(disagg_max_prefill_backlog_tokens=512) and c.router.disagg_max_prefill_backlog_tokens == 512
     for key in ("max_migrations", "disagg_min_uncached_tokens", "disagg_max_prefill_backlog_tokens"):
         with pytest.raises(ConfigError, match=rf"^router\.{key}: must be"):
@@ -65,8 +67,7 @@ def test_up_flags_override_the_file(tmp_path) -> None:
     import yaml
 
     path = tmp_path / "cluster.yaml"
-    path.write_text(yaml.safe_dump({"router": {"max_migrations": 1, "disagg_min_uncached_tokens": 16},
-                                   "pools": {"both": {"instances": 1}}}))
+    path.write_text(yaml.safe_dump({"router": {"max_migrations": 1, "disagg_min_uncached_tokens": 16}, **PD_POOLS}))
     c = build_config(_parse(add_up_commands, "up", "--config", str(path)))
     assert (c.router.max_migrations, c.router.disagg_min_uncached_tokens) == (1, 16)
     c = build_config(_parse(add_up_commands, "up", "--config", str(path), "--disagg-threshold", "48",
@@ -75,3 +76,21 @@ def test_up_flags_override_the_file(tmp_path) -> None:
     assert c.router.disagg_max_prefill_backlog_tokens == 0
     c = build_config(_parse(add_up_commands, "up", "--config", str(path), "--disagg-max-prefill-backlog", "300"))
     assert (c.router.disagg_min_uncached_tokens, c.router.disagg_max_prefill_backlog_tokens) == (16, 300)
+
+
+def test_disaggregation_rules_need_prefill_and_decode_pools() -> None:
+    """A rule for when to disaggregate does nothing without both pools: refused by name, not ignored."""
+    for flag in ("--disagg-threshold", "--disagg-max-prefill-backlog"):
+        with pytest.raises(ValueError, match=f"^{flag} needs --prefill and --decode pools"):
+            _pools(_parse(add_serve, "serve", "--workers", "2", flag, "64"))
+        with pytest.raises(ValueError, match=f"^{flag} needs --prefill and --decode pools"):
+            _pools(_parse(add_serve, "serve", flag, "64"))  # the default: one aggregated worker
+        assert _pools(_parse(add_serve, "serve", "--prefill", "1", "--decode", "1", flag, "64")) == [
+            ("prefill", 1), ("decode", 1)]
+    assert _pools(_parse(add_serve, "serve", "--workers", "2", "--disagg-threshold", "0")) == [("both", 2)]
+    for key in ("disagg_min_uncached_tokens", "disagg_max_prefill_backlog_tokens"):
+        with pytest.raises(ConfigError, match=rf"^router\.{key}: needs prefill and decode pools"):
+            ClusterConfig.from_dict({"router": {key: 64}})
+        with pytest.raises(ConfigError, match=rf"^router\.{key}: needs prefill and decode pools"):
+            ClusterConfig.from_dict({"router": {key: 64}, "pools": {"both": {"instances": 2}}})
+        assert ClusterConfig.from_dict({"router": {key: 0}, "pools": {"both": {"instances": 2}}})
