@@ -36,6 +36,9 @@ ROLES = ("prefill", "decode", "both", "encode")
 EC_CONNECTORS = ("p2p_ec",)  # built-in EC connector names (a dotted path names a plugin)
 STRATEGIES = ("spread", "pack")
 _FALLBACK_CONNECTORS = ("p2p",)  # when the connector registry cannot be imported
+# The router's rules for when to disaggregate (router/disagg_rule.py): non-negative, and only
+# meaningful with prefill and decode pools.
+_DISAGG_RULES = ("disagg_min_uncached_tokens", "disagg_max_prefill_backlog_tokens")
 
 
 class ConfigError(ValueError):
@@ -212,7 +215,7 @@ def _parse_cluster(raw: Any, connector_names: Callable[[], list[str]]) -> Cluste
     ec_connector = _parse_ec_connector(d.get("ec_connector"), "encode" in pools)
     router = _parse_router(d.get("router"))
     if "both" in pools:  # an aggregated cluster never disaggregates: a rule for it would do nothing
-        for key in ("disagg_min_uncached_tokens", "disagg_max_prefill_backlog_tokens"):
+        for key in _DISAGG_RULES:
             if getattr(router, key):
                 raise ConfigError(f"router.{key}: needs prefill and decode pools, got a `both` pool")
     out: dict[str, Any] = {"pools": pools, "connector": connector, "ec_connector": ec_connector, "router": router}
@@ -304,7 +307,7 @@ def _parse_router(raw: Any) -> RouterSection:
     for key in ("max_inflight", "eject_after_failures"):
         if key in d:
             out[key] = _int(d[key], f"router.{key}")
-    for key in ("max_retries", "max_migrations", "disagg_min_uncached_tokens", "disagg_max_prefill_backlog_tokens"):
+    for key in ("max_retries", "max_migrations", *_DISAGG_RULES):
         if key in d:
             out[key] = _int(d[key], f"router.{key}", minimum=0)
     for key in ("health_interval_s", "request_timeout_s"):
