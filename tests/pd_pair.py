@@ -16,11 +16,14 @@ from real_router_cluster import Cluster, LoopThread, router_cluster
 from pdcluster._proto import common_pb2, router_pb2
 
 
-def p2p_pair_pool(model: str, key_dir: pathlib.Path, log_dir: pathlib.Path, marks: tuple[int, ...]) -> MarkHoldPool:
-    """p0 (prefill) and d0 (decode, holding "mig-" requests at `marks`), sharing one P2P secret."""
+def p2p_pair_pool(model: str, key_dir: pathlib.Path, log_dir: pathlib.Path, marks: tuple[int, ...],
+                  **options: Any) -> MarkHoldPool:
+    """p0 (prefill) and d0 (decode, holding "mig-" requests at `marks`), sharing one P2P secret;
+    `options` go to the P2P connector."""
+    options = {"params_secret": secrets.token_hex(32), **options}
     return MarkHoldPool(model, str(key_dir), log_dir, [("p0", "prefill"), ("d0", "decode")], marks,
                         extra_args=["--kv-connector", "p2p"],
-                        env={"PDCLUSTER_KV_CONNECTOR_OPTIONS": json.dumps({"params_secret": secrets.token_hex(32)})})
+                        env={"PDCLUSTER_KV_CONNECTOR_OPTIONS": json.dumps(options)})
 
 
 @contextlib.contextmanager

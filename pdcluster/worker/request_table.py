@@ -151,6 +151,9 @@ class RequestTable:
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
         self.kv_waits.provide(request.request_id, request.transfer_id, kv, list(request.prefill_output_token_ids))
 
+    def is_running(self, request_id: str) -> bool:
+        return request_id in self._inflight
+
     def track(self, request_id: str, inflight: Inflight) -> None:
         self._inflight[request_id] = inflight
 

@@ -17,12 +17,18 @@ matches replies by tag, so a request id reused right after an abort never receiv
 request's late deltas. Per request everything is Generate's: the same checks and status codes
 (sent as StreamError), deadlines (timeout_s), Abort RPC, and every way a request ends frees its
 blocks. The call ending (router gone, connection lost) aborts every request still on it.
+
+An abort can also name a tag whose request already finished here: the router cancelled the call
+before its last reply reached it (a prefill worker that stalled, then resumed, finishes the leg
+between reading its start and its abort). If that reply handed out KV (a producer's blocks under
+a transfer lease), nobody will ever read them: the engine lets them go now, not at lease expiry.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +44,9 @@ log = logging.getLogger(__name__)
 
 # A batch is flushed before it passes this: well under the router's 4 MiB receive limit.
 DEFAULT_MAX_BATCH_BYTES = 1 << 20
+# Finished runs that handed out KV, remembered per stream for a late abort; older ones are left to
+# their lease's expiry (a late abort comes within one round trip of the reply).
+MAX_HANDED_RUNS = 1024
 
 
 @dataclass(eq=False)
@@ -57,6 +66,7 @@ class StreamSession:
         self.requests = requests  # the worker's table, shared with Generate
         self.max_batch_bytes = max_batch_bytes
         self._runs: dict[int, _Run] = {}
+        self._handed: OrderedDict[int, str] = OrderedDict()  # tag -> request id: ended, KV held for a reader
         self._out: list[worker_pb2.WorkerGenerateResponse | worker_pb2.StreamError] = []
         self._wake = asyncio.Event()
         self._peer_done = False
@@ -106,11 +116,21 @@ class StreamSession:
                     run = self._runs.get(tag)
                     if run is not None:
                         self.requests.abort(run.request_id)  # cancels the pump, ends the run with ABORT
+                    else:
+                        await self._release_handed(tag)
                 for generate in msg.generate:
                     self._start(generate)
         finally:
             self._peer_done = True
             self._wake.set()
+
+    async def _release_handed(self, tag: int) -> None:
+        """A late abort of a run that ended handing out KV: its reply never reached the router, so
+        no decode leg will read the blocks; free them (unless the id runs here again by now)."""
+        request_id = self._handed.pop(tag, None)
+        if request_id is not None and not self.requests.is_running(request_id):
+            log.info("request %s: aborted after it ended here; its held KV is released", request_id)
+            await self.requests.engine.abort(request_id)
 
     def _start(self, generate: worker_pb2.StreamGenerate) -> None:
         request = generate.request
@@ -160,6 +180,10 @@ class StreamSession:
     def _emit(self, run: _Run, response: worker_pb2.WorkerGenerateResponse) -> None:
         if response.finished:
             self._finish(run)
+            if response.HasField("kv_transfer_params"):
+                self._handed[run.tag] = run.request_id
+                if len(self._handed) > MAX_HANDED_RUNS:
+                    self._handed.popitem(last=False)
         if not run.stream:
             run.collected.append(response)
             if not response.finished:

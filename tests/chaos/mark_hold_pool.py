@@ -7,6 +7,7 @@ from __future__ import annotations
 import pathlib
 from collections.abc import Callable, Sequence
 
+import grpc
 from chaos.mark_hold import MARKS_ENV
 from real_router_cluster import (
     WORKER_MAX_MODEL_LEN,
@@ -15,9 +16,20 @@ from real_router_cluster import (
     WorkerProc,
     is_idle,
     wait_until,
+    worker_stats,
 )
 
 MARK_HOLD_CLI = pathlib.Path(__file__).resolve().parent / "mark_hold_cli.py"
+
+
+def _stats_of(address: str) -> str:
+    """What keeps a worker busy, for a failure message."""
+    try:
+        s = worker_stats(address)
+    except grpc.RpcError as e:
+        return f"Stats failed: {e.code().name}"
+    return (f"{s.num_running} running, {s.num_waiting} waiting, {s.num_kv_blocks_used} KV blocks used "
+            f"of {s.num_kv_blocks_used + s.num_kv_blocks_free}")
 
 
 class MarkHoldWorker(WorkerProc):
@@ -51,5 +63,5 @@ class MarkHoldPool(WorkerPool):
         chosen = [w for w in self.workers if w.name in names]
         for w in chosen:
             w.wait_ready(timeout)
-            assert wait_until(lambda w=w: idle(w.address), 30), f"{w.name} is not idle"
+            assert wait_until(lambda w=w: idle(w.address), 30), f"{w.name} is not idle: {_stats_of(w.address)}"
         return chosen

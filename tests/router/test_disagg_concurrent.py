@@ -13,6 +13,7 @@ PERMISSION_DENIED while the leg waits on that worker and NOT_FOUND once it is go
 
 from __future__ import annotations
 
+import asyncio
 import pathlib
 import random
 import threading
@@ -34,7 +35,8 @@ WRONG_TRANSFER = "0" * 32
 
 @pytest.fixture(scope="module")
 def pool(demo_model: str, key_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[MarkHoldPool]:
-    p = p2p_pair_pool(demo_model, key_dir, tmp_path_factory.mktemp("concurrent-logs"), (4,))
+    # Leases outlive every wait here: held KV that returns is let go, never expired.
+    p = p2p_pair_pool(demo_model, key_dir, tmp_path_factory.mktemp("concurrent-logs"), (4,), lease_ttl_s=600.0)
     try:
         yield p
     finally:
@@ -182,6 +184,33 @@ def test_prefill_worker_dead_while_the_decode_leg_waits(cluster):
     assert wait_until(lambda: not waiting_here(decode.address, request_id), 30)
     assert wait_until(lambda: is_idle(decode.address), 30)
     assert worker_stats(decode.address).num_kv_blocks_free == free_before
+
+
+def test_an_abort_that_comes_after_the_prefill_leg_ended_frees_its_held_kv(pool):
+    """The router cancels a prefill leg whose last reply is already on its way (a stalled prefill
+    worker resumed and finished it before reading the abort): the KV it handed out is let go at
+    the abort, not at lease expiry (600 s in this module)."""
+    (prefill,) = pool.take_named(("p0",))
+    leg = worker_pb2.WorkerGenerateRequest(
+        request_id=f"late-{uuid.uuid4().hex[:12]}", prompt_token_ids=list(range(40, 80)), stream=False,
+        sampling_params=common_pb2.SamplingParams(max_tokens=1, temperature=0.0))
+    leg.kv_transfer_params.do_remote_decode = True
+    leg.kv_transfer_params.transfer_id = uuid.uuid4().hex
+
+    async def run() -> None:
+        async with grpc.aio.insecure_channel(prefill.address) as ch:
+            call = worker_pb2_grpc.WorkerStub(ch).GenerateStream()
+            await call.write(worker_pb2.WorkerStreamRequest(generate=[worker_pb2.StreamGenerate(request=leg, tag=7)]))
+            msg = await call.read()
+            (reply,) = msg.deltas
+            assert reply.finished and reply.HasField("kv_transfer_params") and reply.stream_tag == 7
+            assert worker_stats(prefill.address).num_kv_blocks_used > 0  # held for a decode leg
+            await call.write(worker_pb2.WorkerStreamRequest(abort_tags=[7]))
+            assert await asyncio.to_thread(wait_until, lambda: is_idle(prefill.address), 30)
+            await call.done_writing()
+            assert await call.read() is grpc.aio.EOF
+
+    asyncio.run(run())
 
 
 def _swallow(stream) -> Iterator[Any]:
