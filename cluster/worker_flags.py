@@ -66,9 +66,10 @@ ENGINE_FLAGS: tuple[tuple[str, str, Any], ...] = (
     ("--seed", "seed", int), ("--enable-prefix-caching", "enable_prefix_caching", bool),
     ("--enforce-eager", "enforce_eager", bool), ("--enable-expert-parallel", "enable_expert_parallel", bool),
     ("--scheduling-policy", "scheduling_policy", str), ("--speculative-config", "speculative_config", str),
+    ("--kv-load-wait-ms", "kv_load_wait_ms", float),
 )
 ENGINE_DEFAULTS = {"dtype": "auto", "kv_cache_dtype": "auto", "device": "auto", "block_size": 16, "max_num_seqs": 64,
-                   "seed": 0, "scheduling_policy": "fcfs"}
+                   "seed": 0, "scheduling_policy": "fcfs", "kv_load_wait_ms": 0.0}
 ENGINE_HELP = {
     "kv_cache_memory_bytes": "KV cache budget in bytes (default: from free memory); --num-kv-blocks overrides it",
     "max_model_len": "context length (default: the model's)",
@@ -76,6 +77,9 @@ ENGINE_HELP = {
     "enable_expert_parallel": "MoE models: partition the experts across the tensor-parallel ranks",
     "scheduling_policy": "fcfs (default) or priority: requests' `priority` (lower first) orders admission and "
                          "preemption",
+    "kv_load_wait_ms": "decode workers: a step that starts KV loads runs nothing else, and the running requests "
+                       "wait up to this long for them, so loaded requests join the next step (0: off; "
+                       "SchedulerConfig.kv_load_wait_s)",
     "speculative_config": "speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                           "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} (engine/ngram_proposer.py)",
 }

@@ -46,9 +46,17 @@ class SchedulerConfig:
     # vLLM's --scheduling-policy: "fcfs", or "priority" (SamplingParams.priority, lower first:
     # the waiting queue and the running batch in (priority, arrival) order, the last preempted).
     policy: str = "fcfs"
+    # Ours (--kv-load-wait-ms): when requests at the head of the queue have KV to load (a decode
+    # worker's hand-offs) while others run, a step starts those loads alone and the engine holds
+    # the running requests' next step up to this long for them to land, so the loaded requests
+    # join that step instead of the one after it (engine_core.EngineCore._await_loads). 0: the
+    # load overlaps a step of the running requests (vLLM's way).
+    kv_load_wait_s: float = 0.0
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# An upper bound against typos: a hold past a step or two of the running requests never pays.
+MAX_KV_LOAD_WAIT_MS = 60_000
 SPECULATIVE_METHODS = ("ngram",)
 MAX_SPECULATIVE_TOKENS = 32
 
@@ -183,6 +191,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"  # vLLM's flag: "fcfs" | "priority" (SchedulerConfig.policy)
+    kv_load_wait_ms: float = 0.0  # SchedulerConfig.kv_load_wait_s, in ms (0: off)
     kv_cache_memory_bytes: int | None = None
     num_kv_blocks: int | None = None  # overrides the memory budget (tests force tiny caches)
     kv_cache_dtype: str = "auto"
@@ -251,6 +260,11 @@ class EngineArgs:
                 f"max_num_batched_tokens ({mnbt}) must be >= max_model_len ({max_len}) without chunked prefill")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
+        load_wait = self.kv_load_wait_ms
+        if (isinstance(load_wait, bool) or not isinstance(load_wait, (int, float))
+                or not 0 <= load_wait <= MAX_KV_LOAD_WAIT_MS):
+            raise ValueError(f"kv_load_wait_ms must be a number of milliseconds in [0, {MAX_KV_LOAD_WAIT_MS}], "
+                             f"got {load_wait!r}")
         kv_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, model_cfg.dtype)
         speculative = SpeculativeConfig.parse(self.speculative_config)
         _check_tp_shapes(model_cfg, tp)
@@ -273,7 +287,7 @@ class EngineArgs:
             model=model_cfg,
             cache=cache_cfg,
             scheduler=SchedulerConfig(self.max_num_seqs, mnbt, max_len, self.enable_chunked_prefill,
-                                      self.scheduling_policy),
+                                      self.scheduling_policy, load_wait / 1000.0),
             parallel=ParallelConfig(tp, float(tp_timeout)),
             device=device,
             attention_backend=auto_backend if self.attention_backend == "auto" else self.attention_backend,

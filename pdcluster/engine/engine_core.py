@@ -105,6 +105,9 @@ class EngineCore:
         # connector make progress on asynchronous transfers.
         t0 = time.perf_counter()
         runner_output = self.runner.execute(scheduler_output)
+        if scheduler_output.load_first:
+            outputs = self.scheduler.update(scheduler_output, runner_output)
+            return outputs + self._await_loads(scheduler_output.load_first)
         self.scheduler.record_step_time(scheduler_output, time.perf_counter() - t0)  # the draft policy's costs
         outputs = self.scheduler.update(scheduler_output, runner_output)
         progressed = (runner_output.finished_recving or runner_output.finished_sending
@@ -115,6 +118,28 @@ class EngineCore:
             # command, at most _IDLE_STEP_S, rather than spin. A step that collected a finished
             # transfer, or left something to deliver, goes on at once.
             self._wake.wait(_IDLE_STEP_S)
+        return outputs
+
+    def _await_loads(self, request_ids: list[str]) -> list[EngineCoreOutput]:
+        """After a load-first step (SchedulerConfig.kv_load_wait_s): wait for these loads to land,
+        at most kv_load_wait_s, collecting each finished transfer with a step that computes
+        nothing, so that the next step runs the loaded requests with the running ones.
+
+        Why: a load started beside a step lands during it, and the request joined the step after
+        next: its first decode waited for the rest of one step and all of another (traced on a
+        1P+1D decode worker: RESULTS.md, session 28). On a worker whose cores the step fills, the
+        load's copy takes them from that step anyway; what the running requests pay is the wait
+        for the producer's answers."""
+        deadline = time.monotonic() + self.scheduler.config.kv_load_wait_s
+        outputs: list[EngineCoreOutput] = []
+        while self.scheduler.loading_any(request_ids):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._wake.wait(left)  # the connector's wake-up when a transfer ends (or a command)
+            self._wake.clear()
+            idle = self.scheduler.schedule_idle()
+            outputs += self.scheduler.update(idle, self.runner.execute(idle))
         return outputs
 
     def get_stats(self) -> dict[str, Any]:

@@ -56,6 +56,9 @@ class SchedulerOutput:
     # Speculative decoding: request_id -> draft tokens scheduled after its last token (they are
     # counted in num_scheduled_tokens; the runner keeps those the model agrees with).
     scheduled_spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # A load-first step (SchedulerConfig.kv_load_wait_s): it only starts these requests' loads,
+    # and the engine waits for them before the next step.
+    load_first: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -168,10 +168,40 @@ class Scheduler:
     # == schedule ==================================================================================
     def schedule(self) -> SchedulerOutput:
         step = StepPlan(budget=self.config.max_num_batched_tokens)
+        if self._loads_first():
+            # Only the loads start this step; the running requests wait for them (the engine
+            # holds their step up to kv_load_wait_s), then run with the loaded ones.
+            self._schedule_waiting(step, loads_only=True)
+            if step.loads:
+                out = self._output(step)
+                out.load_first = step.loads
+                return out
         self._schedule_running(step)
         self._add_drafts(step)
         if not step.preempted:  # blocks are short: admitting more would only preempt again
             self._schedule_waiting(step)
+        return self._output(step)
+
+    def schedule_idle(self) -> SchedulerOutput:
+        """A step that computes nothing: the runner drops finished requests' state and reports
+        the transfers that ended (how the engine collects the loads a load-first step waits for)."""
+        return self._output(StepPlan(budget=0))
+
+    def _loads_first(self) -> bool:
+        """Whether this step only starts loads: kv_load_wait_s is on, requests run, and the head
+        of the queue is a decode leg whose KV a connector loads (checked again at admission)."""
+        if self.config.kv_load_wait_s <= 0 or not self.running or not self.waiting or self.connector is None:
+            return False
+        head = self.waiting[0]
+        kv = head.kv_transfer_params
+        return (kv is not None and kv.do_remote_prefill and head.request_id not in self._finished_ids
+                and not self.kv.get_block_ids(head.request_id))
+
+    def loading_any(self, request_ids: Iterable[str]) -> bool:
+        """Whether a load of any of these requests is still in flight."""
+        return any(request_id in self.remote.loading for request_id in request_ids)
+
+    def _output(self, step: StepPlan) -> SchedulerOutput:
         finished, self._finished_ids = self._finished_ids, set()
         out = SchedulerOutput(step.new_reqs, step.cached_reqs, step.num_scheduled,
                               sum(step.num_scheduled.values()), finished)
@@ -284,7 +314,9 @@ class Scheduler:
             if victim is req:
                 return None
 
-    def _schedule_waiting(self, step: StepPlan) -> None:
+    def _schedule_waiting(self, step: StepPlan, loads_only: bool = False) -> None:
+        """Admit waiting requests in order. loads_only: only those whose KV a connector loads
+        asynchronously, stopping at the first other one (a load-first step computes nothing)."""
         skipped: list[Request] = []
         retried = False
         while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -293,7 +325,7 @@ class Scheduler:
                 skipped.append(req)  # the runner drops its old state this step; admit it next step
                 continue
             try:
-                outcome = self._admit(req, step)
+                outcome = self._admit(req, step, loads_only)
             except Exception as e:  # a connector plugin raised: fail this request, not the engine
                 logger.exception("admitting %s failed", req.request_id)
                 self.waiting.appendleft(req)  # not yet RUNNING: _finish finds it in the queue
@@ -309,14 +341,18 @@ class Scheduler:
                 retried = True
         self.waiting.extendleft(reversed(skipped))
 
-    def _admit(self, req: Request, step: StepPlan) -> AdmitOutcome:
+    def _admit(self, req: Request, step: StepPlan, loads_only: bool = False) -> AdmitOutcome:
         held = bool(self.kv.get_block_ids(req.request_id))  # loaded by a connector, not yet run
         if (match := self.remote.match(req, held)) is None:  # the connector cannot tell yet
             return AdmitOutcome.SKIP
         hits, num_local, num_ext, is_async = match
         if is_async and num_ext > 0:
             admitted = self.remote.admit(req, hits, num_local, num_ext)
+            if admitted:
+                step.loads.append(req.request_id)
             return AdmitOutcome.REMOTE if admitted else AdmitOutcome.BLOCKED
+        if loads_only:
+            return AdmitOutcome.BLOCKED  # it computes: the next (normal) step admits it
         num_computed = (req.num_computed_tokens if held else num_local) + num_ext
         num_new = self._chunk(req, num_computed, step.budget)
         if num_new <= 0:

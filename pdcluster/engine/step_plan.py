@@ -30,6 +30,7 @@ class StepPlan:
     scheduled: list[Request] = field(default_factory=list)
     preempted: bool = False
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # drafts, in num_scheduled
+    loads: list[str] = field(default_factory=list)  # requests whose connector load starts this step
     # Decodes with n-gram drafts found: (request, drafts, its CachedRequestData), for _add_drafts.
     proposals: list[tuple[Request, list[int], CachedRequestData]] = field(default_factory=list)
 

@@ -33,6 +33,11 @@ def engines(demo_model: str, cluster_keys: Any) -> Any:
             "producer": _engine(demo_model, "producer", k.options("producer", engine_id="ip-producer", lease_ttl_s=3.0)),
             "consumer": _engine(demo_model, "consumer", k.options("consumer", engine_id="ip-consumer",
                                                                   transport="tcp", open_retry_s=0.3)),
+            # A decode worker that holds its running requests' step for a load (kv_load_wait_ms;
+            # the hold ends when the load lands, so the bound is only a backstop here).
+            "held_consumer": _engine(demo_model, "consumer", k.options("consumer", engine_id="ip-held-consumer",
+                                                                       transport="tcp", open_retry_s=0.3),
+                                     kv_load_wait_ms=60_000),
             # A decode leg that speculates (n-gram drafts) from the loaded KV on.
             "spec_consumer": _engine(demo_model, "consumer", k.options("consumer", engine_id="ip-spec-consumer",
                                                                        transport="tcp", open_retry_s=0.3),
@@ -92,6 +97,48 @@ def test_speculating_decode_leg_equals_aggregated(engines: Any) -> None:
     assert engines["spec_consumer"].get_stats()["spec_decode_draft_tokens"] > 0
     for name in ("producer", "spec_consumer"):
         assert_idle(engines[name], [], name)
+
+
+def _tokens_by_request(outs: list[Any]) -> set[str]:
+    return {o.request_id for o in outs}
+
+
+def test_a_held_step_runs_the_loaded_request_with_the_running_one(engines: Any) -> None:
+    """kv_load_wait_ms: a decode leg that arrives while a request runs gets a step that only
+    starts its load (the running request makes no token in it) and ends when the load landed, so
+    the very next step gives both requests a token. Both outputs equal the aggregated engine's."""
+    producer, consumer = engines["producer"], engines["held_consumer"]
+    params = GREEDY.replace(max_tokens=10)
+    bg_prompt, prompt = _prompt(20, 31), _prompt(37, 32)
+    consumer.add_prepared(*consumer.prepare_request(bg_prompt, params, "held-bg", None, None))
+    for _ in range(3):  # bg's prefill and two decodes
+        assert _tokens_by_request(consumer.step()) == {"held-bg"}
+    pre = run_requests(producer, [("held", prompt, params.replace(max_tokens=1), PREFILL_LEG, None)], [])["held"]
+    producer.step()  # the producer registers the lease in the step after the params left it
+    assert producer.get_stats()["kv_connector"]["p2p_leases_active"] == 1
+    consumer.add_prepared(*consumer.prepare_request(prompt, params, "held", decode_leg(pre), pre.outputs[0].token_ids))
+    assert _tokens_by_request(consumer.step()) == set()  # only the load started; it landed meanwhile
+    stats = consumer.get_stats()
+    assert stats["num_waiting_for_remote_kv"] == 0 and stats["num_running"] == 1, stats
+    assert _tokens_by_request(consumer.step()) == {"held-bg", "held"}  # the loaded leg joins at once
+    finals = {}
+    while consumer.has_unfinished_requests():
+        for out in consumer.step():
+            if out.finished:
+                finals[out.request_id] = consumer.get_final(out.request_id)
+    assert finals["held-bg"].outputs[0].token_ids == run_requests(
+        engines["ref"], [("ref-held-bg", bg_prompt, params, None, None)], [])["ref-held-bg"].outputs[0].token_ids
+    ref = run_requests(engines["ref"], [("ref-held", prompt, params, None, None)], [])["ref-held"]
+    assert pre.outputs[0].token_ids + finals["held"].outputs[0].token_ids == ref.outputs[0].token_ids
+    for name in ("producer", "held_consumer"):
+        assert_idle(engines[name], [], name)
+
+
+def test_kv_load_wait_ms_is_checked_by_name(demo_model: str) -> None:
+    for bad in (-1, True, "5", 60_001):
+        with pytest.raises(ValueError, match=r"kv_load_wait_ms must be a number of milliseconds in \[0, 60000\]"):
+            EngineArgs(model=demo_model, kv_load_wait_ms=bad).create_engine_config()
+    assert EngineArgs(model=demo_model, kv_load_wait_ms=2.5).create_engine_config().scheduler.kv_load_wait_s == 0.0025
 
 
 def test_cache_salt_isolates_the_consumers_prefix_cache(engines: Any) -> None:

@@ -14,6 +14,7 @@ from pdcluster.engine.kv_connector import (
     KVConnectorRole,
     KVTransferFailure,
 )
+from pdcluster.engine.kv_transfer_params import KVTransferParams
 from pdcluster.engine.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from pdcluster.engine.request import Request, RequestStatus
 from pdcluster.engine.scheduler import Scheduler
@@ -24,8 +25,8 @@ EOS = 2
 
 def make(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8, budget: int = 32,
          max_model_len: int = 128, chunked: bool = True, caching: bool = True,
-         connector: KVConnectorBase | None = None, policy: str = "fcfs") -> Scheduler:
-    return Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len, chunked, policy),
+         connector: KVConnectorBase | None = None, policy: str = "fcfs", load_wait_s: float = 0.0) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len, chunked, policy, load_wait_s),
                      CacheConfig(block_size, num_blocks, 0, "float32", caching), connector=connector)
 
 
@@ -360,6 +361,83 @@ def test_only_waiting_while_a_transfer_is_all_that_is_left() -> None:
     assert s.has_unfinished_requests() and not s.only_waiting()  # the runner's drop is still to deliver
     step(s)
     assert not s.has_unfinished_requests() and not s.only_waiting()
+    assert_no_leaks(s)
+
+
+def decode_leg_req(rid: str, num_prompt: int, start: int = 10, **sp) -> Request:
+    r = req(rid, num_prompt, start, **sp)
+    r.kv_transfer_params = KVTransferParams(do_remote_prefill=True, connector="scripted", request_id=rid)
+    return r
+
+
+def test_a_load_first_step_starts_the_loads_alone_then_runs_them_with_the_others() -> None:
+    """kv_load_wait_s: with a request running, a decode leg at the head of the queue gets a step
+    that only starts its load (the running one skips it); once the load is collected by a step
+    that computes nothing, the next step runs both."""
+    conn = ScriptedConnector({"a": [(12, True)]})
+    s = make(connector=conn, load_wait_s=0.5)
+    s.add_request(req("bg", 6, start=40, max_tokens=10))
+    step(s)
+    bg = s.requests["bg"]
+    assert bg.status == RequestStatus.RUNNING and bg.num_computed_tokens == 6
+    s.add_request(decode_leg_req("a", 12))
+    so, outs = step(s)
+    assert so.load_first == ["a"] and so.is_empty and not outs  # bg waits with the load
+    assert s.requests["a"].status == RequestStatus.WAITING_FOR_REMOTE_KV and s.loading_any(["a"])
+    assert bg.num_computed_tokens == 6
+    idle = s.schedule_idle()
+    assert idle.is_empty and not idle.load_first
+    s.update(idle, ModelRunnerOutput([], [], finished_recving={"a"}))
+    assert not s.loading_any(["a"]) and s.requests["a"].status == RequestStatus.WAITING
+    so, outs = step(s)
+    assert so.num_scheduled_tokens == {"bg": 1, "a": 1} and not so.load_first
+    assert {o.request_id for o in outs} == {"bg", "a"}
+    run_all(s)
+    assert_no_leaks(s)
+
+
+def test_load_first_only_when_a_load_heads_the_queue_and_others_run() -> None:
+    # Off (the default): the load starts beside the running request's step.
+    conn = ScriptedConnector({"a": [(12, True)]})
+    s = make(connector=conn)
+    s.add_request(req("bg", 6, start=40, max_tokens=10))
+    step(s)
+    s.add_request(decode_leg_req("a", 12))
+    so, _ = step(s)
+    assert not so.load_first and so.num_scheduled_tokens == {"bg": 1}
+    assert s.requests["a"].status == RequestStatus.WAITING_FOR_REMOTE_KV
+    # On, but nothing runs: a plain step (nobody to hold).
+    s = make(connector=ScriptedConnector({"a": [(12, True)]}), load_wait_s=0.5)
+    s.add_request(decode_leg_req("a", 12))
+    so, _ = step(s)
+    assert not so.load_first and s.requests["a"].status == RequestStatus.WAITING_FOR_REMOTE_KV
+    # On, a request runs, but a plain request heads the queue: a plain step admits it.
+    s = make(connector=ScriptedConnector(), load_wait_s=0.5)
+    s.add_request(req("bg", 6, start=40, max_tokens=10))
+    step(s)
+    s.add_request(req("b", 5))
+    so, _ = step(s)
+    assert not so.load_first and so.num_scheduled_tokens == {"bg": 1, "b": 5}
+
+
+def test_a_load_first_step_stops_at_the_first_request_that_computes() -> None:
+    """Decode legs a and c around a plain request b: the load-first step starts a's load only (b
+    would compute; c stays behind it, first come first served); the next step runs bg and admits
+    b, then c's load starts."""
+    conn = ScriptedConnector({"a": [(12, True)], "c": [(8, True)]})
+    s = make(connector=conn, load_wait_s=0.5)
+    s.add_request(req("bg", 6, start=40, max_tokens=10))
+    step(s)
+    s.add_request(decode_leg_req("a", 12))
+    s.add_request(req("b", 5))
+    s.add_request(decode_leg_req("c", 8, start=70))
+    so, _ = step(s)
+    assert so.load_first == ["a"] and so.is_empty
+    assert [r.request_id for r in s.waiting] == ["b", "c"]
+    so, _ = step(s, finished_recving={"a"})  # nothing to hold for: b heads the queue
+    assert not so.load_first and so.num_scheduled_tokens == {"bg": 1, "b": 5}
+    assert s.requests["c"].status == RequestStatus.WAITING_FOR_REMOTE_KV
+    run_all(s, finished_recving={"c"})
     assert_no_leaks(s)
 
 
