@@ -83,6 +83,7 @@ class Scheduler:
         # A connector was told of a request outside a step (drop_unadmitted): one step must run
         # so its notices (e.g. a P2P release to the producer) go out with build_connector_meta.
         self._connector_notice = False
+        self._held = False  # the last step was a load-first one (kv_load_wait_s)
 
     # == requests in and out =======================================================================
     def add_request(self, request: Request) -> None:
@@ -173,9 +174,11 @@ class Scheduler:
             # holds their step up to kv_load_wait_s), then run with the loaded ones.
             self._schedule_waiting(step, loads_only=True)
             if step.loads:
+                self._held = True
                 out = self._output(step)
                 out.load_first = step.loads
                 return out
+        self._held = False
         self._schedule_running(step)
         self._add_drafts(step)
         if not step.preempted:  # blocks are short: admitting more would only preempt again
@@ -188,9 +191,11 @@ class Scheduler:
         return self._output(StepPlan(budget=0))
 
     def _loads_first(self) -> bool:
-        """Whether this step only starts loads: kv_load_wait_s is on, requests run, and the head
-        of the queue is a decode leg whose KV a connector loads (checked again at admission)."""
-        if self.config.kv_load_wait_s <= 0 or not self.running or not self.waiting or self.connector is None:
+        """Whether this step only starts loads: kv_load_wait_s is on, requests run (and ran in the
+        last step: one hold per step of theirs, so a stream of hand-offs never starves them), and
+        the head of the queue is a decode leg whose KV a connector loads (checked at admission)."""
+        if (self.config.kv_load_wait_s <= 0 or self._held or not self.running or not self.waiting
+                or self.connector is None):
             return False
         head = self.waiting[0]
         kv = head.kv_transfer_params

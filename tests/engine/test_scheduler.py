@@ -396,6 +396,35 @@ def test_a_load_first_step_starts_the_loads_alone_then_runs_them_with_the_others
     assert_no_leaks(s)
 
 
+def test_one_load_first_step_per_step_of_the_running_requests() -> None:
+    """A decode leg that arrives during a hold does not get a hold of its own before the running
+    request steps again: its load starts beside that step (so a stream of hand-offs never
+    starves the running batch), and the hold is available again after it."""
+    conn = ScriptedConnector({"a": [(12, True)], "b": [(8, True)], "c": [(8, True)], "d": [(8, True)]})
+    s = make(connector=conn, load_wait_s=0.5)
+    s.add_request(req("bg", 6, start=40, max_tokens=20))
+    step(s)
+    s.add_request(decode_leg_req("a", 12))
+    so, _ = step(s)
+    assert so.load_first == ["a"]
+    s.add_request(decode_leg_req("b", 8, start=60))  # arrived while the engine held for a
+    # The hold ran out with a still loading: b heads the queue, but bg steps first.
+    so, _ = step(s)
+    assert not so.load_first and so.num_scheduled_tokens == {"bg": 1}
+    assert s.requests["b"].status == RequestStatus.WAITING_FOR_REMOTE_KV  # its load started beside
+    s.add_request(decode_leg_req("c", 8, start=80))
+    so, _ = step(s)
+    assert so.load_first == ["c"]  # bg stepped since the last hold
+    idle = s.schedule_idle()
+    s.update(idle, ModelRunnerOutput([], [], finished_recving={"a", "b", "c"}))  # they landed: the hold ends
+    s.add_request(decode_leg_req("d", 8, start=90))
+    so, _ = step(s)  # the loaded ones head the queue: they run with bg; d's load starts beside
+    assert not so.load_first and so.num_scheduled_tokens == {"bg": 1, "a": 1, "b": 1, "c": 1}
+    assert s.requests["d"].status == RequestStatus.WAITING_FOR_REMOTE_KV
+    run_all(s, finished_recving={"d"})
+    assert_no_leaks(s)
+
+
 def test_load_first_only_when_a_load_heads_the_queue_and_others_run() -> None:
     # Off (the default): the load starts beside the running request's step.
     conn = ScriptedConnector({"a": [(12, True)]})
