@@ -370,14 +370,19 @@ def decode_leg_req(rid: str, num_prompt: int, start: int = 10, **sp) -> Request:
     return r
 
 
+def with_running_bg(conn: ScriptedConnector, load_wait_s: float, max_tokens: int = 10) -> Scheduler:
+    """A scheduler with kv_load_wait_s whose request "bg" is running (prefilled in one step)."""
+    s = make(connector=conn, load_wait_s=load_wait_s)
+    s.add_request(req("bg", 6, start=40, max_tokens=max_tokens))
+    step(s)
+    return s
+
+
 def test_a_load_first_step_starts_the_loads_alone_then_runs_them_with_the_others() -> None:
     """kv_load_wait_s: with a request running, a decode leg at the head of the queue gets a step
     that only starts its load (the running one skips it); once the load is collected by a step
     that computes nothing, the next step runs both."""
-    conn = ScriptedConnector({"a": [(12, True)]})
-    s = make(connector=conn, load_wait_s=0.5)
-    s.add_request(req("bg", 6, start=40, max_tokens=10))
-    step(s)
+    s = with_running_bg(ScriptedConnector({"a": [(12, True)]}), 0.5)
     bg = s.requests["bg"]
     assert bg.status == RequestStatus.RUNNING and bg.num_computed_tokens == 6
     s.add_request(decode_leg_req("a", 12))
@@ -400,10 +405,8 @@ def test_one_load_first_step_per_step_of_the_running_requests() -> None:
     """A decode leg that arrives during a hold does not get a hold of its own before the running
     request steps again: its load starts beside that step (so a stream of hand-offs never
     starves the running batch), and the hold is available again after it."""
-    conn = ScriptedConnector({"a": [(12, True)], "b": [(8, True)], "c": [(8, True)], "d": [(8, True)]})
-    s = make(connector=conn, load_wait_s=0.5)
-    s.add_request(req("bg", 6, start=40, max_tokens=20))
-    step(s)
+    loads = {rid: [(8, True)] for rid in "bcd"}
+    s = with_running_bg(ScriptedConnector({"a": [(12, True)], **loads}), 0.5, max_tokens=20)
     s.add_request(decode_leg_req("a", 12))
     so, _ = step(s)
     assert so.load_first == ["a"]
@@ -427,10 +430,7 @@ def test_one_load_first_step_per_step_of_the_running_requests() -> None:
 
 def test_load_first_only_when_a_load_heads_the_queue_and_others_run() -> None:
     # Off (the default): the load starts beside the running request's step.
-    conn = ScriptedConnector({"a": [(12, True)]})
-    s = make(connector=conn)
-    s.add_request(req("bg", 6, start=40, max_tokens=10))
-    step(s)
+    s = with_running_bg(ScriptedConnector({"a": [(12, True)]}), 0.0)
     s.add_request(decode_leg_req("a", 12))
     so, _ = step(s)
     assert not so.load_first and so.num_scheduled_tokens == {"bg": 1}
@@ -441,9 +441,7 @@ def test_load_first_only_when_a_load_heads_the_queue_and_others_run() -> None:
     so, _ = step(s)
     assert not so.load_first and s.requests["a"].status == RequestStatus.WAITING_FOR_REMOTE_KV
     # On, a request runs, but a plain request heads the queue: a plain step admits it.
-    s = make(connector=ScriptedConnector(), load_wait_s=0.5)
-    s.add_request(req("bg", 6, start=40, max_tokens=10))
-    step(s)
+    s = with_running_bg(ScriptedConnector(), 0.5)
     s.add_request(req("b", 5))
     so, _ = step(s)
     assert not so.load_first and so.num_scheduled_tokens == {"bg": 1, "b": 5}
@@ -453,10 +451,7 @@ def test_a_load_first_step_stops_at_the_first_request_that_computes() -> None:
     """Decode legs a and c around a plain request b: the load-first step starts a's load only (b
     would compute; c stays behind it, first come first served); the next step runs bg and admits
     b, then c's load starts."""
-    conn = ScriptedConnector({"a": [(12, True)], "c": [(8, True)]})
-    s = make(connector=conn, load_wait_s=0.5)
-    s.add_request(req("bg", 6, start=40, max_tokens=10))
-    step(s)
+    s = with_running_bg(ScriptedConnector({"a": [(12, True)], "c": [(8, True)]}), 0.5)
     s.add_request(decode_leg_req("a", 12))
     s.add_request(req("b", 5))
     s.add_request(decode_leg_req("c", 8, start=70))
