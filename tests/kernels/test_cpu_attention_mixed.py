@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from pdcluster.kernels import paged_decode_cpu
+from pdcluster.kernels import paged_decode_cpu, prefill_attn_cpu
 from pdcluster.models.layers import cpu_attention, cpu_decode
 from pdcluster.models.layers.attention_backend import AttentionMetadata
 
@@ -92,7 +92,7 @@ def _mixed(rng: random.Random) -> tuple[list[int], list[int]]:
 @pytest.mark.parametrize("window", [None, 7, 24])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("decode_only", [False, True])
-@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])  # the C kernel / the torch path
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])  # the C kernels / the torch paths
 def test_mixed_step_matches_dense_reference(monkeypatch, overhead: int, hk: int, hq: int, window: int | None,
                                             dtype: torch.dtype, decode_only: bool, native: bool) -> None:
     monkeypatch.setattr(cpu_decode, "GROUP_OVERHEAD_KEYS", overhead)
@@ -100,8 +100,14 @@ def test_mixed_step_matches_dense_reference(monkeypatch, overhead: int, hk: int,
         pytest.skip("no C compiler: the native decode kernel is not built on this machine")
     if native:  # the kernel takes every decode row: the torch products must not run
         monkeypatch.setattr(cpu_decode, "decode", lambda *a: pytest.fail("torch decode path ran"))
+    if native and prefill_attn_cpu.supports(torch.empty(1, hq, D, dtype=dtype), torch.empty(1, BS, hk, D, dtype=dtype),
+                                            torch.empty(1, BS, hk, D, dtype=dtype)):
+        # every prompt chunk goes to the prefill kernel: torch's SDPA paths must not run
+        monkeypatch.setattr(cpu_attention, "_fresh", lambda *a: pytest.fail("torch fresh-prefill path ran"))
+        monkeypatch.setattr(cpu_attention, "_over_cache", lambda *a: pytest.fail("torch chunk path ran"))
     if not native:
         monkeypatch.setattr(paged_decode_cpu, "supports", lambda *a: False)
+        monkeypatch.setattr(prefill_attn_cpu, "supports", lambda *a: False)
     ctx, ql = _mixed(random.Random(3))
     if decode_only:
         ctx, ql = [c for c, n in zip(ctx, ql) if n == 1], [1 for n in ql if n == 1]

@@ -11,6 +11,11 @@ Why this shape (measured on torch 2.13, AVX512 CPU; see /work/notes/perf.md):
     the (num_blocks, block_size * Hk * D) view) and run one masked 4-D SDPA.
   - Decode rows (one query token per request) go to cpu_decode.py: grouped by context length so
     the padding stays small, gathered by blocks, two bmm with mask and softmax in float32.
+  - But first, where the C kernel builds (kernels/prefill_attn_cpu.py), every prompt chunk of the
+    step, fresh or over a prefix, goes to it in ONE call that reads K/V from the cache in place:
+    torch's CPU flash SDPA ran at 29-35 GFLOP/s on one core where its bf16 GEMMs run ~200, a
+    quarter of a 512-token prefill. The two SDPA paths above stay as the fallback (no compiler,
+    an fp8 cache's float32 copy when q is bf16, head_dim not a multiple of 16, ...).
 
 StepPlan is derived from one AttentionMetadata and reused by every layer of that step.
 
@@ -29,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pdcluster.kernels import prefill_attn_cpu
 from pdcluster.models.layers import cpu_decode
 from pdcluster.models.layers.attention_backend import AttentionMetadata
 from pdcluster.models.layers.cpu_decode import DecodePlan
@@ -39,6 +45,9 @@ class StepPlan:
     fresh_runs: list[tuple[int, int, int]]  # (first token, number of requests, query_len)
     prefills: list[tuple[int, int, int]]  # (request index, first token, context_len): over the cache
     decode: DecodePlan | None
+    # Every non-decode request for the C kernel: block-table rows (n, max_blocks) int32 and
+    # (first token, query_len, context_len) rows (n, 3) int64; None when the step has none.
+    chunks: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def build_plan(meta: AttentionMetadata, block_size: int) -> StepPlan:
@@ -56,6 +65,13 @@ def build_plan(meta: AttentionMetadata, block_size: int) -> StepPlan:
             fresh_runs[-1] = (first, count + 1, n)
         else:
             fresh_runs.append((starts[i], 1, n))
+    chunks = None
+    prefill_rows = [i for i, n in enumerate(meta.query_lens_cpu) if n != 1]
+    if prefill_rows:
+        rows_t = torch.tensor(prefill_rows, device=meta.block_tables.device)
+        chunks = (meta.block_tables.index_select(0, rows_t).to(torch.int32).contiguous(),
+                  torch.tensor([[starts[i], meta.query_lens_cpu[i], meta.context_lens_cpu[i]] for i in prefill_rows],
+                               dtype=torch.int64))
     decode = None
     if decode_rows:
         dev = meta.block_tables.device
@@ -68,7 +84,7 @@ def build_plan(meta: AttentionMetadata, block_size: int) -> StepPlan:
         tokens = None if all_decode else torch.tensor(tokens_cpu, device=dev)
         decode = DecodePlan(tokens, tables, seq_lens, len(decode_rows), max_seq_len, block_size, tokens_cpu,
                             [meta.seq_lens_cpu[i] for i in decode_rows])
-    return StepPlan(fresh_runs, prefills, decode)
+    return StepPlan(fresh_runs, prefills, decode, chunks)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -77,7 +93,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
     dec = plan.decode
     if dec is not None and dec.tokens is None:
         return cpu_decode.attend(q, None, k_cache, v_cache, dec, scale, window)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if plan.chunks is not None and prefill_attn_cpu.prefill_attention_cpu(
+            q, k_cache, v_cache, *plan.chunks, scale, window, out=out) is not None:
+        if dec is not None:
+            cpu_decode.attend(q, out, k_cache, v_cache, dec, scale, window)
+        return out
     for first, count, n in plan.fresh_runs:
         e = first + count * n
         out[first:e].view(count, n, *q.shape[1:]).copy_(_fresh(q[first:e], k[first:e], v[first:e], count, scale,

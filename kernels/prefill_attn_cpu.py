@@ -1,0 +1,93 @@
+"""Prefill attention on the CPU through the C kernel csrc/prefill_attn_cpu.c: every prompt chunk of
+a step in one call, K/V read from the paged cache in place.
+
+`prefill_attention_cpu` has the contract of cpu_attention's SDPA path for the chunks it is given:
+q (T, Hq, D) (rows may be strided, as a view into the fused QKV output), caches (num_blocks,
+block_size, Hk, D) holding every chunk's K/V already, one block-table row per chunk, each chunk
+at positions context_len .. context_len + len - 1; causal, optional sliding window; scores and
+softmax in float32. The result is (T, Hq, D) in q's dtype, rows outside the chunks left as zeros.
+It returns None where the kernel does not apply (no compiler, PDCLUSTER_NATIVE=0 or
+PDCLUSTER_CPU_PREFILL_ATTN=0, q's dtype other than the cache's, a dtype other than float32, or
+bfloat16 without the build's AVX512-BF16 path, head_dim not a multiple of 16 or over 256, a GPU
+tensor): the caller then runs its torch path, so a missing kernel is slower, never wrong.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from pdcluster.env_flags import env_enabled
+
+from . import native
+
+ENV = "PDCLUSTER_CPU_PREFILL_ATTN"  # "0": prefill attention stays on torch's SDPA
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def declare(lib: ctypes.CDLL) -> ctypes._CFuncPtr:
+    """`pd_prefill_attn` of a library built from csrc/prefill_attn_cpu.c, its signature declared."""
+    f = lib.pd_prefill_attn
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    f.argtypes = [p, p, p, p, ctypes.c_int, p, i64, p, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float,
+                  ctypes.c_int]
+    f.restype = ctypes.c_int
+    return f
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL | None:
+    return native.load("prefill_attn_cpu")
+
+
+@functools.cache
+def _fn() -> ctypes._CFuncPtr | None:
+    lib = _lib()
+    return None if lib is None else declare(lib)
+
+
+@functools.cache
+def has_bf16() -> bool:
+    """Whether this build multiplies bfloat16 inputs (AVX512-BF16's dot products)."""
+    lib = _lib()
+    return lib is not None and bool(lib.pd_prefill_has_bf16())
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the kernel takes this layer's inputs (cheap: checked per layer by the caller)."""
+    d = q.shape[-1]
+    return (q.device.type == "cpu" and q.dtype in _DTYPES and k_cache.dtype == q.dtype and v_cache.dtype == q.dtype
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and d % 16 == 0 and d <= 256
+            and q.stride(-1) == 1 and q.stride(-2) == d and env_enabled(ENV) and _fn() is not None
+            and (q.dtype == torch.float32 or has_bf16()))
+
+
+def prefill_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                          chunks: torch.Tensor, scale: float, sliding_window: int | None = None,
+                          out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """chunks: (n, 3) int64 rows (first q row, length, context_len), one per row of `tables`
+    ((n, max_blocks) int32). Writes the chunks' rows of `out` (a fresh (T, Hq, D) tensor if None)."""
+    if not supports(q, k_cache, v_cache):
+        return None
+    t, hq, d = q.shape
+    nblk, bs, hk, dk = k_cache.shape
+    n = chunks.shape[0]
+    if (dk != d or hq % hk or tables.shape[0] != n or tables.dtype != torch.int32 or not tables.is_contiguous()
+            or chunks.dtype != torch.int64 or chunks.shape[1:] != (3,)):
+        raise ValueError(f"prefill_attention_cpu: q {tuple(q.shape)}, cache {tuple(k_cache.shape)}, tables "
+                         f"{tuple(tables.shape)} {tables.dtype}, chunks {tuple(chunks.shape)} {chunks.dtype} "
+                         "do not agree")
+    cols = chunks.t().contiguous()  # (3, n): starts, lengths, contexts
+    # The kernel trusts these: a row past q or a position past its table would read out of bounds.
+    if n and (int((cols[0] + cols[1]).max()) > t or int(cols[0].min()) < 0 or int(cols[1].min()) < 0
+              or int(cols[2].min()) < 0 or int((cols[2] + cols[1]).max()) > tables.shape[1] * bs):
+        raise ValueError(f"prefill_attention_cpu: chunks {chunks.tolist()} do not fit q's {t} rows or "
+                         f"tables of {tables.shape[1]} blocks of {bs}")
+    if out is None:
+        out = torch.zeros(t, hq, d, dtype=q.dtype)
+    rc = _fn()(q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _DTYPES[q.dtype],
+               tables.data_ptr(), tables.stride(0), cols[0].data_ptr(), cols[1].data_ptr(), cols[2].data_ptr(), n,
+               hq, hk, d, bs, q.stride(0), int(sliding_window or 0), float(scale), torch.get_num_threads())
+    return out if rc == 0 else None
