@@ -46,8 +46,10 @@
 #define ROWS 64  /* rows (tokens x heads of a group) per work item */
 #define MAX_D 256
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512VL__) && defined(__AVX512BW__)
 #define HAVE_BF16_DOT 1
 #else
 #define HAVE_BF16_DOT 0
@@ -78,7 +80,20 @@ static inline vf vsplat(float x) { return (vf){0} + x; }
 /* Lane by lane: m ? a : b (m from a comparison: all ones or all zeros); C has no vector ?:. */
 static inline vf vsel(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
 
+#if VW == 16
+/* One vmaxps (the generic select costs a compare, a mask move and three logic operations). */
+static inline vf vmax(vf a, vf b) { return (vf)_mm512_max_ps((__m512)a, (__m512)b); }
+#else
 static inline vf vmax(vf a, vf b) { return vsel(a > b, a, b); }
+#endif
+
+/* Rows (positions vpos) that see key position kp: kp <= pos, and kp > pos - window with one. */
+static inline vi seen(int64_t kp, vi vpos, int64_t window) {
+    const vi k = (vi){0} + (int32_t)kp;
+    vi m = k <= vpos;
+    if (window > 0) m &= k > vpos - (int32_t)window;
+    return m;
+}
 
 /* e^x for x <= 0 lane by lane (cpu_math.h's exp_nonpositive, which the compiler vectorizes);
  * a lane at -inf gives e^-87, so callers zero the masked lanes themselves. */
@@ -351,49 +366,51 @@ static void item(const shape *sh, const void *q, void *out, const void *kc, cons
         /* Every row sees every key of this tile unless the tile reaches the first row's causal
          * edge or the last row's window edge: only then is there a mask to apply. */
         const int masked = k0 + nk - 1 > p_first || (win > 0 && k0 <= p_last - win);
+        const vf scale = vsplat(sh->scale), ninf = vsplat(-INFINITY), zero = vsplat(0.0f);
         for (int c = 0; c < RV; c++) {
             const int64_t r0 = c * VW;
             vi vpos;
             memcpy(&vpos, pos + r0, sizeof vpos);
-            const vf scale = vsplat(sh->scale), ninf = vsplat(-INFINITY);
+            /* Two passes over the tile's scores: the row maxima, then the probabilities (written
+             * as the products want them). The maximum is taken before scaling: the scale is
+             * positive (checked at entry), so the scaled maximum is the maximum of the scaled
+             * scores exactly. */
             vf mx = ninf;
             for (int64_t j = 0; j < nk; j++) {
-                vf s = vload(w->st + j * ROWS + r0) * scale;
-                if (masked) {
-                    const vi kp = (vi){0} + (int32_t)(k0 + j);
-                    vi seen = kp <= vpos;
-                    if (win > 0) seen &= kp > vpos - (int32_t)win;
-                    s = vsel(seen, s, ninf);
-                }
-                vstore(w->st + j * ROWS + r0, s);
+                vf s = vload(w->st + j * ROWS + r0);
+                if (masked) s = vsel(seen(k0 + j, vpos, win), s, ninf);
                 mx = vmax(mx, s);
             }
             const vf m_old = vload(w->m + r0);
-            const vf m_new = vmax(m_old, mx);
+            const vf m_new = vmax(m_old, mx * scale);
             /* A row with no key seen yet keeps m = -inf; it subtracts 0 instead (its lanes are all
              * masked to 0 below, and its O and l are 0, which any alpha keeps). */
-            const vf m_use = vsel(m_new == ninf, vsplat(0.0f), m_new);
+            const vf m_use = vsel(m_new == ninf, zero, m_new);
             const vf alpha = vexp(m_old - m_use);
-            vf sum = vsplat(0.0f);
-            for (int64_t j = 0; j < nk; j++) {
-                const vf s = vload(w->st + j * ROWS + r0);
-                const vf p = vsel(s == ninf, vsplat(0.0f), vexp(s - m_use));
-                vstore(w->st + j * ROWS + r0, p);
-                sum += p;
-            }
-            vstore(w->l + r0, vload(w->l + r0) * alpha + sum);
-            vstore(w->m + r0, m_new);
-            vstore(w->alpha + r0, alpha);
+            vf sum = zero;
+#define PROB(j) (masked ? vsel(seen(k0 + (j), vpos, win), vexp(vload(w->st + (j) * ROWS + r0) * scale - m_use), zero) \
+                        : vexp(vload(w->st + (j) * ROWS + r0) * scale - m_use))
 #if HAVE_BF16_DOT
             if (bf16) {
                 for (int64_t t = 0; t < (nk + 1) / 2; t++) {
-                    const __m512 a = _mm512_loadu_ps(w->st + 2 * t * ROWS + r0);
-                    const __m512 b = 2 * t + 1 < nk ? _mm512_loadu_ps(w->st + (2 * t + 1) * ROWS + r0)
-                                                    : _mm512_setzero_ps();
-                    _mm512_storeu_si512((void *)(w->pp + t * ROWS + r0), bf16_pairs(a, b));
+                    const vf p0 = PROB(2 * t), p1 = 2 * t + 1 < nk ? PROB(2 * t + 1) : zero;
+                    sum += p0;
+                    sum += p1;
+                    _mm512_storeu_si512((void *)(w->pp + t * ROWS + r0), bf16_pairs((__m512)p0, (__m512)p1));
+                }
+            } else
+#endif
+            {
+                for (int64_t j = 0; j < nk; j++) {
+                    const vf p = PROB(j);
+                    vstore(w->st + j * ROWS + r0, p);
+                    sum += p;
                 }
             }
-#endif
+#undef PROB
+            vstore(w->l + r0, vload(w->l + r0) * alpha + sum);
+            vstore(w->m + r0, m_new);
+            vstore(w->alpha + r0, alpha);
         }
         for (int64_t r = 0; r < rows; r++) {
             const float a = w->alpha[r];
@@ -444,7 +461,8 @@ int pd_prefill_attn(const void *q, void *out, const void *kc, const void *vc, in
                     int64_t nseq, int64_t hq, int64_t hk, int64_t d, int64_t bs, int64_t q_stride, int64_t window,
                     float scale, int nthreads) {
     if (dtype != 0 && !(dtype == 1 && HAVE_BF16_DOT)) return -2;
-    if (hk <= 0 || hq % hk || hq / hk > ROWS || d <= 0 || d > MAX_D || d % 16 || bs <= 0 || nseq < 0) return -2;
+    if (hk <= 0 || hq % hk || hq / hk > ROWS || d <= 0 || d > MAX_D || d % 16 || bs <= 0 || nseq < 0 || !(scale > 0.0f))
+        return -2;
     const shape sh = {hq, hk, d, bs, window, q_stride, scale, dtype};
     const int64_t tb = ROWS / (hq / hk); /* tokens per item */
     /* Items: (sequence, KV head, token block), numbered in sequence order. */

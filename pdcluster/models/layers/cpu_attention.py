@@ -67,7 +67,7 @@ def build_plan(meta: AttentionMetadata, block_size: int) -> StepPlan:
             fresh_runs.append((starts[i], 1, n))
     chunks = None
     prefill_rows = [i for i, n in enumerate(meta.query_lens_cpu) if n != 1]
-    if prefill_rows:
+    if prefill_rows and meta.block_tables.device.type == "cpu":  # the C kernel runs on the CPU only
         rows_t = torch.tensor(prefill_rows, device=meta.block_tables.device)
         chunks = (meta.block_tables.index_select(0, rows_t).to(torch.int32).contiguous(),
                   torch.tensor([[starts[i], meta.query_lens_cpu[i], meta.context_lens_cpu[i]] for i in prefill_rows],
