@@ -123,3 +123,18 @@ def test_switched_off_by_env(monkeypatch) -> None:
     q, kc, vc, tables, rows, _ = _case([(0, 10)], 4, 2, 16, 4, torch.float32)
     monkeypatch.setenv(prefill_attn_cpu.ENV, "0")
     assert prefill_attn_cpu.prefill_attention_cpu(q, kc, vc, tables, rows, 0.25) is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_chunk_over_its_own_cache_equals_the_whole_prompt_bit_for_bit(dtype: torch.dtype) -> None:
+    """Without a window a row meets the same tiles of keys in the same order whichever chunk (and
+    work item) it falls in, so prefilling 150 tokens at once or as 70 + 80 over the cache gives the
+    same bits: a prefix-cache hit or a chunked prefill does not move the outputs."""
+    q, kc, vc, tables, rows, _ = _case([(0, 150)], 12, 4, 64, 16, dtype, seed=9)
+    whole = prefill_attn_cpu.prefill_attention_cpu(q, kc, vc, tables, rows, 0.125)
+    parts = torch.zeros_like(whole)
+    for first, n in ((0, 70), (70, 80)):  # the second chunk sees the first's keys through the cache
+        got = prefill_attn_cpu.prefill_attention_cpu(q, kc, vc, tables, torch.tensor([[first, n, first]]), 0.125,
+                                                     out=parts)
+        assert got is parts
+    assert torch.equal(whole, parts)
