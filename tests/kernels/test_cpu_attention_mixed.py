@@ -10,6 +10,7 @@ import random
 
 import pytest
 import torch
+from attention_reference import dense_causal
 
 from pdcluster.kernels import paged_decode_cpu, prefill_attn_cpu
 from pdcluster.models.layers import cpu_attention, cpu_decode
@@ -55,19 +56,6 @@ def _setup(context_lens: list[int], query_lens: list[int], hk: int, hq: int, dty
     k = torch.cat([fk[c:] for fk, c in zip(full_k, context_lens)])
     v = torch.cat([fv[c:] for fv, c in zip(full_v, context_lens)])
     return meta, q, k, v, k_cache, v_cache, full_k, full_v
-
-
-def _reference(q, k, v, context_len: int, window: int | None) -> torch.Tensor:
-    """Dense causal attention of one request in float32: q (n, Hq, D), k/v (S, Hk, D)."""
-    group = q.shape[1] // k.shape[1]
-    k, v = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
-    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * D**-0.5
-    qpos = torch.arange(context_len, context_len + q.shape[0])[:, None]
-    kpos = torch.arange(k.shape[0])[None, :]
-    hidden = kpos > qpos
-    if window is not None:
-        hidden |= kpos <= qpos - window
-    return torch.einsum("hqk,khd->qhd", scores.masked_fill(hidden, float("-inf")).softmax(-1), v)
 
 
 def _mixed(rng: random.Random) -> tuple[list[int], list[int]]:
@@ -123,7 +111,7 @@ def test_mixed_step_matches_dense_reference(monkeypatch, overhead: int, hk: int,
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     start = 0
     for i, (c, n) in enumerate(zip(ctx, ql)):
-        want = _reference(q[start:start + n], full_k[i], full_v[i], c, window)
+        want = dense_causal(q[start:start + n], full_k[i], full_v[i], c, D**-0.5, window)
         torch.testing.assert_close(out[start:start + n].float(), want, atol=tol, rtol=tol)
         start += n
 

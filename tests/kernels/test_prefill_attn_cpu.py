@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from attention_reference import dense_causal
 
 from pdcluster.kernels import prefill_attn_cpu
 
@@ -47,25 +48,12 @@ def _case(chunks: list[tuple[int, int]], hq: int, hk: int, d: int, bs: int, dtyp
             full)
 
 
-def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int, scale: float,
-               window: int | None) -> torch.Tensor:
-    group = q.shape[1] // k.shape[1]
-    k, v = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
-    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
-    qpos = torch.arange(ctx, ctx + q.shape[0])[:, None]
-    kpos = torch.arange(k.shape[0])[None, :]
-    hidden = kpos > qpos
-    if window is not None:
-        hidden |= kpos <= qpos - window
-    return torch.einsum("hqk,khd->qhd", scores.masked_fill(hidden, float("-inf")).softmax(-1), v)
-
-
 def _check(q, out, rows, full, scale, window, dtype) -> None:
     assert out.dtype == dtype and out.shape == q.shape and torch.isfinite(out).all()
     # bfloat16: P is rounded to bf16 before its product with V, as torch's flash kernel does
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     for (s, n, c), (fk, fv) in zip(rows.tolist(), full):
-        want = _reference(q[s:s + n], fk, fv, c, scale, window)
+        want = dense_causal(q[s:s + n], fk, fv, c, scale, window)
         torch.testing.assert_close(out[s:s + n].float(), want, atol=tol, rtol=tol)
 
 
