@@ -87,6 +87,9 @@ def prefill_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                          f"tables of {tables.shape[1]} blocks of {bs}")
     if out is None:
         out = torch.zeros(t, hq, d, dtype=q.dtype)
+    elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous() or out.device != q.device:
+        raise ValueError(f"prefill_attention_cpu: out {tuple(out.shape)} {out.dtype} must be a contiguous "
+                         f"{tuple(q.shape)} {q.dtype} tensor (the kernel writes it as one)")
     rc = _fn()(q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _DTYPES[q.dtype],
                tables.data_ptr(), tables.stride(0), cols[0].data_ptr(), cols[1].data_ptr(), cols[2].data_ptr(), n,
                hq, hk, d, bs, q.stride(0), int(sliding_window or 0), float(scale), torch.get_num_threads())

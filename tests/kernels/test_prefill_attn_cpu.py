@@ -105,6 +105,8 @@ def test_refusals() -> None:
         prefill_attn_cpu.prefill_attention_cpu(q, kc, vc, tables, torch.tensor([[0, 10, 40]]), 0.25)
     with pytest.raises(ValueError, match="do not agree"):
         prefill_attn_cpu.prefill_attention_cpu(q, kc, vc, tables.long(), rows, 0.25)
+    with pytest.raises(ValueError, match="must be a contiguous"):  # the kernel writes out as one block
+        prefill_attn_cpu.prefill_attention_cpu(q, kc, vc, tables, rows, 0.25, out=torch.zeros(4, 10, 16).transpose(0, 1))
 
 
 def test_switched_off_by_env(monkeypatch) -> None:
