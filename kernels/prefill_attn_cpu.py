@@ -48,6 +48,11 @@ def _fn() -> ctypes._CFuncPtr | None:
     return None if lib is None else declare(lib)
 
 
+def available() -> bool:
+    """Whether the kernel is built (building it now, or loading it from the disk cache, if not)."""
+    return env_enabled(ENV) and _fn() is not None
+
+
 @functools.cache
 def has_bf16() -> bool:
     """Whether this build multiplies bfloat16 inputs (AVX512-BF16's dot products)."""

@@ -103,6 +103,12 @@ class ModelRunner:
             from pdcluster.engine import cuda_graphs
 
             self.cuda_graphs = cuda_graphs.build(config, self.model, self.kv_caches)
+        if self.device.type == "cpu":
+            # Build the C prefill-attention kernel (or load it from the disk cache) now: built on
+            # first use it cost a fresh machine's first request ~1 s of compiler time.
+            from pdcluster.kernels import prefill_attn_cpu
+
+            prefill_attn_cpu.available()
         # The tuner changes a process-wide setting step by step: shutdown() puts this one back, so
         # whatever runs next in the process (another engine, a test) does not start from the
         # count of our last step.

@@ -128,3 +128,19 @@ def test_a_chunk_over_its_own_cache_equals_the_whole_prompt_bit_for_bit(dtype: t
                                                      out=parts)
         assert got is parts
     assert torch.equal(whole, parts)
+
+
+def test_an_engine_builds_the_kernel_before_its_first_request(tmp_path) -> None:
+    """The build (~1 s on a fresh machine) happens while the engine starts, not inside the first
+    prefill: a model runner's start has asked for the library before any request ran."""
+    from tiny_models import make_tiny_checkpoint
+
+    from pdcluster.engine.llm import LLM
+
+    path = make_tiny_checkpoint("llama", tmp_path / "model")
+    prefill_attn_cpu._fn.cache_clear()
+    llm = LLM(path, enforce_eager=True, max_model_len=64)
+    try:
+        assert prefill_attn_cpu._fn.cache_info().currsize == 1  # asked for once, at start
+    finally:
+        llm.shutdown()
