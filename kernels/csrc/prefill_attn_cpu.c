@@ -237,7 +237,7 @@ static void pv_f32(const float *st, int64_t rows, const float *const *v, int64_t
         const int four = rows - r >= 4;
         for (int64_t e = 0; e < d;) {
             const int64_t left = (d - e) / VW;
-            if (left >= PV_F32_NV && PV_F32_NV == 4) {
+            if (PV_F32_NV == 4 && left >= 4) { /* AVX-512 only: AVX2 has registers for 4 rows x 2 */
                 four ? pv_f32_4_4(st, r, v, nk, e, o, d) : pv_f32_1_4(st, r, v, nk, e, o, d);
                 e += 4 * VW;
             } else if (left >= 2) {

@@ -48,6 +48,12 @@ def _case(chunks: list[tuple[int, int]], hq: int, hk: int, d: int, bs: int, dtyp
             full)
 
 
+def _attend(q, kc, vc, tables, rows, scale, window=None, out=None):
+    """The kernel over these chunks (checked for q's rows and the cache's block size)."""
+    chunks = prefill_attn_cpu.Chunks.build(tables, rows, q.shape[0], kc.shape[1])
+    return prefill_attn_cpu.prefill_attention_cpu(q, kc, vc, chunks, scale, window, out=out)
+
+
 def _check(q, out, rows, full, scale, window, dtype) -> None:
     assert out.dtype == dtype and out.shape == q.shape and torch.isfinite(out).all()
     # bfloat16: P is rounded to bf16 before its product with V, as torch's flash kernel does
@@ -71,7 +77,7 @@ def test_matches_reference(dtype: torch.dtype, hq: int, hk: int, d: int, bs: int
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out = prefill_attn_cpu.prefill_attention_cpu(q, kc, vc, tables, rows, d ** -0.5, window)
+        out = _attend(q, kc, vc, tables, rows, d ** -0.5, window)
     finally:
         torch.set_num_threads(prev)
     assert out is not None
@@ -85,7 +91,7 @@ def test_large_scores_and_rows_outside_the_chunks(dtype: torch.dtype) -> None:
     q, kc, vc, tables, rows, full = _case([(0, 150), (20, 70)], 6, 2, 64, 16, dtype, seed=5)
     out = torch.full(q.shape, 3.0, dtype=dtype)
     part = rows[1:]  # the second chunk only
-    got = prefill_attn_cpu.prefill_attention_cpu(q, kc, vc, tables[1:].contiguous(), part, 4.0, None, out=out)
+    got = _attend(q, kc, vc, tables[1:].contiguous(), part, 4.0, None, out=out)
     assert got is out
     assert torch.equal(out[:150], torch.full_like(out[:150], 3.0))
     _check(q, out, part, full[1:], 4.0, None, dtype)
@@ -94,25 +100,25 @@ def test_large_scores_and_rows_outside_the_chunks(dtype: torch.dtype) -> None:
 def test_refusals() -> None:
     q, kc, vc, tables, rows, _ = _case([(0, 10)], 4, 2, 16, 4, torch.float32)
     # dtypes it does not take (a float16 cache, q and cache disagreeing), a head_dim not a multiple of 16
-    assert prefill_attn_cpu.prefill_attention_cpu(q.half(), kc.half(), vc.half(), tables, rows, 0.25) is None
-    assert prefill_attn_cpu.prefill_attention_cpu(q.bfloat16(), kc, vc, tables, rows, 0.25) is None
+    assert _attend(q.half(), kc.half(), vc.half(), tables, rows, 0.25) is None
+    assert _attend(q.bfloat16(), kc, vc, tables, rows, 0.25) is None
     q2, kc2, vc2, t2, r2, _ = _case([(0, 10)], 4, 2, 24, 4, torch.float32)
-    assert prefill_attn_cpu.prefill_attention_cpu(q2, kc2, vc2, t2, r2, 0.25) is None
+    assert _attend(q2, kc2, vc2, t2, r2, 0.25) is None
     # chunks that would read past q or past their table are refused by name, not read
     with pytest.raises(ValueError, match="do not fit"):
-        prefill_attn_cpu.prefill_attention_cpu(q, kc, vc, tables, torch.tensor([[5, 10, 0]]), 0.25)
+        _attend(q, kc, vc, tables, torch.tensor([[5, 10, 0]]), 0.25)
     with pytest.raises(ValueError, match="do not fit"):
-        prefill_attn_cpu.prefill_attention_cpu(q, kc, vc, tables, torch.tensor([[0, 10, 40]]), 0.25)
+        _attend(q, kc, vc, tables, torch.tensor([[0, 10, 40]]), 0.25)
     with pytest.raises(ValueError, match="do not agree"):
-        prefill_attn_cpu.prefill_attention_cpu(q, kc, vc, tables.long(), rows, 0.25)
+        _attend(q, kc, vc, tables.long(), rows, 0.25)
     with pytest.raises(ValueError, match="must be a contiguous"):  # the kernel writes out as one block
-        prefill_attn_cpu.prefill_attention_cpu(q, kc, vc, tables, rows, 0.25, out=torch.zeros(4, 10, 16).transpose(0, 1))
+        _attend(q, kc, vc, tables, rows, 0.25, out=torch.zeros(4, 10, 16).transpose(0, 1))
 
 
 def test_switched_off_by_env(monkeypatch) -> None:
     q, kc, vc, tables, rows, _ = _case([(0, 10)], 4, 2, 16, 4, torch.float32)
     monkeypatch.setenv(prefill_attn_cpu.ENV, "0")
-    assert prefill_attn_cpu.prefill_attention_cpu(q, kc, vc, tables, rows, 0.25) is None
+    assert _attend(q, kc, vc, tables, rows, 0.25) is None
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -121,10 +127,10 @@ def test_a_chunk_over_its_own_cache_equals_the_whole_prompt_bit_for_bit(dtype: t
     work item) it falls in, so prefilling 150 tokens at once or as 70 + 80 over the cache gives the
     same bits: a prefix-cache hit or a chunked prefill does not move the outputs."""
     q, kc, vc, tables, rows, _ = _case([(0, 150)], 12, 4, 64, 16, dtype, seed=9)
-    whole = prefill_attn_cpu.prefill_attention_cpu(q, kc, vc, tables, rows, 0.125)
+    whole = _attend(q, kc, vc, tables, rows, 0.125)
     parts = torch.zeros_like(whole)
     for first, n in ((0, 70), (70, 80)):  # the second chunk sees the first's keys through the cache
-        got = prefill_attn_cpu.prefill_attention_cpu(q, kc, vc, tables, torch.tensor([[first, n, first]]), 0.125,
+        got = _attend(q, kc, vc, tables, torch.tensor([[first, n, first]]), 0.125,
                                                      out=parts)
         assert got is parts
     assert torch.equal(whole, parts)

@@ -45,9 +45,9 @@ class StepPlan:
     fresh_runs: list[tuple[int, int, int]]  # (first token, number of requests, query_len)
     prefills: list[tuple[int, int, int]]  # (request index, first token, context_len): over the cache
     decode: DecodePlan | None
-    # Every non-decode request for the C kernel: block-table rows (n, max_blocks) int32 and
-    # (first token, query_len, context_len) rows (n, 3) int64; None when the step has none.
-    chunks: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Every non-decode request for the C kernel, checked once for every layer; None when the step
+    # has none (or runs on another device).
+    chunks: prefill_attn_cpu.Chunks | None = None
 
 
 def build_plan(meta: AttentionMetadata, block_size: int) -> StepPlan:
@@ -55,10 +55,13 @@ def build_plan(meta: AttentionMetadata, block_size: int) -> StepPlan:
     fresh_runs: list[tuple[int, int, int]] = []
     prefills: list[tuple[int, int, int]] = []
     decode_rows: list[int] = []
+    prefill_rows: list[int] = []
     for i, (n, c) in enumerate(zip(meta.query_lens_cpu, meta.context_lens_cpu)):
         if n == 1:
             decode_rows.append(i)
-        elif c > 0:
+            continue
+        prefill_rows.append(i)
+        if c > 0:
             prefills.append((i, starts[i], c))
         elif fresh_runs and fresh_runs[-1][2] == n and fresh_runs[-1][0] + fresh_runs[-1][1] * n == starts[i]:
             first, count, _ = fresh_runs[-1]
@@ -66,12 +69,11 @@ def build_plan(meta: AttentionMetadata, block_size: int) -> StepPlan:
         else:
             fresh_runs.append((starts[i], 1, n))
     chunks = None
-    prefill_rows = [i for i, n in enumerate(meta.query_lens_cpu) if n != 1]
     if prefill_rows and meta.block_tables.device.type == "cpu":  # the C kernel runs on the CPU only
-        rows_t = torch.tensor(prefill_rows, device=meta.block_tables.device)
-        chunks = (meta.block_tables.index_select(0, rows_t).to(torch.int32).contiguous(),
-                  torch.tensor([[starts[i], meta.query_lens_cpu[i], meta.context_lens_cpu[i]] for i in prefill_rows],
-                               dtype=torch.int64))
+        chunks = prefill_attn_cpu.Chunks.build(
+            meta.block_tables.index_select(0, torch.tensor(prefill_rows)).to(torch.int32),
+            torch.tensor([[starts[i], meta.query_lens_cpu[i], meta.context_lens_cpu[i]] for i in prefill_rows]),
+            meta.num_tokens, block_size)
     decode = None
     if decode_rows:
         dev = meta.block_tables.device
@@ -95,7 +97,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
         return cpu_decode.attend(q, None, k_cache, v_cache, dec, scale, window)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if plan.chunks is not None and prefill_attn_cpu.prefill_attention_cpu(
-            q, k_cache, v_cache, *plan.chunks, scale, window, out=out) is not None:
+            q, k_cache, v_cache, plan.chunks, scale, window, out=out) is not None:
         if dec is not None:
             cpu_decode.attend(q, out, k_cache, v_cache, dec, scale, window)
         return out
