@@ -1,5 +1,7 @@
-"""Decode-sized linear products: oneDNN's packed float32 GEMV (models/layers/cpu_gemm.py) against
-the C kernel over bfloat16 weights (kernels/csrc/gemv_bf16_cpu.c, models/layers/cpu_gemv.py), on
+"""Decode-sized linear products: oneDNN's packed GEMV (models/layers/cpu_gemm.py) against the C
+kernels over bfloat16 weights (models/layers/cpu_gemv.py): float32 rows on the tiles of
+kernels/csrc/gemv_bf16_cpu.c, or with --onednn-dtype bfloat16 bf16 rows, on the dot-product pairs
+of kernels/csrc/gemv_bf16_dot_cpu.c where the CPU has AVX512-BF16 (the tiles elsewhere), on
 the 125M bench Llama's shapes, at several row counts M, weights cold (each rep multiplies another
 copy, ~200 MB of them, so nothing is served from the caches).
 
@@ -55,13 +57,15 @@ def main() -> None:
     tag = "fp32" if dtype == torch.float32 else "bf16"
     flags = open("/proc/cpuinfo").read()
     isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in flags]
+    # float32 rows take the tiles; bf16 rows the layout a bf16 model's copies get here
+    layout = None if dtype == torch.bfloat16 else gemv_bf16_cpu.TILES
     print(f"threads={args.threads} cpu_isa={','.join(isa)} torch={torch.__version__} "
-          f"kernel_bf16_dot={gemv_bf16_cpu.has_bf16_dot() and dtype == torch.bfloat16}")
+          f"kernel_layout={layout or gemv_bf16_cpu.pack(torch.zeros(1, 1, dtype=torch.bfloat16)).layout}")
     weights = {}
     for name, n, k, _ in SHAPES:
         copies = max(2, int(args.cold_mb * 1e6 / (n * k * dtype.itemsize)))
         plain = [(torch.randn(n, k) * 0.02).to(dtype) for _ in range(copies)]
-        weights[name] = ([cpu_gemm.pack_weight(w).blocked for w in plain], [gemv_bf16_cpu.pack(w.bfloat16()) for w in plain])
+        weights[name] = ([cpu_gemm.pack_weight(w).blocked for w in plain], [gemv_bf16_cpu.pack(w.bfloat16(), layout) for w in plain])
         del plain
     for m in args.rows:
         step = {"onednn": 0.0, "bf16": 0.0}

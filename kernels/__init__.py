@@ -6,7 +6,8 @@
     cache_write.py       reshape_and_cache_*           (float8 e4m3 quantisation)
     paged_attention.py   paged_decode_attention_*      (GQA, split-KV, float8 KV)
     paged_decode_cpu.py  paged_decode_attention_cpu    (C kernel, csrc/; built by native.py)
-    gemv_bf16_cpu.py     gemv_bf16, gemv_bf16_torch    (C kernel: small-M products over bf16 weights)
+    gemv_bf16_cpu.py     gemv_bf16, gemv_bf16_torch    (C kernels: small-M products over bf16 weights,
+                                                       float32 tiles or AVX512-BF16 pairs)
     decode_step_cpu.py   run, ModelDesc, LayerDesc     (C: every layer of a decode step in one call)
     elementwise_cpu.py   rms_norm_cpu, fused_add_rms_norm_cpu, rotary_embedding_cpu, silu_and_mul_cpu
                                                        (C kernels, float32; fall back to the refs)

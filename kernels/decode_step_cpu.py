@@ -53,13 +53,13 @@ def _address(fn: object) -> int:
 
 
 @functools.cache
-def kernel_pointers(bf16: bool = False) -> dict[str, int] | None:
+def kernel_pointers(layout: str = gemv_bf16_cpu.TILES) -> dict[str, int] | None:
     """The addresses of the five kernels the step calls, or None when any library is missing.
-    bf16: a bfloat16 model's step, whose products take rows of bfloat16 values (pd_gemv_bf16x)."""
-    gemv, ew, paged = gemv_bf16_cpu._fns(), elementwise_cpu._lib(), paged_decode_cpu._fn()
+    layout: the weights' decode copies' (gemv_bf16_cpu.TILES or PAIRS), which picks the product."""
+    gemv, ew, paged = gemv_bf16_cpu.product_fn(layout), elementwise_cpu._lib(), paged_decode_cpu._fn()
     if _lib() is None or gemv is None or ew is None or paged is None:
         return None
-    return {"gemv": _address(gemv.product_bf16x if bf16 else gemv.product), "rms": _address(ew.pd_rms_norm), "rotary": _address(ew.pd_rotary),
+    return {"gemv": _address(gemv), "rms": _address(ew.pd_rms_norm), "rotary": _address(ew.pd_rotary),
             "silu": _address(ew.pd_silu_and_mul), "paged": _address(paged)}
 
 

@@ -29,6 +29,10 @@
  * Built at first use by kernels/native.py (-O3 -march=native -fopenmp); the AVX2/FMA path needs
  * those instructions at build time, otherwise the portable loop below runs (the compiler
  * vectorizes it as far as the target allows). Returns 0, or a negative code on bad arguments.
+ *
+ * A bfloat16 model on a CPU with AVX512-BF16 multiplies its bf16 rows on dot-product instructions
+ * over another layout instead (gemv_bf16_dot_cpu.c); these tiles serve float32 rows everywhere
+ * and bf16 rows where the CPU has no such instructions.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -145,99 +149,10 @@ static void tile_rows(const float *x, int64_t ldx, const uint16_t *wt, int64_t k
 #endif
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512VL__)
-#define HAVE_BF16_DOT 1
-/* Rows of x that hold bfloat16 values (a bfloat16 model's activations) on a CPU with AVX512-BF16:
- * vdpbf16ps multiplies 16 lanes of bf16 pairs and adds both products to a float32 lane, 32
- * multiply-adds per instruction where the FMA path above does 8 and widens the weights first. The
- * products are exact either way (bf16 x bf16 fits a float32); the sums differ in order, and the
- * instruction treats denormal inputs as zero (as oneDNN's bf16 GEMM, which uses it too, does).
- *
- * A chunk of a tile is one 64-byte line: 16 lanes, row r's 8 values in lanes 4r..4r+3, lane i
- * holding columns i and i + 4 (the interleave above). x is given the same interleave once per call
- * (xp: 8 bf16 per chunk, slot(e) order, exact because its values are bfloat16), so 4 lanes of it,
- * broadcast to the 4 rows' quarters, meet each weight line: one load, one instruction per row of
- * x. Accumulator m's quarter r holds row r's 4 partial sums; every row of x goes through the same
- * instructions whatever MT is, so a row's result does not depend on the rows beside it. */
-#define MAX_DP_PASS_ROWS 6 /* DP_GROUP tiles at a time: 24 accumulators */
-#define DP_GROUP 4         /* tiles a pass covers at once once the rows need several passes */
-/* Up to 4 quarters r0..r3 (4 partial sums each) -> r0, r1, r2, r3: the same reduction for every
- * tile and row, however the tiles and rows were grouped. */
-static inline void dp_sums(__m512 a, float *out) {
-    const __m128 q0 = _mm512_castps512_ps128(a), q1 = _mm512_extractf32x4_ps(a, 1);
-    const __m128 q2 = _mm512_extractf32x4_ps(a, 2), q3 = _mm512_extractf32x4_ps(a, 3);
-    _mm_storeu_ps(out, _mm_hadd_ps(_mm_hadd_ps(q0, q1), _mm_hadd_ps(q2, q3)));
-}
-
-/* MT rows of xp against NT (1 or DP_GROUP) consecutive tiles, tile_len values apart: MT x NT
- * accumulators (up to 24 of the 32 registers), so each weight line loaded serves MT rows and each
- * x broadcast NT tiles. One tile at a time the loads outnumber the dot products once there are
- * many rows: the 49 products of a bench-Llama step took 1.6x oneDNN's bf16 time at 16-64 rows,
- * 4 tiles at a time 1.35x (session 26). While one pass holds every row the step is bound by the
- * weight read, and one sequential stream per thread reads it faster than four; once the rows need
- * two passes, four tiles at a time win. Interleaved A/B of the 49 products, weights cold, ms
- * (session 27): one tile 7.1 / 7.1 / 8.3 / 9.0 at 1 / 4 / 5 / 6 rows against four 9.0 / 9.9 /
- * 9.6 / 9.4; at 7 / 10 rows one tile (two passes) 13.7 / 15.7 against four 12.3 / 13.7. out: MT
- * rows x NT * 4 sums (row stride DP_GROUP * 4). */
-#define TILE_DP(MT, NT)                                                                            \
-    __attribute__((noinline)) static void tile_dp_##MT##_##NT(const uint16_t *xp, int64_t ldxp,  \
-                                                               const uint16_t *wt, int64_t tile_len, \
-                                                               int64_t kfull, float *out) {       \
-        __m512 acc[MT][NT];                                                                        \
-        _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++)                                       \
-            _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) acc[m][t] = _mm512_setzero_ps();   \
-        for (int64_t c = 0; c < kfull; c++) {                                                      \
-            __m512bh w[NT];                                                                        \
-            _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) {                                 \
-                const uint16_t *wc = wt + t * tile_len + c * TILE_ROWS * CHUNK;                    \
-                _mm_prefetch((const char *)(wc + PREFETCH_AHEAD), _MM_HINT_T0);                    \
-                w[t] = (__m512bh)_mm512_loadu_si512((const void *)wc);                             \
-            }                                                                                      \
-            _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++) {                                 \
-                const __m512bh xb = (__m512bh)_mm512_broadcast_i32x4(                              \
-                    _mm_loadu_si128((const __m128i *)(xp + m * ldxp + c * CHUNK)));                \
-                _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++)                               \
-                    acc[m][t] = _mm512_dpbf16_ps(acc[m][t], w[t], xb);                             \
-            }                                                                                      \
-        }                                                                                          \
-        _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++)                                       \
-            _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++)                                   \
-                dp_sums(acc[m][t], out + m * DP_GROUP * 4 + t * 4);                                \
-    }
-#define TILE_DP_ROWS(MT) TILE_DP(MT, 1) TILE_DP(MT, 4)
-TILE_DP_ROWS(1)
-TILE_DP_ROWS(2)
-TILE_DP_ROWS(3)
-TILE_DP_ROWS(4)
-TILE_DP_ROWS(5)
-TILE_DP_ROWS(6)
-
-/* mt rows (1..MAX_DP_PASS_ROWS) against nt tiles: DP_GROUP at once, or one. */
-static void tiles_dp(const uint16_t *xp, int64_t ldxp, const uint16_t *wt, int64_t tile_len, int64_t kfull,
-                     int mt, int nt, float *out) {
-#define DP_CASE(MT)                                                                                \
-    case MT:                                                                                       \
-        if (nt == DP_GROUP) tile_dp_##MT##_4(xp, ldxp, wt, tile_len, kfull, out);                  \
-        else tile_dp_##MT##_1(xp, ldxp, wt, tile_len, kfull, out);                                 \
-        return;
-    switch (mt) {
-        DP_CASE(1)
-        DP_CASE(2)
-        DP_CASE(3)
-        DP_CASE(4)
-        DP_CASE(5)
-        default: DP_CASE(6)
-    }
-#undef DP_CASE
-}
-#else
-#define HAVE_BF16_DOT 0
-#endif
-
 /* Rows m0 .. m0 + mt - 1 of tile t's 4 outputs: the whole chunks' sums from part (row stride
  * ldp), the partial last chunk of K from x's floats, the bias. A tile with neither (every tile of
  * a model's usual shapes but a padded last one) takes the short way: per row one 4-wide add and
- * store, which the compiler vectorizes. The general loop cost as much as a quarter of the dot
+ * store, which the compiler vectorizes. The general loop cost as much as a quarter of the
  * products' time at 16-64 rows (a call and a branch per output; RESULTS.md, session 27). */
 static inline void store_rows(const float *x, int64_t ldx, const uint16_t *wt, const float *bias, float *y,
                               int64_t m0, int mt, int64_t t, int64_t N, int64_t K, int64_t kfull,
@@ -264,41 +179,15 @@ static inline void store_rows(const float *x, int64_t ldx, const uint16_t *wt, c
         }
 }
 
-/* The product's work split, for both entry points below. xp: x's rows as interleaved bfloat16
- * (the dot-product tiles), or NULL (x's floats, the FMA tiles); the partial last chunk of K is
- * summed from x's floats either way. */
-static void gemv_tiles(const float *x, int64_t ldx, const uint16_t *xp, int64_t ldxp, const uint16_t *wp,
-                       const float *bias, float *y, int64_t M, int64_t N, int64_t K, int threads) {
+/* The product's work split: tiles in blocks over the threads, each tile passed once per group of
+ * up to MAX_PASS_ROWS rows; the partial last chunk of K summed from x's floats. */
+static void gemv_tiles(const float *x, int64_t ldx, const uint16_t *wp, const float *bias, float *y, int64_t M,
+                       int64_t N, int64_t K, int threads) {
     const int64_t kfull = K / CHUNK, kchunks = (K + CHUNK - 1) / CHUNK;
     const int64_t tile_len = TILE_ROWS * CHUNK * kchunks; /* values per tile */
     const int64_t ntiles = (N + TILE_ROWS - 1) / TILE_ROWS;
     const int64_t nblocks = (ntiles + TILES_PER_BLOCK - 1) / TILES_PER_BLOCK;
     if (threads > nblocks) threads = (int)nblocks;
-#if HAVE_BF16_DOT
-    if (xp != NULL) {
-        /* Rows are spread evenly over passes as below; a row's sums do not depend on the grouping. */
-        const int group = M > MAX_DP_PASS_ROWS ? DP_GROUP : 1;
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t b = 0; b < nblocks; b++) {
-            float part[MAX_DP_PASS_ROWS * DP_GROUP * 4];
-            const int64_t t_end = (b + 1) * TILES_PER_BLOCK < ntiles ? (b + 1) * TILES_PER_BLOCK : ntiles;
-            for (int64_t t0 = b * TILES_PER_BLOCK; t0 < t_end;) {
-                const int nt = t_end - t0 >= group ? group : 1;
-                for (int64_t m0 = 0; m0 < M;) {
-                    const int64_t left = M - m0, passes = (left + MAX_DP_PASS_ROWS - 1) / MAX_DP_PASS_ROWS;
-                    const int mt = (int)((left + passes - 1) / passes);
-                    tiles_dp(xp + m0 * ldxp, ldxp, wp + t0 * tile_len, tile_len, kfull, mt, nt, part);
-                    for (int t = 0; t < nt; t++)
-                        store_rows(x, ldx, wp + (t0 + t) * tile_len, bias, y, m0, mt, t0 + t, N, K, kfull,
-                                   part + t * 4, DP_GROUP * 4);
-                    m0 += mt;
-                }
-                t0 += nt;
-            }
-        }
-        return;
-    }
-#endif
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < nblocks; b++) {
         float part[MAX_PASS_ROWS * 4];
@@ -320,37 +209,9 @@ static void gemv_tiles(const float *x, int64_t ldx, const uint16_t *xp, int64_t 
 int pd_gemv_bf16(const float *x, int64_t ldx, const uint16_t *wp, const float *bias, float *y, int64_t M,
                  int64_t N, int64_t K, int threads) {
     if (M < 0 || N < 0 || K < 0 || ldx < K || threads < 1) return -1;
-    if (M > 0 && N > 0) gemv_tiles(x, ldx, NULL, 0, wp, bias, y, M, N, K, threads);
+    if (M > 0 && N > 0) gemv_tiles(x, ldx, wp, bias, y, M, N, K, threads);
     return 0;
 }
-
-/* pd_gemv_bf16 for an x whose values are all bfloat16 (a bfloat16 model's activations, held as
- * float32): on a CPU with AVX512-BF16 its whole chunks run on the dot-product tiles (x narrowed by
- * truncation, exact for such values), elsewhere it is pd_gemv_bf16. -2: no memory for x's copy. */
-int pd_gemv_bf16x(const float *x, int64_t ldx, const uint16_t *wp, const float *bias, float *y, int64_t M,
-                  int64_t N, int64_t K, int threads) {
-#if HAVE_BF16_DOT
-    if (M < 0 || N < 0 || K < 0 || ldx < K || threads < 1) return -1;
-    const int64_t kfull = K / CHUNK, ldxp = kfull * CHUNK;
-    if (M == 0 || N == 0 || kfull == 0) return pd_gemv_bf16(x, ldx, wp, bias, y, M, N, K, threads);
-    uint16_t *xp = malloc((size_t)(M * ldxp) * sizeof *xp);
-    if (xp == NULL) return -2;
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t k = 0; k < ldxp; k++) {
-            uint32_t u;
-            memcpy(&u, x + m * ldx + k, sizeof u);
-            xp[m * ldxp + (k - k % CHUNK) + slot((int)(k % CHUNK))] = (uint16_t)(u >> 16);
-        }
-    gemv_tiles(x, ldx, xp, ldxp, wp, bias, y, M, N, K, threads);
-    free(xp);
-    return 0;
-#else
-    return pd_gemv_bf16(x, ldx, wp, bias, y, M, N, K, threads);
-#endif
-}
-
-/* 1 when pd_gemv_bf16x runs on bf16 dot-product instructions here, else 0. */
-int pd_gemv_bf16x_dot(void) { return HAVE_BF16_DOT; }
 
 /* W (N, K) float32, row-major with row stride ldw, into the tiled, interleaved bfloat16 layout above (`out`:
  * ceil(N / 4) * 4 * ceil(K / 8) * 8 values, padding written as zeros), in one pass and without a

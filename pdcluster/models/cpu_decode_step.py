@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from pdcluster.env_flags import env_enabled
-from pdcluster.kernels import decode_step_cpu
+from pdcluster.kernels import decode_step_cpu, gemv_bf16_cpu
 from pdcluster.models.layers import cpu_gemv
 from pdcluster.models.layers.attention_backend import AttentionMetadata
 from pdcluster.models.layers.mlp import MLP
@@ -119,6 +119,13 @@ def why_not(decoder: Any) -> str | None:
                 return f"norm weights not all {act} or of different eps"
     if len({id(layer.self_attn.rotary_emb) for layer in decoder.layers if layer.self_attn.rotary_emb}) > 1:
         return "layers with different rotary tables"
+    layouts = {lin.gemv_weight.layout for lin in _linears(decoder)}
+    if len(layouts) > 1:
+        return f"decode copies in different layouts {sorted(layouts)}"
+    if layouts == {gemv_bf16_cpu.PAIRS} and act != torch.bfloat16:
+        return "bf16-pair decode copies under a float32 model"  # that kernel takes bf16-valued rows only
+    if decode_step_cpu.kernel_pointers(layouts.pop()) is None:
+        return "no product kernel for the decode copies' layout"
     return None
 
 
@@ -231,7 +238,7 @@ def _build(decoder: Any, kv_caches: Any, key: tuple[Any, ...]) -> _Plan:
     rot = next((layer.self_attn.rotary_emb for layer in decoder.layers if layer.self_attn.rotary_emb), None)
     k0 = kv_caches[0]
     dtype = decoder.norm.weight.dtype
-    ptrs = decode_step_cpu.kernel_pointers(bf16=dtype == torch.bfloat16)
+    ptrs = decode_step_cpu.kernel_pointers(a0.qkv_proj.gemv_weight.layout)
     assert ptrs is not None
     keep: list[torch.Tensor] = []
     model = decode_step_cpu.ModelDesc(

@@ -1,5 +1,7 @@
-"""The bfloat16-weight GEMV kernel (kernels/csrc/gemv_bf16_cpu.c) against F.linear on the widened
-weight, and the decode-copy policy (models/layers/cpu_gemv.py) that routes products to it."""
+"""The bfloat16-weight GEMV kernels against F.linear on the widened weight: the float32 tiles
+(kernels/csrc/gemv_bf16_cpu.c) and the bf16 dot-product pairs (kernels/csrc/gemv_bf16_dot_cpu.c,
+on a CPU with AVX512-BF16), and the decode-copy policy (models/layers/cpu_gemv.py) that routes
+products to them."""
 
 from __future__ import annotations
 
@@ -11,6 +13,9 @@ from pdcluster.models.layers import cpu_gemm, cpu_gemv
 from pdcluster.models.layers.linear import ReplicatedLinear
 
 pytestmark = pytest.mark.skipif(not gemv_bf16_cpu.available(), reason="no C compiler on this machine")
+TILES, PAIRS = gemv_bf16_cpu.TILES, gemv_bf16_cpu.PAIRS
+needs_pairs = pytest.mark.skipif(not gemv_bf16_cpu.has_bf16_dot(),
+                                 reason="the bf16 dot-product kernel needs a CPU with AVX512-BF16")
 
 
 def _bound(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -29,24 +34,45 @@ def test_matches_linear_on_the_widened_weight(m: int, n: int, k: int, bias: bool
     w = torch.randn(n, k, generator=g).to(torch.bfloat16)
     x = torch.randn(m, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
-    got = gemv_bf16_cpu.gemv_bf16(x, gemv_bf16_cpu.pack(w), b)
+    got = gemv_bf16_cpu.gemv_bf16(x, gemv_bf16_cpu.pack(w, TILES), b)
+    want = gemv_bf16_cpu.gemv_bf16_torch(x, w, b)
+    assert got is not None and got.dtype == torch.float32 and got.shape == (m, n)
+    assert ((got - want).abs() <= _bound(x, w.float(), b)).all()
+
+
+# The pair kernel's pass shapes (one pass up to 8 rows, then passes of up to 6: 9 = 5 + 4, 13 =
+# 5 + 4 + 4, 32 = 6 6 5 5 5 5), features that leave a partial 16-lane group and a partial
+# 64-feature block, odd K (a padded last pair).
+@needs_pairs
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 32])
+@pytest.mark.parametrize(("n", "k"), [(8, 8), (13, 21), (64, 768), (130, 40), (1, 3), (200, 2048)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_pairs_match_linear_on_bf16_rows(m: int, n: int, k: int, bias: bool) -> None:
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    x = torch.randn(m, k, generator=g).bfloat16().float()
+    b = torch.randn(n, generator=g) if bias else None
+    copy = gemv_bf16_cpu.pack(w)
+    assert copy.layout == PAIRS  # the default for a bf16 weight where the kernel runs
+    got = gemv_bf16_cpu.gemv_bf16(x, copy, b, bf16_x=True)
     want = gemv_bf16_cpu.gemv_bf16_torch(x, w, b)
     assert got is not None and got.dtype == torch.float32 and got.shape == (m, n)
     assert ((got - want).abs() <= _bound(x, w.float(), b)).all()
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_every_thread_count_gives_the_same_result(threads: int) -> None:
+@pytest.mark.parametrize("layout", [TILES, pytest.param(PAIRS, marks=needs_pairs)])
+def test_every_thread_count_gives_the_same_result(threads: int, layout: str) -> None:
     """Features are split over threads; each output is summed by one thread in one order."""
     g = torch.Generator().manual_seed(1)
-    w = gemv_bf16_cpu.pack(torch.randn(300, 96, generator=g).to(torch.bfloat16))
-    x = torch.randn(3, 96, generator=g)
+    w = gemv_bf16_cpu.pack(torch.randn(300, 96, generator=g).to(torch.bfloat16), layout)
+    x = torch.randn(3, 96, generator=g).bfloat16().float()
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = gemv_bf16_cpu.gemv_bf16(x, w)
+        one = gemv_bf16_cpu.gemv_bf16(x, w, bf16_x=True)
         torch.set_num_threads(threads)
-        assert torch.equal(gemv_bf16_cpu.gemv_bf16(x, w), one)
+        assert torch.equal(gemv_bf16_cpu.gemv_bf16(x, w, bf16_x=True), one)
     finally:
         torch.set_num_threads(before)
 
@@ -55,7 +81,7 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it() -> None:
     """Every row goes through the same operations in every pass shape, so a decode row's product
     is bit for bit the same alone, in a batch, or beside its request's drafts."""
     g = torch.Generator().manual_seed(3)
-    w = gemv_bf16_cpu.pack(torch.randn(70, 203, generator=g).to(torch.bfloat16))
+    w = gemv_bf16_cpu.pack(torch.randn(70, 203, generator=g).to(torch.bfloat16), TILES)
     x = torch.randn(13, 203, generator=g)
     alone = torch.cat([gemv_bf16_cpu.gemv_bf16(x[i:i + 1], w) for i in range(13)])
     for m in range(2, 14):
@@ -64,12 +90,11 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it() -> None:
 
 @pytest.mark.parametrize(("n", "k"), [(203, 203), (4096, 40), (5, 8)])
 def test_bf16_rows_agree_and_a_rows_result_does_not_depend_on_the_rows_beside_it(n: int, k: int) -> None:
-    """bf16_x (x's values are bfloat16): on a CPU with AVX512-BF16, dot products over bf16 pairs,
-    one tile at a time up to 6 rows, then four (one for a block's last odd tiles), up to 6 rows a
-    pass; elsewhere the FMA tiles.
-    Either way within the float32 bound of the exact sum, and a row's result is bit for bit the
-    same alone or beside any number of rows (features leave partial tile groups and blocks, K a
-    partial chunk)."""
+    """bf16_x (x's values are bfloat16) over the default copy: on a CPU with AVX512-BF16 the
+    pairs (one pass up to 8 rows, then passes of up to 6), elsewhere the FMA tiles. Either way
+    within the float32 bound of the exact sum, and a row's result is bit for bit the same alone or
+    beside any number of rows (features leave partial lane groups and blocks, K a partial pair or
+    chunk)."""
     g = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=g).to(torch.bfloat16)
     tiles = gemv_bf16_cpu.pack(w)
@@ -79,21 +104,23 @@ def test_bf16_rows_agree_and_a_rows_result_does_not_depend_on_the_rows_beside_it
     assert ((alone - gemv_bf16_cpu.gemv_bf16_torch(x, w, b)).abs() <= _bound(x, w.float(), b)).all()
     for m in (2, 5, 6, 7, 8, 9, 11, 12, 13, 18, 25, 64):
         assert torch.equal(gemv_bf16_cpu.gemv_bf16(x[:m], tiles, b, bf16_x=True), alone[:m]), m
-    if not gemv_bf16_cpu.has_bf16_dot():  # then it is the FMA kernel itself
+    if tiles.layout == TILES:  # then it is the FMA kernel itself
         assert torch.equal(alone, gemv_bf16_cpu.gemv_bf16(x, tiles, b))
+    else:  # float32 rows are not the pairs' to take: the caller's own path runs
+        assert gemv_bf16_cpu.gemv_bf16(x, tiles, b) is None
 
 
 def test_strided_rows_and_leading_dims() -> None:
     """x as every other row of a wider buffer, and (B, T, K) inputs: the output keeps x's leading dims."""
     g = torch.Generator().manual_seed(2)
     w = torch.randn(40, 24, generator=g).to(torch.bfloat16)
-    tiles = gemv_bf16_cpu.pack(w)
-    wide = torch.randn(3, 48, generator=g)
+    tiles = gemv_bf16_cpu.pack(w)  # the default layout: bf16 rows below, which both take
+    wide = torch.randn(3, 48, generator=g).bfloat16().float()
     x = wide[:, :24]  # row stride 48
-    got = gemv_bf16_cpu.gemv_bf16(x, tiles)
+    got = gemv_bf16_cpu.gemv_bf16(x, tiles, bf16_x=True)
     assert ((got - gemv_bf16_cpu.gemv_bf16_torch(x, w)).abs() <= _bound(x, w.float(), None)).all()
-    x3 = torch.randn(2, 2, 24, generator=g)
-    got3 = gemv_bf16_cpu.gemv_bf16(x3, tiles)
+    x3 = torch.randn(2, 2, 24, generator=g).bfloat16().float()
+    got3 = gemv_bf16_cpu.gemv_bf16(x3, tiles, bf16_x=True)
     assert got3.shape == (2, 2, 40)
     torch.testing.assert_close(got3, gemv_bf16_cpu.gemv_bf16_torch(x3, w), atol=1e-5, rtol=1e-5)
 
@@ -101,7 +128,7 @@ def test_strided_rows_and_leading_dims() -> None:
 @pytest.mark.parametrize(("n", "k"), [(1, 1), (4, 8), (5, 9), (13, 21), (64, 768)])
 def test_the_tiled_layout_holds_the_weight_and_a_tile_is_one_run(n: int, k: int) -> None:
     w = torch.randn(n, k).to(torch.bfloat16)
-    tiles = gemv_bf16_cpu.pack(w)
+    tiles = gemv_bf16_cpu.pack(w, TILES)
     assert torch.equal(tiles.unpack(), w)
     t, c = -(-n // 4), -(-k // 8)
     assert tiles.data.shape == (t, c, 4, 8) and tiles.data.is_contiguous()
@@ -112,7 +139,24 @@ def test_the_tiled_layout_holds_the_weight_and_a_tile_is_one_run(n: int, k: int)
     assert torch.equal(tiles.data[0, 0].reshape(-1), padded[:4, [0, 4, 1, 5, 2, 6, 3, 7]].reshape(-1))
     assert tiles.nbytes == t * c * 32 * 2
     # Strided sources pack to the same tiles.
-    assert torch.equal(gemv_bf16_cpu.pack(w.t().contiguous().t()).data, tiles.data)
+    assert torch.equal(gemv_bf16_cpu.pack(w.t().contiguous().t(), TILES).data, tiles.data)
+
+
+@pytest.mark.parametrize(("n", "k"), [(1, 1), (64, 2), (65, 9), (130, 40)])
+def test_the_pair_layout_holds_the_weight_and_a_block_is_one_run(n: int, k: int) -> None:
+    """Packing is plain torch, so this runs on every CPU, not only where the pair kernel does."""
+    w = torch.randn(n, k).to(torch.bfloat16)
+    pairs = gemv_bf16_cpu.pack(w, PAIRS)
+    assert pairs.layout == PAIRS and torch.equal(pairs.unpack(), w)
+    b, p = -(-n // 64), -(-k // 2)
+    assert pairs.data.shape == (b, p, 64, 2) and pairs.data.is_contiguous()
+    # Pair 0 of block 0: features 0-63, each as its columns 0 and 1 (the padding is zeros).
+    padded = torch.zeros(b * 64, p * 2, dtype=torch.bfloat16)
+    padded[:n, :k] = w
+    assert torch.equal(pairs.data[0, 0], padded[:64, :2])
+    assert torch.equal(pairs.data[-1, -1], padded[-64:, -2:])
+    assert pairs.nbytes == b * p * 128 * 2
+    assert torch.equal(gemv_bf16_cpu.pack(w.t().contiguous().t(), PAIRS).data, pairs.data)
 
 
 @pytest.mark.parametrize(("n", "k"), [(1, 1), (5, 9), (13, 21), (64, 768)])
@@ -121,7 +165,7 @@ def test_packing_float32_equals_packing_its_bf16_values_and_refuses_other_values
     values = torch.randn(n, 2 * k, generator=g).to(torch.bfloat16)
     strided = values.float()[:, :k]  # row stride 2k
     tiles = gemv_bf16_cpu.pack_float32(strided)
-    assert tiles is not None and torch.equal(tiles.data, gemv_bf16_cpu.pack(values[:, :k]).data)
+    assert tiles is not None and torch.equal(tiles.data, gemv_bf16_cpu.pack(values[:, :k], TILES).data)
     assert torch.equal(tiles.unpack().float(), strided)
     off = strided.clone()
     off[n - 1, k - 1] = torch.nextafter(off[n - 1, k - 1], torch.tensor(float("inf")))  # not a bf16
@@ -131,7 +175,14 @@ def test_packing_float32_equals_packing_its_bf16_values_and_refuses_other_values
 
 
 def test_declines_what_it_does_not_take_and_names_disagreeing_shapes() -> None:
-    w = gemv_bf16_cpu.pack(torch.randn(8, 16).to(torch.bfloat16))
+    w = gemv_bf16_cpu.pack(torch.randn(8, 16).to(torch.bfloat16), TILES)
+    with pytest.raises(ValueError, match="layout"):
+        gemv_bf16_cpu.pack(torch.randn(8, 16).to(torch.bfloat16), "rows")
+    # A pair copy takes rows of bf16 values only; where no pair kernel runs, none at all.
+    pairs = gemv_bf16_cpu.pack(torch.randn(8, 16).to(torch.bfloat16), PAIRS)
+    assert gemv_bf16_cpu.gemv_bf16(torch.randn(1, 16), pairs) is None
+    got = gemv_bf16_cpu.gemv_bf16(torch.randn(1, 16).bfloat16().float(), pairs, bf16_x=True)
+    assert (got is not None) == gemv_bf16_cpu.has_bf16_dot()
     assert gemv_bf16_cpu.gemv_bf16(torch.randn(1, 16).double(), w) is None  # float64 input
     with pytest.raises(ValueError, match="bfloat16"):
         gemv_bf16_cpu.pack(torch.randn(8, 16))  # a float32 weight is not packed

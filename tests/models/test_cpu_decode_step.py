@@ -13,7 +13,7 @@ from tiny_models import make_tiny_checkpoint
 from pdcluster.config import EngineArgs
 from pdcluster.engine.model_runner import ModelRunner
 from pdcluster.engine.outputs import CachedRequestData, NewRequestData, SchedulerOutput
-from pdcluster.kernels import decode_step_cpu
+from pdcluster.kernels import decode_step_cpu, gemv_bf16_cpu
 from pdcluster.models import cpu_decode_step
 from pdcluster.models.layers import cpu_gemv
 from pdcluster.sampling_params import SamplingParams
@@ -128,7 +128,11 @@ def _bit_for_bit(tmp_path, monkeypatch, arch: str, kv_dtype: str, cfg: dict, len
             p.data.copy_(1 + 0.5 * torch.randn(p.shape, generator=g))
     assert cpu_decode_step.why_not(decoder) is None
     _prefill(runner, lens, runner.config.model.vocab_size, per=6)  # 6 blocks: <= 12 prompt + 6 decode tokens
-    ids = [f"r{i}" for i in range(len(lens))]
+    _steps_match_eager(runner, monkeypatch, [f"r{i}" for i in range(len(lens))], compute)
+
+
+def _steps_match_eager(runner: ModelRunner, monkeypatch, ids: list[str], compute: str) -> None:
+    decoder = runner.model.model
     with torch.inference_mode():
         for _ in range(6):  # crosses block boundaries (BLOCK 4) and the window
             reqs = [runner.requests[r] for r in ids]
@@ -143,6 +147,38 @@ def _bit_for_bit(tmp_path, monkeypatch, arch: str, kv_dtype: str, cfg: dict, len
             assert torch.equal(kv_fast, kv_eager)
             assert not torch.equal(kv_fast, runner.kv_caches)  # the step did write the new K/V
             runner.execute(_decode(runner, ids))  # advance (through the driver)
+
+
+def test_copies_of_either_layout_run_their_kernel_and_mixed_layouts_are_refused(tmp_path, monkeypatch) -> None:
+    """A bf16 model's copies are PAIRS where the dot-product kernel runs, TILES elsewhere: the
+    driver calls the product of its copies' layout (so the other machine kind's path is checked
+    here too, where it can run), bit for bit the eager step, and refuses a mix by name."""
+    path = make_tiny_checkpoint("llama", tmp_path / "l", dtype=torch.bfloat16)
+    runner = _runner(path, compute="bfloat16")
+    decoder = runner.model.model
+    linears = cpu_decode_step._linears(decoder)
+    TILES, PAIRS = gemv_bf16_cpu.TILES, gemv_bf16_cpu.PAIRS
+    default = linears[0].gemv_weight.layout
+    assert default == (PAIRS if gemv_bf16_cpu.has_bf16_dot() else TILES)
+    other = TILES if default == PAIRS else PAIRS
+    linears[1].gemv_weight = gemv_bf16_cpu.pack(linears[1].gemv_weight.unpack(), other)
+    assert "different layouts" in (cpu_decode_step.why_not(decoder) or "")
+    if other == PAIRS and not gemv_bf16_cpu.has_bf16_dot():
+        return  # the pair kernel cannot run on this CPU
+    for lin in linears:
+        lin.gemv_weight = gemv_bf16_cpu.pack(lin.gemv_weight.unpack(), other)
+    assert cpu_decode_step.why_not(decoder) is None
+    _prefill(runner, [5, 9, 2], runner.config.model.vocab_size, per=6)
+    _steps_match_eager(runner, monkeypatch, ["r0", "r1", "r2"], "bfloat16")
+
+
+def test_pair_copies_under_a_float32_model_are_refused(tmp_path) -> None:
+    """The pair kernel takes rows of bf16 values, which a float32 model's activations are not."""
+    runner = _runner(make_tiny_checkpoint("llama", tmp_path / "l", dtype=torch.bfloat16))  # float32 compute
+    decoder = runner.model.model
+    for lin in cpu_decode_step._linears(decoder):
+        lin.gemv_weight = gemv_bf16_cpu.pack(lin.gemv_weight.unpack(), gemv_bf16_cpu.PAIRS)  # plain weights are released
+    assert "float32 model" in (cpu_decode_step.why_not(decoder) or "")
 
 
 def test_steps_it_does_not_take_run_the_eager_layers(tmp_path) -> None:

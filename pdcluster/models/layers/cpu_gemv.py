@@ -26,10 +26,11 @@ reads every product from these tiles; so that its step is bit for bit the eager 
 layers' decode-sized bf16 products run on the same kernel (x widened exactly, the float32 result
 rounded to bfloat16 once, as oneDNN's bf16 GEMM rounds its float32 sum). Cost: a second copy of
 the linear weights (the oneDNN-packed one serves prefill); PDCLUSTER_CPU_GEMV=0 trades it back.
-On a CPU with AVX512-BF16 the kernel multiplies the bf16 rows with the same dot-product
-instructions oneDNN uses (gemv_bf16_cpu.has_bf16_dot), and the copy serves MAX_ROWS rows. With
-AMX, or a build without that path, oneDNN's bf16 GEMM out-computes the kernel's widen-and-FMA,
-so the copy serves fewer rows (max_rows): only where both are bound by the weight read.
+On a CPU with AVX512-BF16 the copy is laid out in pairs for the dot-product kernel
+(kernels/csrc/gemv_bf16_dot_cpu.c, gemv_bf16_cpu.has_bf16_dot), which multiplies the bf16 rows
+with the instructions oneDNN uses, and serves MAX_ROWS rows. With AMX, or a build without that
+kernel, oneDNN's bf16 GEMM out-computes the tiles' widen-and-FMA, so the copy serves fewer rows
+(max_rows): only where both are bound by the weight read.
 """
 
 from __future__ import annotations
@@ -57,10 +58,10 @@ MAX_ROWS = 64
 # the rows where both are bound by the weight read (AMX tiles far more so). On a 2-core
 # AVX512-BF16 EPYC the FMA tiles took 13.1 / 25.2 ms for a step's 49 products at 8 / 16 rows
 # against oneDNN bf16's 8.5 / 11.4. With the kernel's bf16 dot-product path (AVX512-BF16, no
-# AMX) bf16 inputs get MAX_ROWS: its products reach 0.72x oneDNN's speed at 12-64 rows, but the
-# one-call decode driver they admit beats the eager layers: batch 16 / 32 decode steps 23.3 /
-# 42.2 -> 20.5 / 35.6 ms (RESULTS.md, session 26). Without bf16 instructions oneDNN emulates
-# bf16 and MAX_ROWS holds.
+# AMX) bf16 inputs get MAX_ROWS: its pair products run 1.5x / 1.2x / 1.05x oneDNN's bf16 GEMM at
+# 8 / 16-32 / 64 rows, and bench-Llama decode steps at batch 8 / 16 / 32 took 14.6 / 24.2 / 36.4 ->
+# 10.2 / 16.7 / 29.6 ms against session 29's 4-row tiles (RESULTS.md, session 30). Without bf16
+# instructions oneDNN emulates bf16 and MAX_ROWS holds.
 MAX_ROWS_NATIVE_BF16 = 8
 PROBE_ROWS = (1, 3)
 
@@ -97,11 +98,15 @@ def decode_copy(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Bf16T
         return None
     b = None if bias is None else bias.detach().float()
     # One reference product for both probe sizes: at load this runs for every linear weight, and
-    # the reference's error bound reads |W| (a full-size temporary) each time it is formed.
+    # the reference's error bound reads |W| (a full-size temporary) each time it is formed. A
+    # bfloat16 weight serves rows of bfloat16 values (a bf16 model's activations): probed with such.
+    bf16_x = weight.dtype == torch.bfloat16
     x = torch.randn(sum(PROBE_ROWS), w.shape[1], generator=torch.Generator().manual_seed(0))
+    if bf16_x:
+        x = x.bfloat16().float()
     parts = []
     for rows_x in x.split(list(PROBE_ROWS)):
-        got = gemv_bf16_cpu.gemv_bf16(rows_x, copy, b)
+        got = gemv_bf16_cpu.gemv_bf16(rows_x, copy, b, bf16_x=bf16_x)
         if got is None:
             return None
         parts.append(got)
