@@ -67,9 +67,10 @@ ENGINE_FLAGS: tuple[tuple[str, str, Any], ...] = (
     ("--enforce-eager", "enforce_eager", bool), ("--enable-expert-parallel", "enable_expert_parallel", bool),
     ("--scheduling-policy", "scheduling_policy", str), ("--speculative-config", "speculative_config", str),
     ("--kv-load-wait-ms", "kv_load_wait_ms", float),
+    ("--long-prefill-token-threshold", "long_prefill_token_threshold", int),
 )
 ENGINE_DEFAULTS = {"dtype": "auto", "kv_cache_dtype": "auto", "device": "auto", "block_size": 16, "max_num_seqs": 64,
-                   "seed": 0, "scheduling_policy": "fcfs", "kv_load_wait_ms": 0.0}
+                   "seed": 0, "scheduling_policy": "fcfs", "kv_load_wait_ms": 0.0, "long_prefill_token_threshold": 0}
 ENGINE_HELP = {
     "kv_cache_memory_bytes": "KV cache budget in bytes (default: from free memory); --num-kv-blocks overrides it",
     "max_model_len": "context length (default: the model's)",
@@ -80,6 +81,9 @@ ENGINE_HELP = {
     "kv_load_wait_ms": "decode workers: a step that starts KV loads runs nothing else, and the running requests "
                        "wait up to this long for them, so loaded requests join the next step (0: off; "
                        "SchedulerConfig.kv_load_wait_s)",
+    "long_prefill_token_threshold": "a prompt chunk computes at most this many tokens per step (0: up to "
+                                    "--max-num-batched-tokens): on a decode worker that also prefills, a step "
+                                    "stalls its running decodes for a chunk, not a whole prompt",
     "speculative_config": "speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                           "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} (engine/ngram_proposer.py)",
 }
@@ -128,6 +132,30 @@ def add_forwarded_engine_flags(parser: argparse.ArgumentParser) -> None:
                 g.add_argument(name, dest=d, action="store_const", const=True, default=None, help=hidden)
             else:
                 g.add_argument(name, dest=d, type=kind, default=None, help=hidden, metavar=dest.upper())
+
+
+def pool_engine_argv(pool: str, engine: Mapping[str, Any]) -> list[str]:
+    """`serve` flags that set one pool's engine options (--decode-max-num-seqs 8, ...): the
+    inverse of forwarded_engine for that pool. `engine` is by serve-worker dest, as a YAML pool's."""
+    if pool not in POOL_PREFIXES:
+        raise ValueError(f"pool must be one of {POOL_PREFIXES}, got {pool!r}")
+    flags = {dest: (flag, kind) for flag, dest, kind in ENGINE_FLAGS}
+    argv: list[str] = []
+    for dest, value in engine.items():
+        if dest == "no_prefix_caching":
+            argv.append(f"--{'no-' if value else ''}{pool}-enable-prefix-caching")  # BooleanOptionalAction's pair
+            continue
+        if dest not in flags:
+            raise ValueError(f"{pool} engine option {dest!r}: not an engine flag")
+        flag, kind = flags[dest]
+        name = f"--{pool}-{flag[2:]}"
+        if kind is bool:
+            argv += [name] if value else []
+        elif isinstance(value, (dict, list)):
+            argv += [name, json.dumps(value)]
+        elif value is not None:
+            argv += [name, str(value)]
+    return argv
 
 
 def forwarded_engine(args: Any, pool: str) -> dict[str, Any]:

@@ -52,6 +52,11 @@ class SchedulerConfig:
     # join that step instead of the one after it (engine_core.EngineCore._await_loads). 0: the
     # load overlaps a step of the running requests (vLLM's way).
     kv_load_wait_s: float = 0.0
+    # vLLM's --long-prefill-token-threshold: a prompt chunk computes at most this many tokens per
+    # step (0: up to the budget). On a decode worker that also prefills (conditional or load-aware
+    # disaggregation) it bounds how long one step stalls the running decodes: their inter-token gap
+    # grows by a chunk's time, not a whole prompt's.
+    long_prefill_token_threshold: int = 0
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -192,6 +197,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"  # vLLM's flag: "fcfs" | "priority" (SchedulerConfig.policy)
     kv_load_wait_ms: float = 0.0  # SchedulerConfig.kv_load_wait_s, in ms (0: off)
+    long_prefill_token_threshold: int = 0  # SchedulerConfig's (0: off)
     kv_cache_memory_bytes: int | None = None
     num_kv_blocks: int | None = None  # overrides the memory budget (tests force tiny caches)
     kv_cache_dtype: str = "auto"
@@ -265,6 +271,12 @@ class EngineArgs:
                 or not 0 <= load_wait <= MAX_KV_LOAD_WAIT_MS):
             raise ValueError(f"kv_load_wait_ms must be a number of milliseconds in [0, {MAX_KV_LOAD_WAIT_MS}], "
                              f"got {load_wait!r}")
+        long_prefill = self.long_prefill_token_threshold
+        if isinstance(long_prefill, bool) or not isinstance(long_prefill, int) or long_prefill < 0:
+            raise ValueError(f"long_prefill_token_threshold must be an integer >= 0 (0: off), got {long_prefill!r}")
+        if long_prefill and not self.enable_chunked_prefill:
+            raise ValueError(f"long_prefill_token_threshold={long_prefill} caps prompt chunks: it needs "
+                             "enable_chunked_prefill")
         kv_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, model_cfg.dtype)
         speculative = SpeculativeConfig.parse(self.speculative_config)
         _check_tp_shapes(model_cfg, tp)
@@ -287,7 +299,7 @@ class EngineArgs:
             model=model_cfg,
             cache=cache_cfg,
             scheduler=SchedulerConfig(self.max_num_seqs, mnbt, max_len, self.enable_chunked_prefill,
-                                      self.scheduling_policy, load_wait / 1000.0),
+                                      self.scheduling_policy, load_wait / 1000.0, long_prefill),
             parallel=ParallelConfig(tp, float(tp_timeout)),
             device=device,
             attention_backend=auto_backend if self.attention_backend == "auto" else self.attention_backend,

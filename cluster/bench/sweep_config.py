@@ -19,6 +19,8 @@ the field: `configs.disaggregated.decode: must be a positive integer, got 0`.
       pinned: {prefill: 1, decode: 1, pin_cpus: true}   # local only: each worker on cores of its own
       conditional: {prefill: 1, decode: 1, disagg_threshold: 256}  # short uncached prompts stay on decode
       loadaware: {prefill: 1, decode: 1, disagg_max_prefill_backlog: 512}  # decode prefills while P is behind
+      chunked: {prefill: 1, decode: 1, disagg_max_prefill_backlog: 256,
+                decode_engine: {long_prefill_token_threshold: 32}}  # one pool's engine over `engine`
     ray: {address: local, num_cpus: 4}   # --launcher ray only: `pdcluster up` fields
 
 A configuration is translated into a `pdcluster up` cluster config and validated by its schema
@@ -40,8 +42,8 @@ LAUNCHERS = ("local", "ray")
 # Flags the sweep sets itself for every point; a workload naming them would be silently overridden.
 RESERVED_WORKLOAD = frozenset({"request_rate", "host", "port", "base_url", "router", "save_result", "result_dir",
                                "result_filename", "label", "metadata", "disable_tqdm"})
-CONFIG_FIELDS = ("workers", "prefill", "decode", "tp", "connector", "connector_options", "engine", "placement",
-                 "policy", "pin_cpus", "disagg_threshold", "disagg_max_prefill_backlog")
+CONFIG_FIELDS = ("workers", "prefill", "decode", "tp", "connector", "connector_options", "engine", "prefill_engine",
+                 "decode_engine", "placement", "policy", "pin_cpus", "disagg_threshold", "disagg_max_prefill_backlog")
 TOP_FIELDS = ("name", "model", "launcher", "output_dir", "rates", "baseline", "workload", "configs", "ray",
               "ready_timeout_s", "warmup_prompts", "repeats")
 DEFAULT_WARMUP_PROMPTS = 4
@@ -178,12 +180,20 @@ def cluster_dict(name: str, raw: Any, model: str | None) -> dict[str, Any]:
     placement = _mapping(d.get("placement") or {}, f"{path}.placement", ("both",) if aggregated
                          else ("prefill", "decode"))
     pools: dict[str, Any] = {}
+    for key in ("prefill_engine", "decode_engine"):
+        if aggregated and d.get(key) is not None:
+            raise SweepError(f"{path}.{key}: needs prefill and decode pools (aggregated workers take `engine`)")
     for role, key in ((("both", "workers"),) if aggregated else (("prefill", "prefill"), ("decode", "decode"))):
         pool: dict[str, Any] = {"instances": _positive_int(d[key], f"{path}.{key}")}
         if d.get("tp") is not None:
             pool["tp"] = _positive_int(d["tp"], f"{path}.tp")
-        if d.get("engine"):
-            pool["engine"] = d["engine"]
+        shared, own = d.get("engine") or {}, d.get(f"{role}_engine") or {}
+        for name, value in (("engine", shared), (f"{role}_engine", own)):
+            if not isinstance(value, Mapping):
+                raise SweepError(f"{path}.{name}: must map engine options to values, got {value!r}")
+        engine = {**shared, **own}  # the pool's own options over the shared ones
+        if engine:
+            pool["engine"] = engine
         if placement.get(role):
             pool["placement"] = placement[role]
         pools[role] = pool

@@ -35,7 +35,7 @@ class ClusterStartError(RuntimeError):
 
 def serve_argv(entry: ClusterEntry) -> list[str]:
     """`pdcluster serve` flags for an entry (free ports, so a sweep never collides with a server)."""
-    from pdcluster.cluster.worker_flags import engine_argv, worker_flag, worker_flag_actions
+    from pdcluster.cluster.worker_flags import engine_argv, pool_engine_argv, worker_flag, worker_flag_actions
 
     cluster, pools = entry.cluster, entry.cluster["pools"]
     argv = ["serve", "--grpc-port", "0", "--http-port", "0"]
@@ -54,10 +54,16 @@ def serve_argv(entry: ClusterEntry) -> list[str]:
         argv += ["--disagg-max-prefill-backlog", str(router["disagg_max_prefill_backlog_tokens"])]
     if entry.pinned:
         argv.append("--pin-cpus")
-    # One pool's options stand for all: `serve` passes the same worker flags to every worker.
+    # Options every pool shares go to every worker (--worker-args); a pool's own (decode_engine,
+    # prefill_engine) as serve's --decode-FLAG / --prefill-FLAG, which --worker-args would override.
+    engines = {role: p.get("engine") or {} for role, p in pools.items()}
     pool = next(iter(pools.values()))
+    shared = {k: v for k, v in (pool.get("engine") or {}).items() if all(k in e and e[k] == v for e in engines.values())}
+    for role, engine in engines.items():
+        if own := {k: v for k, v in engine.items() if k not in shared}:
+            argv += pool_engine_argv(role, own)
     actions = worker_flag_actions()
-    worker = engine_argv(pool.get("engine") or {}, actions)
+    worker = engine_argv(shared, actions)
     if pool.get("tp", 1) > 1:
         flag = worker_flag(actions, "tp")
         if flag is None:

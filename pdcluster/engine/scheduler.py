@@ -226,6 +226,9 @@ class Scheduler:
                 and remaining <= self.config.max_num_batched_tokens):
             return 0  # without chunking a prompt waits until it fits whole (unless it never can)
         num_new = min(remaining, budget)
+        cap = self.config.long_prefill_token_threshold
+        if 0 < cap < num_new:  # a prompt chunk (a decode computes 1; drafts are added after)
+            num_new = cap
         window = self.kv.sliding_window
         if window is not None:  # blocks behind the window are freed: a chunk is what must fit
             # (at least 1: a pool too small even for that is refused by never_fits, not skipped)

@@ -74,6 +74,11 @@ def test_example_files_are_valid() -> None:
     ({"configs": {"a": {"workers": 1, "gpus": 1}}}, "configs.a.gpus:"),
     ({"configs": {"a/b": {"workers": 1}}}, "configs.a/b:"),
     ({"configs": {"a": {"workers": 1, "engine": {"no_such_flag": 1}}}}, "configs.a: pools.both.engine"),
+    ({"configs": {"a": {"workers": 1, "decode_engine": {"max_num_seqs": 8}}}}, "configs.a.decode_engine:"),
+    ({"configs": {"a": {"prefill": 1, "decode": 1, "decode_engine": [1]}}}, "configs.a.decode_engine:"),
+    ({"configs": {"a": {"prefill": 1, "decode": 1, "engine": "big"}}}, "configs.a.engine:"),
+    ({"configs": {"a": {"prefill": 1, "decode": 1, "prefill_engine": {"no_such_flag": 1}}}},
+     "configs.a: pools.prefill.engine"),
     ({"configs": {"a": {"workers": 1, "placement": {"both": {"strategy": "diagonal"}}}}},
      "configs.a: pools.both.placement.strategy"),
     ({"configs": {"a": {"workers": 1, "placement": {"decode": {}}}}}, "configs.a.placement.decode:"),
@@ -122,6 +127,31 @@ def test_serve_flags_of_a_configuration() -> None:
     assert dis[dis.index("--prefill") + 1] == "1" and dis[dis.index("--decode") + 1] == "2"
     assert dis[dis.index("--connector") + 1] == "p2p"
     assert '{"transport": "tcp"}' in dis[dis.index("--worker-args") + 1]
+
+
+def test_a_pools_own_engine_options_reach_only_that_pool() -> None:
+    """decode_engine / prefill_engine over the shared `engine`: the cluster config holds the merge,
+    and `serve` gets the pool's own options as --decode-FLAG / --prefill-FLAG (which is what
+    forwarded_engine hands that pool's workers), the shared ones as --worker-args."""
+    from pdcluster.cluster.bench.sweep_launch import serve_argv
+    from pdcluster.cluster.cli import build_parser
+    from pdcluster.cluster.worker_flags import forwarded_engine
+
+    s = parse_sweep(_sweep(model="/m", configs={"dis": {
+        "prefill": 1, "decode": 1, "engine": {"max_model_len": 1024, "max_num_batched_tokens": 2048},
+        "decode_engine": {"long_prefill_token_threshold": 32, "max_num_batched_tokens": 256},
+        "prefill_engine": {"enforce_eager": True, "no_prefix_caching": True}}}))
+    (dis,) = s.configs
+    assert dis.cluster["pools"]["decode"]["engine"] == {"max_model_len": 1024, "max_num_batched_tokens": 256,
+                                                        "long_prefill_token_threshold": 32}
+    assert dis.cluster["pools"]["prefill"]["engine"] == {"max_model_len": 1024, "max_num_batched_tokens": 2048,
+                                                         "enforce_eager": True, "no_prefix_caching": True}
+    argv = serve_argv(dis)
+    assert argv[argv.index("--worker-args") + 1] == "--max-model-len 1024"
+    args = build_parser().parse_args(argv)
+    assert forwarded_engine(args, "decode") == {"max_num_batched_tokens": 256, "long_prefill_token_threshold": 32}
+    assert forwarded_engine(args, "prefill") == {"max_num_batched_tokens": 2048, "enforce_eager": True,
+                                                 "no_prefix_caching": True}
 
 
 def test_pinned_configuration_asks_serve_to_pin_and_is_local_only() -> None:

@@ -31,26 +31,30 @@ def test_serve_worker_takes_vllm_names():
     assert engine["scheduling_policy"] == "priority"
     held = worker_config(p.parse_args(["serve-worker", "--kv-load-wait-ms", "15"])).engine
     assert held["kv_load_wait_ms"] == 15.0
+    capped = worker_config(p.parse_args(["serve-worker", "--long-prefill-token-threshold", "32"])).engine
+    assert capped["long_prefill_token_threshold"] == 32
     spec = worker_config(p.parse_args(["serve-worker", "--speculative-config", '{"method": "ngram"}'])).engine
     assert spec["speculative_config"] == '{"method": "ngram"}'  # parsed (and refused by name) by the engine
     assert worker_config(p.parse_args(["serve-worker", "--enable-prefix-caching"])).engine["enable_prefix_caching"]
     defaults = worker_config(p.parse_args(["serve-worker"])).engine  # as before the vLLM names
     assert defaults["enable_prefix_caching"] and p.parse_args(["serve-worker"]).enforce_eager is False
     assert {k: defaults[k] for k in ("dtype", "kv_cache_dtype", "block_size", "max_num_seqs", "seed", "max_model_len",
-                                     "kv_load_wait_ms")} \
+                                     "kv_load_wait_ms", "long_prefill_token_threshold")} \
         == {"dtype": "auto", "kv_cache_dtype": "auto", "block_size": 16, "max_num_seqs": 64, "seed": 0,
-            "max_model_len": None, "kv_load_wait_ms": 0.0}
+            "max_model_len": None, "kv_load_wait_ms": 0.0, "long_prefill_token_threshold": 0}
     assert not worker_config(p.parse_args(["serve-worker", "--no-prefix-caching"])).engine["enable_prefix_caching"]
 
 
 def test_serve_forwards_engine_flags_per_pool():
     args = build_parser().parse_args(["serve", "--prefill", "1", "--decode", "1", "--max-model-len", "512",
                                       "--no-enable-prefix-caching", "--decode-max-num-seqs", "8",
-                                      "--prefill-enable-prefix-caching", "--seed", "5", "--decode-kv-load-wait-ms", "20"])
+                                      "--prefill-enable-prefix-caching", "--seed", "5", "--decode-kv-load-wait-ms", "20",
+                                      "--decode-long-prefill-token-threshold", "32"])
     assert engine_argv(forwarded_engine(args, "prefill")) == ["--max-model-len", "512", "--seed", "5"]
     assert engine_argv(forwarded_engine(args, "decode")) == ["--max-model-len", "512", "--seed", "5",
                                                              "--no-prefix-caching", "--max-num-seqs", "8",
-                                                             "--kv-load-wait-ms", "20.0"]
+                                                             "--kv-load-wait-ms", "20.0",
+                                                             "--long-prefill-token-threshold", "32"]
     assert engine_argv(forwarded_engine(args, "both")) == ["--max-model-len", "512", "--seed", "5",
                                                            "--no-prefix-caching"]
 

@@ -10,6 +10,7 @@ import torch
 from tiny_models import hf_greedy
 
 from pdcluster import LLM, SamplingParams
+from pdcluster.config import EngineArgs
 
 ARCHS = ["llama", "llama2", "mistral", "qwen2", "qwen3"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
@@ -80,7 +81,8 @@ def llama_case(tiny_ckpts):
     dict(max_num_seqs=1),
     # A cache so small that running requests must be preempted and recomputed.
     dict(block_size=4, num_kv_blocks=40, max_num_batched_tokens=64),
-], ids=["prefix-cache", "chunk8", "chunk13-bs5", "chunk64-bs1", "one-seq", "preemption"])
+    dict(long_prefill_token_threshold=7),  # every prompt chunk capped, whatever the budget
+], ids=["prefix-cache", "chunk8", "chunk13-bs5", "chunk64-bs1", "one-seq", "preemption", "long-prefill-7"])
 def test_greedy_invariant_under_scheduling(llama_case, opts: dict) -> None:
     path, prompts, expected = llama_case
     llm = LLM(path, dtype="float32", max_model_len=128, **opts)
@@ -91,6 +93,15 @@ def test_greedy_invariant_under_scheduling(llama_case, opts: dict) -> None:
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["kv_blocks_used"] == 0
     if opts.get("num_kv_blocks"):
         assert stats["num_preemptions"] > 0
+
+
+@pytest.mark.parametrize(("opts", "message"), [
+    (dict(long_prefill_token_threshold=-1), r"long_prefill_token_threshold must be an integer >= 0 \(0: off\), got -1"),
+    (dict(long_prefill_token_threshold=8, enable_chunked_prefill=False), "needs enable_chunked_prefill"),
+])
+def test_long_prefill_token_threshold_is_checked_by_name(demo_model: str, opts: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(model=demo_model, **opts).create_engine_config()
 
 
 def test_batch_composition_and_order(llama_case) -> None:

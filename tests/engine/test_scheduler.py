@@ -25,8 +25,9 @@ EOS = 2
 
 def make(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8, budget: int = 32,
          max_model_len: int = 128, chunked: bool = True, caching: bool = True,
-         connector: KVConnectorBase | None = None, policy: str = "fcfs", load_wait_s: float = 0.0) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len, chunked, policy, load_wait_s),
+         connector: KVConnectorBase | None = None, policy: str = "fcfs", load_wait_s: float = 0.0,
+         long_prefill: int = 0) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len, chunked, policy, load_wait_s, long_prefill),
                      CacheConfig(block_size, num_blocks, 0, "float32", caching), connector=connector)
 
 
@@ -78,6 +79,25 @@ def test_chunked_prefill_shares_the_budget_decodes_first() -> None:
     assert so.num_scheduled_tokens == {"a": 1, "b": 7}
     so, outs = step(s)
     assert so.num_scheduled_tokens == {"a": 1, "b": 4} and {o.request_id for o in outs} == {"a", "b"}
+
+
+def test_long_prefill_token_threshold_caps_every_prompt_chunk_not_decodes() -> None:
+    """vLLM's long_prefill_token_threshold: each prompt chunk (new or running, one per request)
+    computes at most that many tokens a step, the budget left to others; decodes are untouched."""
+    s = make(budget=32, long_prefill=5)
+    s.add_request(req("a", 3))
+    s.add_request(req("b", 12))
+    s.add_request(req("c", 7))
+    so, outs = step(s)
+    assert so.num_scheduled_tokens == {"a": 3, "b": 5, "c": 5}  # a's whole prompt is under the cap
+    assert [o.request_id for o in outs] == ["a"]
+    so, outs = step(s)
+    assert so.num_scheduled_tokens == {"a": 1, "b": 5, "c": 2}
+    assert {o.request_id for o in outs} == {"a", "c"}
+    so, _ = step(s)
+    assert so.num_scheduled_tokens == {"a": 1, "b": 2, "c": 1}
+    run_all(s)
+    assert_no_leaks(s)
 
 
 def test_max_num_seqs_and_fcfs() -> None:
