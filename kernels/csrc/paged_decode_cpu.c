@@ -65,6 +65,40 @@ static inline int64_t walk_next(pos_walk *w) {
     return slot;
 }
 
+/* Positions the passes below prefetch ahead of the one they read. Why: a request's blocks lie
+ * wherever the pool had them, so the hardware prefetcher restarts at every block (16 slots of
+ * a few hundred bytes); without this, the loads of the rows took ~45% of the kernel's samples
+ * and a batch of 32 x 512 positions read at ~5 GB/s (RESULTS.md, session 30). */
+#define PREFETCH_POSITIONS 16
+
+/* A second walk, PREFETCH_POSITIONS ahead of a pass: each step prefetches the rows (heads
+ * [h0, h0 + nh)) of the slot it passes, until n. */
+typedef struct {
+    pos_walk w;
+    int64_t p, n;
+} ahead_walk;
+
+static inline ahead_walk ahead_from(const int32_t *table, int64_t bs, int64_t lo, int64_t n) {
+    const int64_t p = lo + PREFETCH_POSITIONS < n ? lo + PREFETCH_POSITIONS : n;
+    ahead_walk a = {walk_from(table, bs, p), p, n};
+    return a;
+}
+
+static inline void ahead_next(ahead_walk *a, const void *cache, int dtype, int64_t hk, int64_t h0, int64_t d,
+                              int64_t nh) {
+    if (a->p >= a->n) return;
+    a->p++;
+    /* A block right after the one before it in memory is the hardware prefetcher's (prefetching
+     * those too cost 10-25% on a pool handed out in order); a jump elsewhere is ours. */
+    const int64_t blk = a->w.blk;
+    const int contiguous = blk > 0 && a->w.table[blk] == a->w.table[blk - 1] + 1;
+    const int64_t slot = walk_next(&a->w);
+    if (contiguous) return;
+    const int64_t elem = dtype == 0 ? 4 : 2, off = (slot * hk + h0) * d * elem;
+    const char *row = (const char *)cache + off;
+    for (int64_t b = 0; b < nh * d * elem; b += 64) __builtin_prefetch(row + b, 0, 3);
+}
+
 /* Heads [h0, h0 + nh) of cache slot `slot` as float32: in place for a float32 cache, converted
  * into `row` for bfloat16. */
 static inline const float *slot_row(const void *cache, int dtype, int64_t slot, int64_t hk, int64_t h0, int64_t d,
@@ -110,8 +144,10 @@ static inline __m256 dot8(const float *q, const float *const kr[SCORE_BLOCK], in
         float *wide_rows = scores + len * nq;                                                       \
         for (; p + SCORE_BLOCK <= n; p += SCORE_BLOCK) {                                            \
             const float *kr[SCORE_BLOCK], *kj[SCORE_BLOCK];                                         \
-            for (int r = 0; r < SCORE_BLOCK; r++)                                                   \
+            for (int r = 0; r < SCORE_BLOCK; r++) {                                                 \
+                ahead_next(&kpf, k, dtype, hk, h0, dd, nh);                                         \
                 kr[r] = slot_row(k, dtype, walk_next(&kw), hk, h0, dd, nh, wide_rows + r * nh * dd); \
+            }                                                                                       \
             for (int64_t j = 0; j < nq; j++) {                                                      \
                 for (int r = 0; r < SCORE_BLOCK; r++) kj[r] = kr[r] + (j / g) * dd;                 \
                 _mm256_storeu_ps(scores + j * len + (p - lo),                                       \
@@ -123,6 +159,94 @@ static inline __m256 dot8(const float *q, const float *const kr[SCORE_BLOCK], in
 #define SCORE_ROWS 0
 #define SCORE_BLOCKS(DIM)
 #endif
+
+/* The weighted sum of V for the query heads of one KV head, accumulated in registers: for each
+ * run of up to JB of its g query heads, one sweep over the positions keeps their JB x D/VW
+ * accumulators in vector registers and widens each V row once for all of them. Why: the sweep
+ * that visits every query head of a position in turn kept its outputs in memory, a load and a
+ * store per vector per head per position, which took ~60% of the kernel's samples once the rows'
+ * reads were prefetched (RESULTS.md, session 30). Each output sums its positions in the same
+ * order, from zero, with one multiply-add each, as before. GCC's vector extension: 16 lanes on
+ * AVX-512, 8 on AVX2, 4 elsewhere. o: this KV head's g x D outputs (unnormalised); scores:
+ * [query head][position - lo], the group's first row at `scores`. */
+#if defined(__AVX512F__)
+#define PV_VW 16
+#define PV_ACC_REGS 24
+#elif defined(__AVX2__)
+#define PV_VW 8
+#define PV_ACC_REGS 8
+#else
+#define PV_VW 4
+#define PV_ACC_REGS 8
+#endif
+typedef float pv_vf __attribute__((vector_size(PV_VW * 4)));
+typedef uint16_t pv_vh __attribute__((vector_size(PV_VW * 2)));
+typedef uint32_t pv_vu __attribute__((vector_size(PV_VW * 4)));
+
+static inline pv_vf pv_load(const void *base, int dtype, int64_t off) {
+    pv_vf f;
+    if (dtype == 0) {
+        memcpy(&f, (const float *)base + off, sizeof f);
+    } else {
+        pv_vh h;
+        memcpy(&h, (const uint16_t *)base + off, sizeof h);
+        const pv_vu u = __builtin_convertvector(h, pv_vu) << 16; /* bfloat16: the top half of a float32 */
+        memcpy(&f, &u, sizeof f);
+    }
+    return f;
+}
+
+#define PV_RUN(NAME, DIM, JB)                                                                      \
+    static void NAME(const float *scores, int64_t len, const void *v, int dtype, const int32_t *table, \
+                     int64_t lo, int64_t n, int64_t hk, int64_t h, int64_t bs, float *o) {        \
+        enum { NV = (DIM) / PV_VW };                                                               \
+        pv_vf acc[JB][NV];                                                                         \
+        _Pragma("GCC unroll 8") for (int j = 0; j < JB; j++)                                       \
+            _Pragma("GCC unroll 16") for (int t = 0; t < NV; t++) acc[j][t] = (pv_vf){0};          \
+        pos_walk vw = walk_from(table, bs, lo);                                                    \
+        ahead_walk vpf = ahead_from(table, bs, lo, n);                                             \
+        for (int64_t p = lo; p < n; p++) {                                                         \
+            ahead_next(&vpf, v, dtype, hk, h, DIM, 1);                                             \
+            const int64_t off = (walk_next(&vw) * hk + h) * (DIM);                                 \
+            pv_vf vr[NV];                                                                          \
+            _Pragma("GCC unroll 16") for (int t = 0; t < NV; t++) vr[t] = pv_load(v, dtype, off + t * PV_VW); \
+            _Pragma("GCC unroll 8") for (int j = 0; j < JB; j++) {                                 \
+                const float w = scores[j * len + (p - lo)];                                        \
+                _Pragma("GCC unroll 16") for (int t = 0; t < NV; t++) acc[j][t] += w * vr[t];      \
+            }                                                                                      \
+        }                                                                                          \
+        _Pragma("GCC unroll 8") for (int j = 0; j < JB; j++)                                       \
+            _Pragma("GCC unroll 16") for (int t = 0; t < NV; t++)                                  \
+                memcpy(o + j * (DIM) + t * PV_VW, &acc[j][t], sizeof acc[j][t]);                   \
+    }
+/* Query heads per sweep: as many as PV_ACC_REGS accumulators hold, 1 to 6. */
+#define PV_JB(DIM) ((PV_ACC_REGS * PV_VW / (DIM)) < 1 ? 1 : (PV_ACC_REGS * PV_VW / (DIM)) > 6 ? 6 : (PV_ACC_REGS * PV_VW / (DIM)))
+#define PV_RUNS(DIM)                                                                               \
+    PV_RUN(pv_##DIM##_1, DIM, 1)                                                                   \
+    PV_RUN(pv_##DIM##_2, DIM, 2)                                                                   \
+    PV_RUN(pv_##DIM##_3, DIM, 3)                                                                   \
+    PV_RUN(pv_##DIM##_4, DIM, 4)                                                                   \
+    PV_RUN(pv_##DIM##_5, DIM, 5)                                                                   \
+    PV_RUN(pv_##DIM##_6, DIM, 6)                                                                   \
+    static void pv_##DIM(const float *scores, int64_t len, const void *v, int dtype, const int32_t *table, \
+                         int64_t lo, int64_t n, int64_t hk, int64_t h, int64_t bs, int64_t g, float *o) { \
+        for (int64_t j0 = 0; j0 < g;) {                                                            \
+            const int64_t jb = g - j0 < PV_JB(DIM) ? g - j0 : PV_JB(DIM);                          \
+            const float *sj = scores + j0 * len;                                                   \
+            float *oj = o + j0 * (DIM);                                                            \
+            switch (jb) {                                                                          \
+                case 1: pv_##DIM##_1(sj, len, v, dtype, table, lo, n, hk, h, bs, oj); break;       \
+                case 2: pv_##DIM##_2(sj, len, v, dtype, table, lo, n, hk, h, bs, oj); break;       \
+                case 3: pv_##DIM##_3(sj, len, v, dtype, table, lo, n, hk, h, bs, oj); break;       \
+                case 4: pv_##DIM##_4(sj, len, v, dtype, table, lo, n, hk, h, bs, oj); break;       \
+                case 5: pv_##DIM##_5(sj, len, v, dtype, table, lo, n, hk, h, bs, oj); break;       \
+                default: pv_##DIM##_6(sj, len, v, dtype, table, lo, n, hk, h, bs, oj); break;      \
+            }                                                                                      \
+            j0 += jb;                                                                              \
+        }                                                                                          \
+    }
+PV_RUNS(64)
+PV_RUNS(128)
 
 /* One request, KV heads [h0, h1), each with its GQA group of `g` query heads, against positions
  * [lo, n). A task covers several heads so it walks each cached slot's Hk * D row contiguously
@@ -146,8 +270,10 @@ static inline __m256 dot8(const float *q, const float *const kr[SCORE_BLOCK], in
         const float *qh = q + h0 * g * dd;                                                          \
         int64_t p = lo;                                                                             \
         pos_walk kw = walk_from(table, bs, lo);                                                     \
+        ahead_walk kpf = ahead_from(table, bs, lo, n);                                              \
         SCORE_BLOCKS(DIM)                                                                           \
         for (; p < n; p++) {                                                                        \
+            ahead_next(&kpf, k, dtype, hk, h0, dd, nh);                                             \
             const float *kr = slot_row(k, dtype, walk_next(&kw), hk, h0, dd, nh, row);                \
             for (int64_t j = 0; j < nq; j++) {                                                      \
                 const float *qj = qh + j * dd, *kj = kr + (j / g) * dd;                             \
@@ -168,16 +294,24 @@ static inline __m256 dot8(const float *q, const float *const kr[SCORE_BLOCK], in
             }                                                                                       \
             sum[j] = t;                                                                             \
         }                                                                                           \
-        memset(oh, 0, (size_t)(nq * dd) * sizeof(float));                                          \
-        pos_walk vw = walk_from(table, bs, lo);                                                     \
-        for (int64_t p = lo; p < n; p++) {                                                          \
-            const float *vr = slot_row(v, dtype, walk_next(&vw), hk, h0, dd, nh, row);               \
-            for (int64_t j = 0; j < nq; j++) {                                                      \
-                const float w = scores[j * len + (p - lo)];                                         \
-                const float *vj = vr + (j / g) * dd;                                                \
-                float *oj = oh + j * dd;                                                            \
-                _Pragma("omp simd") for (int64_t i = 0; i < dd; i++) oj[i] += w * vj[i];            \
+        if (PV(DIM, dd) == NULL) {                                                                  \
+            memset(oh, 0, (size_t)(nq * dd) * sizeof(float));                                      \
+            pos_walk vw = walk_from(table, bs, lo);                                                 \
+            ahead_walk vpf = ahead_from(table, bs, lo, n);                                          \
+            for (int64_t p = lo; p < n; p++) {                                                      \
+                ahead_next(&vpf, v, dtype, hk, h0, dd, nh);                                         \
+                const float *vr = slot_row(v, dtype, walk_next(&vw), hk, h0, dd, nh, row);           \
+                for (int64_t j = 0; j < nq; j++) {                                                  \
+                    const float w = scores[j * len + (p - lo)];                                     \
+                    const float *vj = vr + (j / g) * dd;                                            \
+                    float *oj = oh + j * dd;                                                        \
+                    _Pragma("omp simd") for (int64_t i = 0; i < dd; i++) oj[i] += w * vj[i];        \
+                }                                                                                   \
             }                                                                                       \
+        } else {                                                                                    \
+            for (int64_t hh = 0; hh < nh; hh++)                                                     \
+                PV(DIM, dd)(scores + hh * g * len, len, v, dtype, table, lo, n, hk, h0 + hh, bs, g, \
+                            oh + hh * g * dd);                                                      \
         }                                                                                           \
         for (int64_t j = 0; j < nq; j++) {                                                          \
             const float inv = 1.0f / sum[j];                                                        \
@@ -191,6 +325,10 @@ static inline __m256 dot8(const float *q, const float *const kr[SCORE_BLOCK], in
 #define DIM_RUNTIME(d) (d)
 #define DIM_64(d) 64
 #define DIM_128(d) 128
+/* The register-accumulating V pass of a head size, or NULL (the generic sweep above). */
+typedef void (*pv_fn)(const float *, int64_t, const void *, int, const int32_t *, int64_t, int64_t, int64_t,
+                      int64_t, int64_t, int64_t, float *);
+#define PV(DIM, d) (DIM(d) == 64 ? (pv_fn)pv_64 : DIM(d) == 128 ? (pv_fn)pv_128 : (pv_fn)NULL)
 ATTEND(attend_generic, DIM_RUNTIME)
 ATTEND(attend_64, DIM_64)
 ATTEND(attend_128, DIM_128)
