@@ -71,8 +71,8 @@ static inline int64_t walk_next(pos_walk *w) {
  * and a batch of 32 x 512 positions read at ~5 GB/s (RESULTS.md, session 30). */
 #define PREFETCH_POSITIONS 16
 
-/* A second walk, PREFETCH_POSITIONS ahead of a pass: each step prefetches the rows (heads
- * [h0, h0 + nh)) of the slot it passes, until n. */
+/* A second walk, PREFETCH_POSITIONS ahead of a pass: each step passes one slot, until n, and
+ * prefetches its rows (heads [h0, h0 + nh)) when its block jumps (below). */
 typedef struct {
     pos_walk w;
     int64_t p, n;
@@ -164,8 +164,8 @@ static inline __m256 dot8(const float *q, const float *const kr[SCORE_BLOCK], in
  * run of up to JB of its g query heads, one sweep over the positions keeps their JB x D/VW
  * accumulators in vector registers and widens each V row once for all of them. Why: the sweep
  * that visits every query head of a position in turn kept its outputs in memory, a load and a
- * store per vector per head per position, which took ~60% of the kernel's samples once the rows'
- * reads were prefetched (RESULTS.md, session 30). Each output sums its positions in the same
+ * store per vector per head per position, the hottest loop of the kernel once the rows' reads
+ * were prefetched (RESULTS.md, session 30). Each output sums its positions in the same
  * order, from zero, with one multiply-add each, as before. GCC's vector extension: 16 lanes on
  * AVX-512, 8 on AVX2, 4 elsewhere. o: this KV head's g x D outputs (unnormalised); scores:
  * [query head][position - lo], the group's first row at `scores`. */
