@@ -60,7 +60,7 @@ def main() -> None:
     # float32 rows take the tiles; bf16 rows the layout a bf16 model's copies get here
     layout = None if dtype == torch.bfloat16 else gemv_bf16_cpu.TILES
     print(f"threads={args.threads} cpu_isa={','.join(isa)} torch={torch.__version__} "
-          f"kernel_layout={layout or gemv_bf16_cpu.pack(torch.zeros(1, 1, dtype=torch.bfloat16)).layout}")
+          f"kernel_layout={layout or gemv_bf16_cpu.default_layout()}")
     weights = {}
     for name, n, k, _ in SHAPES:
         copies = max(2, int(args.cold_mb * 1e6 / (n * k * dtype.itemsize)))

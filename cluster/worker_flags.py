@@ -44,14 +44,19 @@ def engine_argv(engine: Mapping[str, Any], actions: Mapping[str, argparse.Action
     actions = actions or worker_flag_actions()
     argv: list[str] = []
     for name, value in engine.items():
-        flag = actions[name].option_strings[-1]
-        if isinstance(actions[name], argparse._StoreTrueAction):
-            argv += [flag] if value else []
-        elif isinstance(value, (dict, list)):  # a YAML mapping (speculative_config): its JSON text
-            argv += [flag, json.dumps(value)]
-        elif value is not None:
-            argv += [flag, str(value)]
+        argv += _flag_argv(actions[name].option_strings[-1], isinstance(actions[name], argparse._StoreTrueAction),
+                           value)
     return argv
+
+
+def _flag_argv(flag: str, switch: bool, value: Any) -> list[str]:
+    """One option as argv: a switch present or not, a YAML mapping (speculative_config) as its JSON
+    text, anything else as its str; None: nothing."""
+    if switch:
+        return [flag] if value else []
+    if isinstance(value, (dict, list)):
+        return [flag, json.dumps(value)]
+    return [] if value is None else [flag, str(value)]
 
 
 # -- engine flags, by vLLM's names ------------------------------------------------------------------
@@ -148,13 +153,7 @@ def pool_engine_argv(pool: str, engine: Mapping[str, Any]) -> list[str]:
         if dest not in flags:
             raise ValueError(f"{pool} engine option {dest!r}: not an engine flag")
         flag, kind = flags[dest]
-        name = f"--{pool}-{flag[2:]}"
-        if kind is bool:
-            argv += [name] if value else []
-        elif isinstance(value, (dict, list)):
-            argv += [name, json.dumps(value)]
-        elif value is not None:
-            argv += [name, str(value)]
+        argv += _flag_argv(f"--{pool}-{flag[2:]}", kind is bool, value)
     return argv
 
 

@@ -69,8 +69,7 @@ def pack(weight: torch.Tensor, layout: str | None = None) -> Bf16Tiles:
     if weight.dim() != 2 or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
         raise ValueError(f"pack: a 2-D bfloat16 CPU weight is needed, got {weight.dtype} "
                          f"{tuple(weight.shape)} on {weight.device}")
-    if layout is None:
-        layout = PAIRS if has_bf16_dot() else TILES
+    layout = layout or default_layout()
     if layout not in LAYOUTS:
         raise ValueError(f"pack: layout must be one of {LAYOUTS}, got {layout!r}")
     n, k = weight.shape
@@ -143,6 +142,11 @@ def has_bf16_dot() -> bool:
     as PAIRS."""
     fns = _fns()
     return fns is not None and fns.pairs is not None
+
+
+def default_layout() -> str:
+    """The layout `pack` gives a bfloat16 weight here: PAIRS where the dot-product kernel runs."""
+    return PAIRS if has_bf16_dot() else TILES
 
 
 def product_fn(layout: str) -> ctypes._CFuncPtr | None:

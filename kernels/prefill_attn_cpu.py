@@ -1,10 +1,10 @@
 """Prefill attention on the CPU through the C kernel csrc/prefill_attn_cpu.c: every prompt chunk of
 a step in one call, K/V read from the paged cache in place.
 
-`Chunks.build` checks a step's chunks once; `prefill_attention_cpu` has the contract of cpu_attention's SDPA path for the chunks it is given:
-q (T, Hq, D) (rows may be strided, as a view into the fused QKV output), caches (num_blocks,
-block_size, Hk, D) holding every chunk's K/V already, one block-table row per chunk, each chunk
-at positions context_len .. context_len + len - 1; causal, optional sliding window; scores and
+`Chunks.build` checks a step's chunks once; `prefill_attention_cpu` has the contract of
+cpu_attention's SDPA path for the chunks it is given: q (T, Hq, D) (rows may be strided, as a view
+into the fused QKV output), caches (num_blocks, block_size, Hk, D) holding every chunk's K/V
+already, one block-table row per chunk, each chunk at positions context_len .. context_len + len - 1; causal, optional sliding window; scores and
 softmax in float32. The result is (T, Hq, D) in q's dtype, rows outside the chunks left as zeros.
 It returns None where the kernel does not apply (no compiler, PDCLUSTER_NATIVE=0 or
 PDCLUSTER_CPU_PREFILL_ATTN=0, q's dtype other than the cache's, a dtype other than float32, or
