@@ -46,7 +46,7 @@ from pdcluster.transfer.protocol import (
     REQ_MAGIC,
     ST_OK,
     STATUS_NAMES,
-    recv_exact,
+    recv_views,
 )
 from pdcluster.transfer.ranges import RangeIndex
 from pdcluster.transfer.read_mac import GmacRefused, check_refusal, request_suffix, window_mac
@@ -175,8 +175,7 @@ class ScatterReader(TransferClient):
                 raise TransferError(STATUS_NAMES.get(status, str(status)), f"refused by {addr[0]}:{addr[1]}")
             try:
                 if mac_key is None:
-                    for off, n in dst_ranges.window(start, length):
-                        recv_exact(sock, dest[off:off + n])
+                    recv_views(sock, [dest[off:off + n] for off, n in dst_ranges.window(start, length)])
                 else:
                     hasher = window_mac(sock, flags, mac_key, suffix, cap.transfer_id, cap.region_id, start, length)
                     recv_checked(sock, dest, dst_ranges.window(start, length), hasher)

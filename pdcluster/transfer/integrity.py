@@ -33,7 +33,7 @@ from typing import Protocol
 
 import blake3
 
-from .protocol import recv_exact, send_views
+from .protocol import recv_exact, recv_views, send_views
 from .tokens import Capability
 
 MAC_LEN = 32
@@ -91,13 +91,27 @@ def recv_checked(sock: socket.socket, dest: memoryview, pieces: Sequence[tuple[i
     """Receive a window into the pieces of `dest` (in order), hashing each slice as it lands,
     then its MAC trailer; IntegrityError when they differ. The caller must not use the bytes
     unless this returns."""
+    batch: list[memoryview] = []
+    batch_bytes = 0
     for piece in slices(dest, pieces):
-        recv_exact(sock, piece)
-        hasher.update(piece)
+        batch.append(piece)
+        batch_bytes += piece.nbytes
+        if batch_bytes >= MAC_SLICE:
+            _recv_and_hash(sock, batch, hasher)
+            batch, batch_bytes = [], 0
+    _recv_and_hash(sock, batch, hasher)
     mac = memoryview(bytearray(hasher.digest_size))
     recv_exact(sock, mac)
     if not hmac.compare_digest(hasher.digest(), bytes(mac)):
         raise IntegrityError("payload MAC mismatch")
+
+
+def _recv_and_hash(sock: socket.socket, batch: list[memoryview], hasher: WindowMac) -> None:
+    """One gather receive for up to MAC_SLICE bytes of pieces, then hash them while they are
+    still in cache."""
+    recv_views(sock, batch)
+    for piece in batch:
+        hasher.update(piece)
 
 
 def send_with_mac(sock: socket.socket, hdr: bytes, view: memoryview, pieces: Sequence[tuple[int, int]],

@@ -120,6 +120,26 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
+def recv_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
+    """Fill every view completely, in order, with as few syscalls as the kernel allows: one
+    recvmsg_into (readv) over up to _IOV_MAX views with MSG_WAITALL on a blocking socket, where
+    recv_exact would take one call per view (a 128 MiB read of 64 KiB blocks: 2,048 calls)."""
+    pending = [v for v in views if v.nbytes]
+    flags = socket.MSG_WAITALL if sock.gettimeout() is None else 0
+    while pending:
+        batch = pending[:_IOV_MAX]
+        got = sock.recvmsg_into(batch, 0, flags)[0]
+        if got == 0:
+            raise ConnectionError("peer closed the connection")
+        i = 0
+        while i < len(batch) and got >= batch[i].nbytes:
+            got -= batch[i].nbytes
+            i += 1
+        pending = pending[i:]
+        if got:
+            pending[0] = pending[0][got:]
+
+
 def send_views(sock: socket.socket, views: Sequence[memoryview | bytes]) -> None:
     """Gather-send every view without concatenating them (sendmsg, handling partial sends)."""
     pending = [v if isinstance(v, memoryview) else memoryview(v) for v in views if len(v)]
