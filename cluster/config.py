@@ -88,6 +88,8 @@ class RouterSection:
     # tokens queued, a decode worker that would be done with the prompt before the prefill worker
     # could start it prefills it itself (0: never).
     disagg_max_prefill_backlog_tokens: int = 0
+    # ... counting only decode workers with at most this many requests in flight (None: any).
+    disagg_max_decode_inflight: int | None = None
     stall_timeout_s: float = 0.0         # silence after the first token that counts as a failed worker
     health_interval_s: float = 1.0
     eject_after_failures: int = 1        # a restarted actor is a new port: one failed check is enough
@@ -310,6 +312,12 @@ def _parse_router(raw: Any) -> RouterSection:
     for key in ("max_retries", "max_migrations", *_DISAGG_RULES):
         if key in d:
             out[key] = _int(d[key], f"router.{key}", minimum=0)
+    if d.get("disagg_max_decode_inflight") is not None:
+        out["disagg_max_decode_inflight"] = _int(d["disagg_max_decode_inflight"], "router.disagg_max_decode_inflight",
+                                                 minimum=0)
+        if not out.get("disagg_max_prefill_backlog_tokens"):
+            raise ConfigError("router.disagg_max_decode_inflight: limits load-aware disaggregation, so it needs "
+                              "router.disagg_max_prefill_backlog_tokens > 0")
     for key in ("health_interval_s", "request_timeout_s"):
         if key in d:
             out[key] = _num(d[key], f"router.{key}")

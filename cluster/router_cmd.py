@@ -90,6 +90,10 @@ def add_router_flags(p: argparse.ArgumentParser, *, grpc_port: int = 50051, http
                    help="load-aware disaggregation: while the least busy prefill worker has more than this many "
                         "prompt tokens queued, a decode worker that would finish the prompt before the prefill worker "
                         "could start it prefills it itself (0: never)")
+    p.add_argument("--disagg-max-decode-inflight", type=int, default=None,
+                   help="with --disagg-max-prefill-backlog: only a decode worker with at most this many requests in "
+                        "flight takes such prompts (each prompt it computes stalls every decode running there; "
+                        "default: any)")
     p.add_argument("--disagg-mode", choices=("sequential", "concurrent"), default="sequential",
                    help="sequential: the decode leg is sent once the prefill leg returned (default); concurrent: "
                         "both legs at once, the decode worker admits its leg while the prefill runs")
@@ -156,7 +160,8 @@ def router_config(args: argparse.Namespace, workers: tuple[str, ...], key_dir: s
         health_interval_s=args.health_interval,
         request_timeout_s=args.request_timeout, key_dir=key_dir, tls=tls, worker_tls=worker_tls,
         disagg_min_uncached_tokens=args.disagg_threshold,
-        disagg_max_prefill_backlog_tokens=args.disagg_max_prefill_backlog, worker_channel=args.worker_channel,
+        disagg_max_prefill_backlog_tokens=args.disagg_max_prefill_backlog,
+        disagg_max_decode_inflight=args.disagg_max_decode_inflight, worker_channel=args.worker_channel,
         disagg_mode=args.disagg_mode, disagg_params_timeout_s=args.disagg_params_timeout)
 
 

@@ -325,8 +325,8 @@ def _pools(args: argparse.Namespace) -> list[tuple[str, int]]:
         if args.prefill < 1 or args.decode < 1:
             raise ValueError(f"--prefill and --decode must both be at least 1, got {args.prefill} and {args.decode}")
         return [*head, ("prefill", args.prefill), ("decode", args.decode)]
-    for flag in ("disagg_threshold", "disagg_max_prefill_backlog"):
-        if getattr(args, flag, 0):  # an aggregated pool never disaggregates: the flag would do nothing
+    for flag, unset in (("disagg_threshold", 0), ("disagg_max_prefill_backlog", 0), ("disagg_max_decode_inflight", None)):
+        if getattr(args, flag, unset) != unset:  # an aggregated pool never disaggregates: the flag would do nothing
             raise ValueError(f"--{flag.replace('_', '-')} needs --prefill and --decode pools")
     for name in ("tp", "prefill_tp", "decode_tp"):
         if getattr(args, name) < 1:

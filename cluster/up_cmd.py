@@ -61,6 +61,9 @@ def add_up_commands(sub: argparse._SubParsersAction) -> None:
                    help="load-aware disaggregation: while the least busy prefill worker has more than this many prompt "
                         "tokens queued, a decode worker prefills the prompts it would finish before the prefill worker "
                         "could start them (router.disagg_max_prefill_backlog_tokens; 0: never)")
+    p.add_argument("--disagg-max-decode-inflight", dest="disagg_max_decode_inflight", type=int, default=None,
+                   help="with --disagg-max-prefill-backlog: only a decode worker with at most this many requests in "
+                        "flight takes such prompts (router.disagg_max_decode_inflight; default: any)")
     p.add_argument("--disagg-mode", choices=("sequential", "concurrent"), default="sequential",
                    help="as `serve`: sequential sends the decode leg once the prefill leg returned (default); "
                         "concurrent sends both at once, the decode worker admits its leg while the prefill runs")
@@ -134,7 +137,8 @@ def add_engine_overrides(p: argparse.ArgumentParser) -> None:
 
 _OVERRIDES = ("model", "prefill", "decode", "workers", "encode", "ec_connector", "tp", "connector", "grpc_port", "http_port", "router_host",
               "policy", "key_dir", "log_dir", "max_restarts", "ready_timeout_s", "num_cpus", "namespace", "dashboard",
-              "disagg_min_uncached_tokens", "disagg_max_prefill_backlog_tokens", "max_migrations")
+              "disagg_min_uncached_tokens", "disagg_max_prefill_backlog_tokens", "disagg_max_decode_inflight",
+              "max_migrations")
 
 
 def build_config(args: argparse.Namespace) -> Any:
@@ -193,7 +197,8 @@ def apply_overrides(raw: Mapping[str, Any], overrides: Mapping[str, Any]) -> dic
         pools = {role: _merge(p, **per_pool) for role, p in pools.items()}
         out["pools"] = pools
     router = {k: ov[k] for k in ("grpc_port", "http_port", "policy", "disagg_min_uncached_tokens",
-                                 "disagg_max_prefill_backlog_tokens", "max_migrations") if k in ov}
+                                 "disagg_max_prefill_backlog_tokens", "disagg_max_decode_inflight",
+                                 "max_migrations") if k in ov}
     if "router_host" in ov:
         router["host"] = ov["router_host"]
     if router:

@@ -65,6 +65,8 @@ class RouterConfig:
     # would be done with the prompt before the prefill worker could start it (0: neither rule).
     disagg_min_uncached_tokens: int = 0
     disagg_max_prefill_backlog_tokens: int = 0
+    # ... and only while a decode worker has at most this many requests in flight (None: any).
+    disagg_max_decode_inflight: int | None = None
     # "sequential": the decode leg is sent when the prefill leg has returned; "concurrent": both
     # legs at once, the decode worker admits its leg while prefill runs and gets the params by
     # Worker.ProvideKVParams (router/concurrent_disagg.py). A decode leg waits for them at most
@@ -129,6 +131,12 @@ class RouterConfig:
         for name in ("disagg_min_uncached_tokens", "disagg_max_prefill_backlog_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.disagg_max_decode_inflight is not None:
+            if self.disagg_max_decode_inflight < 0:
+                raise ValueError(f"disagg_max_decode_inflight must be >= 0, got {self.disagg_max_decode_inflight}")
+            if self.disagg_max_prefill_backlog_tokens == 0:
+                raise ValueError("disagg_max_decode_inflight limits load-aware disaggregation: it needs "
+                                 "disagg_max_prefill_backlog_tokens > 0")
         if self.disagg_mode not in DISAGG_MODES:
             raise ValueError(f"disagg_mode: {self.disagg_mode!r} is not one of {DISAGG_MODES}")
         if not 0 < self.disagg_params_timeout_s <= 3600:

@@ -64,7 +64,8 @@ class Orchestrator:
         self.migrator = Migrator(config, registry, self.legs, metrics)
         self.ec = EcStage(config, registry, metrics)
         self.disagg_rule = disagg_rule.DisaggRule(config.disagg_min_uncached_tokens,
-                                                  config.disagg_max_prefill_backlog_tokens)
+                                                  config.disagg_max_prefill_backlog_tokens,
+                                                  config.disagg_max_decode_inflight)
         self._running: dict[str, RequestState] = {}
         self._background: set[asyncio.Task] = set()
         self.stall_watch = StallWatch(config.stall_timeout_s, self._running)
@@ -181,7 +182,8 @@ class Orchestrator:
         uncached = len(state.prep.prompt_token_ids)
         if rule.min_uncached_tokens > 0:
             uncached -= self._best_cached_tokens(state)
-        choice = rule.choose(uncached, (h.prefill_backlog for h in prefill), (h.prefill_backlog for h in decode))
+        choice = rule.choose(uncached, [h.prefill_backlog for h in prefill], [h.prefill_backlog for h in decode],
+                             [h.num_inflight for h in decode])
         if choice != disagg_rule.REMOTE:
             self.metrics.decode_prefills.labels(choice).inc()
             return False

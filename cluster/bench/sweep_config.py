@@ -9,6 +9,7 @@ the field: `configs.disaggregated.decode: must be a positive integer, got 0`.
     baseline: aggregated                 # the ratio table divides by it (default: the first config)
     warmup_prompts: 4                    # sent once per cluster, before its first rate (0: none)
     repeats: 3                           # runs of every (config, rate) point: median and min/max
+    interleave: false                    # true: repeat i of every config in round i, clusters in turn
     workload:                            # `bench serve` flags by name (dashes or underscores)
       random_input_len: 256
       num_prompts: 32
@@ -43,9 +44,10 @@ LAUNCHERS = ("local", "ray")
 RESERVED_WORKLOAD = frozenset({"request_rate", "host", "port", "base_url", "router", "save_result", "result_dir",
                                "result_filename", "label", "metadata", "disable_tqdm"})
 CONFIG_FIELDS = ("workers", "prefill", "decode", "tp", "connector", "connector_options", "engine", "prefill_engine",
-                 "decode_engine", "placement", "policy", "pin_cpus", "disagg_threshold", "disagg_max_prefill_backlog")
+                 "decode_engine", "placement", "policy", "pin_cpus", "disagg_threshold", "disagg_max_prefill_backlog",
+                 "disagg_max_decode_inflight")
 TOP_FIELDS = ("name", "model", "launcher", "output_dir", "rates", "baseline", "workload", "configs", "ray",
-              "ready_timeout_s", "warmup_prompts", "repeats")
+              "ready_timeout_s", "warmup_prompts", "repeats", "interleave")
 DEFAULT_WARMUP_PROMPTS = 4
 RAY_FIELDS = ("address", "num_cpus", "namespace", "dashboard", "worker_host")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # becomes part of file names
@@ -85,6 +87,10 @@ class SweepConfig:
     ready_timeout_s: float = 600.0
     warmup_prompts: int = DEFAULT_WARMUP_PROMPTS  # per cluster, once, before its first rate
     repeats: int = 1              # runs per (config, rate); repeat i uses workload seed + i
+    # False: each configuration's repeats back to back on one cluster. True: rounds, repeat i of every
+    # configuration in round i (a fresh cluster each, the order rotated per round), so a shared
+    # machine's slow minutes fall on every configuration alike rather than on whichever ran then.
+    interleave: bool = False
 
 
 def serve_parser() -> argparse.ArgumentParser:
@@ -206,7 +212,8 @@ def cluster_dict(name: str, raw: Any, model: str | None) -> dict[str, Any]:
     if d.get("policy") is not None:
         router["policy"] = d["policy"]
     for key, router_key in (("disagg_threshold", "disagg_min_uncached_tokens"),
-                            ("disagg_max_prefill_backlog", "disagg_max_prefill_backlog_tokens")):
+                            ("disagg_max_prefill_backlog", "disagg_max_prefill_backlog_tokens"),
+                            ("disagg_max_decode_inflight", "disagg_max_decode_inflight")):
         if d.get(key) is not None:
             if aggregated:
                 raise SweepError(f"{path}.{key}: needs prefill and decode pools")
@@ -279,6 +286,10 @@ def parse_sweep(raw: Any) -> SweepConfig:
         out["warmup_prompts"] = w
     if d.get("repeats") is not None:
         out["repeats"] = _positive_int(d["repeats"], "repeats")
+    if d.get("interleave") is not None:
+        if not isinstance(d["interleave"], bool):
+            raise SweepError(f"interleave: must be true or false, got {d['interleave']!r}")
+        out["interleave"] = d["interleave"]
     out["ray"] = _mapping(d.get("ray") or {}, "ray", RAY_FIELDS)
     return SweepConfig(**out)
 

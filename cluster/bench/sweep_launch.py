@@ -52,6 +52,8 @@ def serve_argv(entry: ClusterEntry) -> list[str]:
         argv += ["--disagg-threshold", str(router["disagg_min_uncached_tokens"])]
     if router.get("disagg_max_prefill_backlog_tokens") is not None:
         argv += ["--disagg-max-prefill-backlog", str(router["disagg_max_prefill_backlog_tokens"])]
+    if router.get("disagg_max_decode_inflight") is not None:
+        argv += ["--disagg-max-decode-inflight", str(router["disagg_max_decode_inflight"])]
     if entry.pinned:
         argv.append("--pin-cpus")
     # Options every pool shares go to every worker (--worker-args); a pool's own (decode_engine,

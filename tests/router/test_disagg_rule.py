@@ -40,6 +40,37 @@ def test_backlog_sends_work_back_only_while_the_prefill_pool_is_behind():
     assert both.choose(65, [0], [0]) == REMOTE
 
 
+def test_backlog_rule_limited_to_decode_workers_with_few_requests_in_flight():
+    """Each prompt a decode worker computes stalls every decode running there: with
+    max_decode_inflight only a decode worker that has at most that many requests takes one."""
+    rule = DisaggRule(max_prefill_backlog_tokens=256, max_decode_inflight=1)
+    assert rule.choose(100, [600], [0], [0]) == BACKLOG
+    assert rule.choose(100, [600], [0], [1]) == BACKLOG
+    assert rule.choose(100, [600], [0], [2]) == REMOTE      # two decodes would stall: the prefill pool's
+    assert rule.choose(100, [200], [0], [0]) == REMOTE      # the prefill pool keeps up: as without the limit
+    # The backlog test counts only the decode workers idle enough, not the pool's least busy:
+    assert rule.choose(100, [600], [0, 550], [5, 1]) == REMOTE   # the idle-enough one: 550 + 100 >= 600
+    assert rule.choose(100, [600], [0, 400], [5, 1]) == BACKLOG  # 400 + 100 < 600
+    strict = DisaggRule(max_prefill_backlog_tokens=256, max_decode_inflight=0)
+    assert strict.choose(100, [600], [0], [1]) == REMOTE
+    assert strict.choose(100, [600], [0], [0]) == BACKLOG
+    # Short prompts are the SHORT rule's, which the limit does not touch:
+    both = DisaggRule(min_uncached_tokens=64, max_prefill_backlog_tokens=256, max_decode_inflight=0)
+    assert both.choose(64, [0], [0], [9]) == SHORT
+
+
+def test_decode_inflight_limit_is_checked_by_name():
+    with pytest.raises(ValueError, match="max_decode_inflight must be >= 0"):
+        DisaggRule(max_prefill_backlog_tokens=256, max_decode_inflight=-1)
+    with pytest.raises(ValueError, match="needs max_prefill_backlog_tokens > 0"):
+        DisaggRule(max_decode_inflight=1)  # it limits the backlog rule: alone it would do nothing
+    with pytest.raises(ValueError, match="disagg_max_decode_inflight must be >= 0"):
+        RouterConfig(disagg_max_prefill_backlog_tokens=256, disagg_max_decode_inflight=-1)
+    with pytest.raises(ValueError, match="disagg_max_decode_inflight .*needs disagg_max_prefill_backlog_tokens"):
+        RouterConfig(disagg_max_decode_inflight=0)
+    assert RouterConfig(disagg_max_prefill_backlog_tokens=256, disagg_max_decode_inflight=0).disagg_max_decode_inflight == 0
+
+
 @pytest.mark.parametrize("field", ["min_uncached_tokens", "max_prefill_backlog_tokens"])
 def test_negative_limits_are_refused_by_name(field):
     with pytest.raises(ValueError, match=field):

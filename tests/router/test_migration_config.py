@@ -43,6 +43,10 @@ def test_serve_flags_reach_the_router_config() -> None:
     assert config.disagg_max_prefill_backlog_tokens == 0
     config = _router_config(_parse(add_serve, "serve", "--disagg-max-prefill-backlog", "768"), (), None, None)
     assert config.disagg_max_prefill_backlog_tokens == 768
+    assert config.disagg_max_decode_inflight is None
+    config = _router_config(_parse(add_serve, "serve", "--disagg-max-prefill-backlog", "256",
+                                   "--disagg-max-decode-inflight", "0"), (), None, None)
+    assert (config.disagg_max_prefill_backlog_tokens, config.disagg_max_decode_inflight) == (256, 0)
 
 
 def test_cluster_yaml_router_section(tmp_path) -> None:
@@ -61,6 +65,17 @@ def test_cluster_yaml_router_section(tmp_path) -> None:
     for key in ("max_migrations", "disagg_min_uncached_tokens", "disagg_max_prefill_backlog_tokens"):
         with pytest.raises(ConfigError, match=rf"^router\.{key}: must be"):
             ClusterConfig.from_dict({"router": {key: -1}})
+    c = ClusterConfig.from_dict({"router": {"disagg_max_prefill_backlog_tokens": 256,
+                                            "disagg_max_decode_inflight": 1}, **PD_POOLS})
+    assert c.router.disagg_max_decode_inflight == 1 and RouterConfig(**{
+        k: v for k, v in dataclasses.asdict(c.router).items()
+        if k in {f.name for f in dataclasses.fields(RouterConfig)}}).disagg_max_decode_inflight == 1
+    with pytest.raises(ConfigError, match=r"^router\.disagg_max_decode_inflight: must be"):
+        ClusterConfig.from_dict({"router": {"disagg_max_prefill_backlog_tokens": 256,
+                                            "disagg_max_decode_inflight": -1}, **PD_POOLS})
+    with pytest.raises(ConfigError, match=r"^router\.disagg_max_decode_inflight: .*needs "
+                                          r"router\.disagg_max_prefill_backlog_tokens > 0"):
+        ClusterConfig.from_dict({"router": {"disagg_max_decode_inflight": 1}, **PD_POOLS})
 
 
 def test_up_flags_override_the_file(tmp_path) -> None:
@@ -76,6 +91,9 @@ def test_up_flags_override_the_file(tmp_path) -> None:
     assert c.router.disagg_max_prefill_backlog_tokens == 0
     c = build_config(_parse(add_up_commands, "up", "--config", str(path), "--disagg-max-prefill-backlog", "300"))
     assert (c.router.disagg_min_uncached_tokens, c.router.disagg_max_prefill_backlog_tokens) == (16, 300)
+    c = build_config(_parse(add_up_commands, "up", "--config", str(path), "--disagg-max-prefill-backlog", "300",
+                            "--disagg-max-decode-inflight", "0"))
+    assert (c.router.disagg_max_prefill_backlog_tokens, c.router.disagg_max_decode_inflight) == (300, 0)
 
 
 def test_disaggregation_rules_need_prefill_and_decode_pools() -> None:
@@ -88,6 +106,11 @@ def test_disaggregation_rules_need_prefill_and_decode_pools() -> None:
         assert _pools(_parse(add_serve, "serve", "--prefill", "1", "--decode", "1", flag, "64")) == [
             ("prefill", 1), ("decode", 1)]
     assert _pools(_parse(add_serve, "serve", "--workers", "2", "--disagg-threshold", "0")) == [("both", 2)]
+    with pytest.raises(ValueError, match="^--disagg-max-decode-inflight needs --prefill and --decode pools"):
+        _pools(_parse(add_serve, "serve", "--workers", "2", "--disagg-max-decode-inflight", "0"))
+    with pytest.raises(ConfigError, match=r"^router\.disagg_max_prefill_backlog_tokens: needs prefill and decode pools"):
+        ClusterConfig.from_dict({"router": {"disagg_max_prefill_backlog_tokens": 64, "disagg_max_decode_inflight": 0},
+                                 "pools": {"both": {"instances": 2}}})
     for key in ("disagg_min_uncached_tokens", "disagg_max_prefill_backlog_tokens"):
         with pytest.raises(ConfigError, match=rf"^router\.{key}: needs prefill and decode pools"):
             ClusterConfig.from_dict({"router": {key: 64}})

@@ -229,3 +229,44 @@ def test_decode_worker_prefills_while_the_prefill_worker_is_behind(make, referen
     assert out[-1].route.disaggregated
     assert tokens(out) == reference.tokens(after, 4)
     assert reason("backlog") == 1
+
+
+def test_backlog_rule_skips_a_decode_worker_with_requests_in_flight(make, reference):
+    """disagg_max_decode_inflight=0: the prefill worker is behind (stopped, holding a prompt over
+    the limit), and the first request is prefilled by the idle decode worker; while that one is
+    still in flight there (the decode worker stopped too), the next waits for the prefill worker
+    instead of stalling it. Both answer as the model would, the second disaggregated."""
+    c = make(("p0", "d0"), disagg_max_prefill_backlog_tokens=40, disagg_max_decode_inflight=0,
+             health_interval_s=300.0)
+    rng = random.Random(20261208)  # prompts no other test sends
+    held = [rng.randrange(10, 600) for _ in range(48)]
+    first_quick = [rng.randrange(10, 600) for _ in range(20)]
+    second_quick = [rng.randrange(10, 600) for _ in range(21)]
+    p0, d0 = by_name(c, "p0"), by_name(c, "d0")
+    backlogs = lambda: c.lt.call(lambda: {h.worker_id: h.prefill_backlog for h in c.router.registry.handles})  # noqa: E731
+    inflight = lambda: c.lt.call(lambda: {h.worker_id: h.num_inflight for h in c.router.registry.handles})  # noqa: E731
+    reason = lambda r: c.metric("pdcluster_router_decode_prefills_total", {"reason": r})  # noqa: E731
+
+    p0.pause()
+    d0.pause()
+    with ThreadPoolExecutor(3) as pool:
+        try:
+            held_f = pool.submit(final, c, held, 6)
+            assert wait_until(lambda: backlogs()["p0"] == len(held), 30), backlogs()
+            first_f = pool.submit(final, c, first_quick, 4)
+            assert wait_until(lambda: inflight()["d0"] == 1, 30), inflight()
+            assert reason("backlog") == 1
+            second_f = pool.submit(final, c, second_quick, 4)
+            # Not the busy decode worker's: it queues behind the held prompt on the prefill worker.
+            assert wait_until(lambda: backlogs()["p0"] == len(held) + len(second_quick), 30), backlogs()
+            assert reason("backlog") == 1 and inflight()["d0"] == 1
+        finally:
+            d0.resume()
+            p0.resume()
+        first, second, held_out = (f.result(timeout=120) for f in (first_f, second_f, held_f))
+    assert not first[-1].route.disaggregated and first[-1].route.decode_worker_id == "d0"
+    assert second[-1].route.disaggregated and second[-1].route.prefill_worker_id == "p0"
+    assert tokens(first) == reference.tokens(first_quick, 4)
+    assert tokens(second) == reference.tokens(second_quick, 4)
+    assert tokens(held_out) == reference.tokens(held, 6)
+    assert wait_until(lambda: set(backlogs().values()) == {0}, 30), backlogs()
