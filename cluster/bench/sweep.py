@@ -6,6 +6,8 @@ configurations at several request rates, e.g. aggregated vs disaggregated.
         for each rate:
           for each repeat:   `bench serve` in-process -> {config}-{rate}qps[-r{i}].json (+ the sweep record)
         stop the cluster     (also on an error or Ctrl-C: nothing is left running)
+    (interleave: true        round i starts each configuration's cluster in turn, order rotated
+                             per round, and runs repeat i of every rate on it)
     from the JSONs:          PNG plots (error bars: min..max over repeats), sweep_summary.json,
                              the ratio table of medians vs the baseline
 
@@ -23,7 +25,7 @@ import datetime
 import os
 import pathlib
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pdcluster.cluster.bench.sweep_config import (
@@ -50,6 +52,9 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--launcher", choices=("local", "ray"), default=None,
                    help="local: `pdcluster serve` on this machine (default); ray: `pdcluster up --detach`")
     p.add_argument("--only", default=None, help="comma-separated configuration names to run (default: all)")
+    p.add_argument("--interleave", action="store_true",
+                   help="rounds instead of one cluster per configuration: round i starts each configuration's "
+                        "cluster in turn (order rotated) and runs repeat i on it (the file's `interleave: true`)")
     p.add_argument("--report-only", action="store_true",
                    help="start nothing: re-plot and re-summarize the result JSONs already in the output folder")
 
@@ -141,19 +146,22 @@ def warm_up_cluster(sweep: SweepConfig, entry: ClusterEntry, ready: Mapping[str,
     return {"prompts": sweep.warmup_prompts, "completed": completed, "seconds": round(run.duration, 3)}
 
 
-def run_config(sweep: SweepConfig, entry: ClusterEntry, launcher: str, out_dir: pathlib.Path) -> list[str]:
-    """Runs every rate (each `repeats` times) against one cluster; returns the failures (the sweep
-    goes on after one)."""
+def run_config(sweep: SweepConfig, entry: ClusterEntry, launcher: str, out_dir: pathlib.Path,
+               repeats: Sequence[int] | None = None) -> list[str]:
+    """Runs every rate (each of `repeats`, default all the sweep's) against one cluster; returns the
+    failures (the sweep goes on after one)."""
     from pdcluster.cluster.bench.serve import run_serve
     from pdcluster.cluster.bench.sweep_launch import launch
 
     failures = []
+    repeats = range(sweep.repeats) if repeats is None else repeats
+    log_name = entry.name if len(repeats) == sweep.repeats else f"{entry.name}-r{repeats[0] + 1}"
     print(f"\n=== {entry.name}: starting the cluster ({launcher}) ===", flush=True)
-    with launch(entry, sweep, launcher, out_dir / "logs" / f"{entry.name}.log") as ready:
+    with launch(entry, sweep, launcher, out_dir / "logs" / f"{log_name}.log") as ready:
         print(f"=== {entry.name}: ready, gRPC {ready.get('grpc')} HTTP {ready.get('http')} ===", flush=True)
         warmup = warm_up_cluster(sweep, entry, ready, out_dir)
         for rate in sweep.rates:
-            for repeat in range(sweep.repeats):
+            for repeat in repeats:
                 what = f"{entry.name} at {rate_word(rate)} req/s" + (
                     f", repeat {repeat + 1}/{sweep.repeats}" if sweep.repeats > 1 else "")
                 print(f"\n--- {what} ---", flush=True)
@@ -172,6 +180,18 @@ def run_config(sweep: SweepConfig, entry: ClusterEntry, launcher: str, out_dir: 
                     failures.append(f"{what}: no request completed")
     print(f"=== {entry.name}: cluster stopped ===", flush=True)
     return failures
+
+
+def schedule(entries: Sequence[ClusterEntry], repeats: int,
+             interleave: bool) -> list[tuple[ClusterEntry, range]]:
+    """Which cluster starts when, and which repeats it runs. Back to back: each configuration
+    once, all repeats. Interleaved: round i runs repeat i of every configuration, starting at
+    configuration i (mod their number), so none is always first after a quiet minute or last in a
+    warm machine."""
+    if not interleave or repeats == 1:
+        return [(e, range(repeats)) for e in entries]
+    n = len(entries)
+    return [(entries[(i + k) % n], range(i, i + 1)) for i in range(repeats) for k in range(n)]
 
 
 def report(out_dir: pathlib.Path, baseline: str, title: str = "") -> int:
@@ -209,9 +229,9 @@ def run_sweep(args: argparse.Namespace) -> int:
         return report(out_dir, sweep.baseline, sweep.name)
     out_dir.mkdir(parents=True, exist_ok=True)
     failures: list[str] = []
-    for entry in entries:
+    for entry, repeats in schedule(entries, sweep.repeats, args.interleave or sweep.interleave):
         try:
-            failures += run_config(sweep, entry, launcher, out_dir)
+            failures += run_config(sweep, entry, launcher, out_dir, repeats)
         except (RuntimeError, OSError, SweepError) as e:  # a cluster that does not start: go on with the next
             failures.append(f"{entry.name}: {e}")
             print(f"error: {failures[-1]}", file=sys.stderr)

@@ -196,6 +196,13 @@ def test_prefill_backlog_limit_reaches_the_router() -> None:
         parse_sweep(_sweep(configs={"agg": {"workers": 2, "disagg_max_prefill_backlog": 512}}))
     with pytest.raises(SweepError, match=r"disagg_max_prefill_backlog_tokens"):
         parse_sweep(_sweep(configs={"neg": {"prefill": 1, "decode": 1, "disagg_max_prefill_backlog": -1}}))
+    (limited,) = parse_sweep(_sweep(configs={"lim": {"prefill": 1, "decode": 1, "disagg_max_prefill_backlog": 256,
+                                                     "disagg_max_decode_inflight": 0}})).configs
+    argv = serve_argv(limited)
+    assert argv[argv.index("--disagg-max-decode-inflight") + 1] == "0"
+    assert "--disagg-max-decode-inflight" not in serve_argv(aware)
+    with pytest.raises(SweepError, match=r"disagg_max_decode_inflight: .*needs"):
+        parse_sweep(_sweep(configs={"alone": {"prefill": 1, "decode": 1, "disagg_max_decode_inflight": 1}}))
 
 
 def test_ray_config_is_a_valid_cluster_config() -> None:
@@ -382,3 +389,26 @@ def test_clusters_compile_before_they_report_ready(monkeypatch: pytest.MonkeyPat
     assert steady_env()["PDCLUSTER_COMPILE_START"] == "wait"
     monkeypatch.setenv("PDCLUSTER_COMPILE_START", "background")  # the user's choice wins
     assert steady_env()["PDCLUSTER_COMPILE_START"] == "background"
+
+
+def test_interleaved_rounds_rotate_the_configurations() -> None:
+    from pdcluster.cluster.bench.sweep import schedule
+
+    configs = parse_sweep(_sweep(configs={"a": {"workers": 2}, "b": {"prefill": 1, "decode": 1},
+                                          "c": {"workers": 1}})).configs
+    plan = [(e.name, list(r)) for e, r in schedule(configs, 3, interleave=True)]
+    assert plan == [("a", [0]), ("b", [0]), ("c", [0]),
+                    ("b", [1]), ("c", [1]), ("a", [1]),
+                    ("c", [2]), ("a", [2]), ("b", [2])]
+    # Every (config, repeat) exactly once, as back to back:
+    back = [(e.name, list(r)) for e, r in schedule(configs, 3, interleave=False)]
+    assert back == [("a", [0, 1, 2]), ("b", [0, 1, 2]), ("c", [0, 1, 2])]
+    assert sorted((n, i) for n, r in plan for i in r) == sorted((n, i) for n, r in back for i in r)
+    assert [(e.name, list(r)) for e, r in schedule(configs, 1, interleave=True)] == [("a", [0]), ("b", [0]), ("c", [0])]
+
+
+def test_interleave_field_is_a_boolean() -> None:
+    assert parse_sweep(_sweep(interleave=True)).interleave is True
+    assert parse_sweep(_sweep()).interleave is False
+    with pytest.raises(SweepError, match=r"^interleave: must be true or false, got 'yes'"):
+        parse_sweep(_sweep(interleave="yes"))
