@@ -20,6 +20,8 @@ the field: `configs.disaggregated.decode: must be a positive integer, got 0`.
       pinned: {prefill: 1, decode: 1, pin_cpus: true}   # local only: each worker on cores of its own
       conditional: {prefill: 1, decode: 1, disagg_threshold: 256}  # short uncached prompts stay on decode
       loadaware: {prefill: 1, decode: 1, disagg_max_prefill_backlog: 512}  # decode prefills while P is behind
+      loadaware1: {prefill: 1, decode: 1, disagg_max_prefill_backlog: 256,
+                   disagg_max_decode_inflight: 1}    # ... only a decode worker with <= 1 request in flight
       chunked: {prefill: 1, decode: 1, disagg_max_prefill_backlog: 256,
                 decode_engine: {long_prefill_token_threshold: 32}}  # one pool's engine over `engine`
     ray: {address: local, num_cpus: 4}   # --launcher ray only: `pdcluster up` fields

@@ -60,6 +60,11 @@ def test_example_files_are_valid() -> None:
     assert {c.name for c in s.configs} >= {"aggregated", "disaggregated"}
     smoke = load_sweep(str(EXAMPLE.with_name("sweep-ray-smoke.yaml")))
     assert smoke.launcher == "ray" and smoke.model is None and smoke.ray["address"] == "local"
+    for path in sorted(EXAMPLE.parent.glob("sweep*.yaml")):  # every shipped sweep file parses
+        assert load_sweep(str(path)).configs, path
+    aware = load_sweep(str(EXAMPLE.with_name("sweep-pinned-loadaware.yaml")))
+    assert aware.interleave and {c.name: c.cluster.get("router", {}).get("disagg_max_decode_inflight")
+                                 for c in aware.configs}["loadaware-inflight1"] == 1
 
 
 @pytest.mark.parametrize("over, field", [
