@@ -84,8 +84,8 @@ static inline ahead_walk ahead_from(const int32_t *table, int64_t bs, int64_t lo
     return a;
 }
 
-static inline void ahead_next(ahead_walk *a, const void *cache, int dtype, int64_t hk, int64_t h0, int64_t d,
-                              int64_t nh) {
+static inline void ahead_step(ahead_walk *a, const void *cache, int dtype, int64_t hk, int64_t h0, int64_t d,
+                              int64_t nh, int always) {
     if (a->p >= a->n) return;
     a->p++;
     /* A block right after the one before it in memory is the hardware prefetcher's (prefetching
@@ -93,10 +93,15 @@ static inline void ahead_next(ahead_walk *a, const void *cache, int dtype, int64
     const int64_t blk = a->w.blk;
     const int contiguous = blk > 0 && a->w.table[blk] == a->w.table[blk - 1] + 1;
     const int64_t slot = walk_next(&a->w);
-    if (contiguous) return;
+    if (contiguous && !always) return; /* `always`: the vdpbf16ps score pass (DOT_BLOCKS) */
     const int64_t elem = dtype == 0 ? 4 : 2, off = (slot * hk + h0) * d * elem;
     const char *row = (const char *)cache + off;
     for (int64_t b = 0; b < nh * d * elem; b += 64) __builtin_prefetch(row + b, 0, 3);
+}
+
+static inline void ahead_next(ahead_walk *a, const void *cache, int dtype, int64_t hk, int64_t h0, int64_t d,
+                              int64_t nh) {
+    ahead_step(a, cache, dtype, hk, h0, d, nh, 0);
 }
 
 /* Heads [h0, h0 + nh) of cache slot `slot` as float32: in place for a float32 cache, converted
@@ -158,6 +163,78 @@ static inline __m256 dot8(const float *q, const float *const kr[SCORE_BLOCK], in
 #else
 #define SCORE_ROWS 0
 #define SCORE_BLOCKS(DIM)
+#endif
+
+/* The score pass on vdpbf16ps (AVX512-BF16 builds), DOT_BLOCK positions at a time, for a
+ * bfloat16 cache whose query rows are bfloat16 values too (a bfloat16 model's q, widened: every
+ * float's low half zero, checked per task). Each pair product is exact in float32 and summed
+ * with one rounding, as an FMA would; only the order of the sum differs from the AVX2 blocks.
+ * Why: those widen each K row to float32 into a buffer and run AVX2-width FMAs over it, ~40
+ * instructions per position and KV head at D = 64 with 3 query heads; here the cache's bytes
+ * meet the query's straight from memory, 16 positions per sweep of one query head, ending in
+ * one transposing reduction (hsum16). It reads each row a head at a time across the block's 16
+ * rows, a pattern the hardware prefetcher does not follow, so it prefetches every block's rows
+ * ahead, in order or not. Per call, against the AVX2 blocks: 1.34-1.50x at 16-32 rows of 256-512
+ * positions, 1.03-1.11x where the cache no longer holds the context (RESULTS.md, session 31). */
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define DOT_BLOCK 16
+
+static inline int all_bf16(const float *x, int64_t n) {
+    uint32_t low = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, x + i, sizeof u);
+        low |= u;
+    }
+    return (low & 0xffffu) == 0;
+}
+
+/* Lane r of the result is the sum of the 16 lanes of a[r]: three levels of pairwise merges
+ * (within 128-bit lanes, then across them), 45 instructions for 16 sums. */
+static inline __m512 hsum16(const __m512 a[16]) {
+    __m512 t[8], u[4];
+    for (int i = 0; i < 8; i++)
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++)
+        u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+    const __m512 v0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44), _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
+    const __m512 v1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44), _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(v0, v1, 0x88), _mm512_shuffle_f32x4(v0, v1, 0xDD));
+}
+
+#define DOT_BLOCKS(DIM)                                                                             \
+    if (dtype == 1 && DIM(d) % 32 == 0 && all_bf16(qh, nq * dd)) {                                  \
+        uint16_t *qb = (uint16_t *)(scores + len * nq + wide);                                       \
+        for (int64_t i = 0; i < nq * dd; i++) {                                                     \
+            uint32_t u;                                                                             \
+            memcpy(&u, qh + i, sizeof u);                                                           \
+            qb[i] = (uint16_t)(u >> 16);                                                            \
+        }                                                                                           \
+        for (; p + DOT_BLOCK <= n; p += DOT_BLOCK) {                                                \
+            const uint16_t *kr[DOT_BLOCK];                                                          \
+            for (int r = 0; r < DOT_BLOCK; r++) {                                                   \
+                ahead_step(&kpf, k, dtype, hk, h0, dd, nh, 1);                                      \
+                kr[r] = (const uint16_t *)k + (walk_next(&kw) * hk + h0) * dd;                      \
+            }                                                                                       \
+            for (int64_t j = 0; j < nq; j++) {                                                      \
+                const int64_t kh = (j / g) * dd;                                                    \
+                __m512 acc[DOT_BLOCK];                                                              \
+                for (int r = 0; r < DOT_BLOCK; r++) acc[r] = _mm512_setzero_ps();                   \
+                for (int64_t i = 0; i < dd; i += 32) {                                              \
+                    const __m512bh qv = (__m512bh)_mm512_loadu_si512((const void *)(qb + j * dd + i)); \
+                    for (int r = 0; r < DOT_BLOCK; r++)                                             \
+                        acc[r] = _mm512_dpbf16_ps(acc[r], qv,                                       \
+                                                  (__m512bh)_mm512_loadu_si512((const void *)(kr[r] + kh + i))); \
+                }                                                                                   \
+                _mm512_storeu_ps(scores + j * len + (p - lo), _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale))); \
+            }                                                                                       \
+        }                                                                                           \
+    }
+#define DOT_Q_SCRATCH(nq, dd) (((nq) * (dd) + 1) / 2) /* floats that hold the packed q */
+#else
+#define DOT_BLOCKS(DIM)
+#define DOT_Q_SCRATCH(nq, dd) 0
 #endif
 
 /* The weighted sum of V for the query heads of one KV head, accumulated in registers: for each
@@ -263,7 +340,7 @@ PV_RUNS(128)
         const int64_t len = n - lo, nh = h1 - h0, nq = nh * g;                                      \
         /* scores, then (a bfloat16 cache) a block of SCORE_BLOCK slot rows widened to float32 */  \
         const int64_t wide = dtype == 0 ? 0 : SCORE_ROWS * nh * dd;                                  \
-        float *scores = (float *)malloc((size_t)(len * nq + wide) * sizeof(float));                 \
+        float *scores = (float *)malloc((size_t)(len * nq + wide + DOT_Q_SCRATCH(nq, dd)) * sizeof(float)); \
         if (scores == NULL) return -3;                                                              \
         float row[MAX_ROW];                                                                         \
         float sum[MAX_Q_HEADS];                                                                     \
@@ -271,6 +348,7 @@ PV_RUNS(128)
         int64_t p = lo;                                                                             \
         pos_walk kw = walk_from(table, bs, lo);                                                     \
         ahead_walk kpf = ahead_from(table, bs, lo, n);                                              \
+        DOT_BLOCKS(DIM)                                                                             \
         SCORE_BLOCKS(DIM)                                                                           \
         for (; p < n; p++) {                                                                        \
             ahead_next(&kpf, k, dtype, hk, h0, dd, nh);                                             \

@@ -43,6 +43,23 @@ def test_matches_reference(dtype: torch.dtype, hq: int, hk: int, d: int, bs: int
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("exact", [True, False])
+@pytest.mark.parametrize(("hq", "hk", "d", "bs"), [(12, 4, 64, 16), (4, 2, 128, 4), (8, 8, 32, 16)])
+def test_bf16_cache_with_a_float32_query(exact: bool, hq: int, hk: int, d: int, bs: int) -> None:
+    """A bfloat16 cache under a float32 query: a query of bfloat16 values (a bfloat16 model's,
+    widened) may take the vdpbf16ps score pass on an AVX512-BF16 build; any other float32 query
+    must not (its low bits would be lost), and both match the float32 reference closely."""
+    lens = [16, 47, 300, 5]
+    q, k, v, tables, seq_lens = _case(len(lens), hq, hk, d, bs, lens, torch.bfloat16, seed=d)
+    q = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
+    if exact:
+        q = q.bfloat16().float()
+    got = paged_decode_cpu.paged_decode_attention_cpu(q, k, v, tables, seq_lens, d ** -0.5)
+    want = paged_decode_attention_torch(q, k.float(), v.float(), tables, seq_lens, d ** -0.5)
+    assert got is not None and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("d", [16, 64])
 def test_reads_nothing_behind_the_window_and_zero_length_rows(d: int) -> None:
     """Blocks wholly behind a row's window may be freed and hold anything (NaN here): never read.
