@@ -120,6 +120,19 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
+def _advance(pending: list[memoryview], done: int) -> list[memoryview]:
+    """The views still to fill or send after `done` more bytes: the whole ones dropped, the
+    partly done one trimmed."""
+    i = 0
+    while i < len(pending) and done >= pending[i].nbytes:
+        done -= pending[i].nbytes
+        i += 1
+    rest = pending[i:]
+    if done:
+        rest[0] = rest[0][done:]
+    return rest
+
+
 def recv_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
     """Fill every view completely, in order, with as few syscalls as the kernel allows: one
     recvmsg_into (readv) over up to _IOV_MAX views with MSG_WAITALL on a blocking socket, where
@@ -131,13 +144,7 @@ def recv_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
         got = sock.recvmsg_into(batch, 0, flags)[0]
         if got == 0:
             raise ConnectionError("peer closed the connection")
-        i = 0
-        while i < len(batch) and got >= batch[i].nbytes:
-            got -= batch[i].nbytes
-            i += 1
-        pending = pending[i:]
-        if got:
-            pending[0] = pending[0][got:]
+        pending = _advance(pending, got)
 
 
 def send_views(sock: socket.socket, views: Sequence[memoryview | bytes]) -> None:
@@ -145,15 +152,7 @@ def send_views(sock: socket.socket, views: Sequence[memoryview | bytes]) -> None
     pending = [v if isinstance(v, memoryview) else memoryview(v) for v in views if len(v)]
     while pending:
         batch = pending[:_IOV_MAX]
-        sent = sock.sendmsg(batch)
-        # Drop fully sent views; trim the partially sent one.
-        i = 0
-        while i < len(batch) and sent >= batch[i].nbytes:
-            sent -= batch[i].nbytes
-            i += 1
-        pending = pending[i:]
-        if sent:
-            pending[0] = pending[0][sent:]
+        pending = _advance(pending, sock.sendmsg(batch))
 
 
 def blocking_with_os_timeouts(sock: socket.socket, timeout_s: float) -> None:
