@@ -28,6 +28,10 @@ worker with none or one in flight (0 or 1) can take a prompt for almost nothing 
 which keeps the backlog rule's TTFT gain without the ITL p99 it cost at 1 req/s (RESULTS.md,
 session 31).
 
+The rule only says that a decode worker prefills; which one is the routing policy's pick among
+the decode pool (least loaded unless a cached prefix says otherwise), so with several decode
+workers the one it counted is usually, not always, the one that gets the prompt.
+
 Backlogs are the router's own counts (`WorkerHandle.prefill_backlog`, kept by LegRunner): the
 prompt tokens of its legs that compute a prompt on that worker, from the call until the leg's
 first response. A decode leg that loads its KV counts nothing. In-flight counts are too
