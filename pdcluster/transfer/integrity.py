@@ -18,7 +18,8 @@ of its choosing; the context binds the MAC to one window of one transfer, so win
 swapped or replayed into another request.
 
 Both sides hash in slices of at most MAC_SLICE bytes: the server hashes a slice then sends it;
-the client receives a slice into place then hashes it while it is still in cache. A mismatch is
+the client receives about MAC_SLICE bytes of slices into place with one gather call, then hashes
+them while they are still in cache. A mismatch is
 TransferError("integrity"): the reader treats the bytes as never loaded.
 """
 
@@ -88,8 +89,8 @@ class IntegrityError(Exception):
 
 def recv_checked(sock: socket.socket, dest: memoryview, pieces: Sequence[tuple[int, int]],
                  hasher: WindowMac) -> None:
-    """Receive a window into the pieces of `dest` (in order), hashing each slice as it lands,
-    then its MAC trailer; IntegrityError when they differ. The caller must not use the bytes
+    """Receive a window into the pieces of `dest` (in order), hashing each batch of slices as
+    it lands, then its MAC trailer; IntegrityError when they differ. The caller must not use the bytes
     unless this returns."""
     batch: list[memoryview] = []
     batch_bytes = 0
