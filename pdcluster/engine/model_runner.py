@@ -184,13 +184,21 @@ class ModelRunner:
         shape = (m.num_hidden_layers, 2, c.num_blocks, c.block_size, num_kv_heads, m.head_dim)
         dtype = torch_dtype(c.kv_cache_dtype)
         if connector is not None and self.device.type == "cpu" and connector.wants_shared_kv_cache():
-            from pdcluster.transfer import alloc_region  # lazy: only connectors need the data plane
+            # lazy: only connectors need the data plane
+            from pdcluster.transfer import ShmSpaceError, alloc_region
 
             nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-            self._kv_region = alloc_region(nbytes, shared=True)  # zero-filled by ftruncate
-            # A forgotten shutdown() must not leave the segment in /dev/shm after the process exits.
-            weakref.finalize(self, self._kv_region.close)
-            return self._kv_region.as_tensor(dtype, shape)
+            try:
+                self._kv_region = alloc_region(nbytes, shared=True)  # zero-filled by ftruncate
+            except ShmSpaceError as e:
+                # Serving on beats a cache that would SIGBUS once its pages outgrow /dev/shm: the
+                # cache stays private and same-host peers read it over TCP (the handshake names
+                # no segment); a consumer that demands transport "shm" gets that refusal by name.
+                logger.warning("KV cache kept in private memory, peers on this host read it over TCP: %s", e)
+            else:
+                # A forgotten shutdown() must not leave the segment in /dev/shm after the process exits.
+                weakref.finalize(self, self._kv_region.close)
+                return self._kv_region.as_tensor(dtype, shape)
         return torch.zeros(shape, dtype=dtype, device=self.device)
 
     def _get_sampler(self) -> Any:

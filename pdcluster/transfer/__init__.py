@@ -8,7 +8,7 @@ bytes zero-copy into/out of caller buffers. Same-host peers map `Region`s in sha
 from __future__ import annotations
 
 from .client import TransferClient, TransferError
-from .region import Region, alloc_region, as_byte_view, open_shared_region
+from .region import Region, ShmSpaceError, alloc_region, as_byte_view, open_shared_region
 from .server import TransferServer
 from .shm_cache import SharedRegionCache, local_host_id
 from .tokens import (
@@ -26,7 +26,7 @@ from .tokens import (
 )
 
 __all__ = [
-    "OP_READ", "OP_WRITE", "TOKEN_LEN", "Capability", "Region", "SharedRegionCache", "TokenError",
+    "OP_READ", "OP_WRITE", "TOKEN_LEN", "Capability", "Region", "SharedRegionCache", "ShmSpaceError", "TokenError",
     "TransferClient", "TransferError", "TransferServer", "alloc_region", "as_byte_view", "derive_key",
     "issue_token", "local_host_id", "now_ms", "open_shared_region", "parse_token", "ranges_digest", "verify_token",
 ]

@@ -16,6 +16,7 @@ clients the segment name.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import mmap
@@ -34,6 +35,18 @@ _SHM_NAME = re.compile(r"^pdcluster-[A-Za-z0-9_.-]{1,100}$")
 
 def shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+class ShmSpaceError(OSError):
+    """The shared-memory folder has no room for a segment: refused when it is made, because
+    a segment is sparse and the first touch of a page past the room kills the process (SIGBUS)."""
+
+
+def shm_free_bytes() -> int:
+    """Bytes the shared-memory folder can still hand out (a container's /dev/shm is 64 MiB
+    unless --shm-size says otherwise)."""
+    st = os.statvfs(shm_dir())
+    return st.f_bavail * st.f_frsize
 
 
 def _shm_path(name: str) -> str:
@@ -142,6 +155,11 @@ def alloc_region(nbytes: int, shared: bool = False, name: str | None = None) -> 
     if not shared:
         return Region.from_buffer(bytearray(nbytes))
     _reap_once()
+    free = shm_free_bytes()
+    if nbytes > free:
+        raise ShmSpaceError(errno.ENOSPC, f"{shm_dir()} has {free:,} bytes free; a shared segment of {nbytes:,} bytes "
+                                          "would fault (SIGBUS) once its pages outgrow that: give it more room "
+                                          "(docker run --shm-size) or ask for less")
     name = name or f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
     path = _shm_path(name)
     # Built under a hidden name and locked before it gets its real one: a reaper never sees a
