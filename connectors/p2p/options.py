@@ -71,7 +71,7 @@ class P2POptions:
     # A stream per 8 MiB at most: every extra stream is a request, a server thread and a MAC key
     # set-up, and the wake-ups of one more connection. Measured on a 2-vCPU box with the MAC on
     # (benchmarks/RESULTS.md, session 32): a 256-token bench-Llama hand-off's 3 MiB loaded in
-    # 5.0-5.6 ms with one stream against 5.7-6.4 with four, 12 MiB in 6.6 against 7.6 ms; at
+    # 4.7-5.6 ms with one stream against 5.3-6.4 with four, 12 MiB in 6.6 against 7.6 ms; at
     # 128 MiB four streams win (3.05-3.39 GB/s against 2.41-3.06 with one).
     min_stream_bytes: int = 8 << 20
     num_load_threads: int = 2

@@ -39,7 +39,9 @@ def shm_dir() -> str:
 
 class ShmSpaceError(OSError):
     """The shared-memory folder has no room for a segment: refused when it is made, because
-    a segment is sparse and the first touch of a page past the room kills the process (SIGBUS)."""
+    a segment is sparse and the first touch of a page past the room kills the process (SIGBUS).
+    A check, not a reservation (reserving would commit the memory at once): segments that several
+    processes make at the same moment can still outgrow the room together."""
 
 
 def shm_free_bytes() -> int:
