@@ -44,6 +44,7 @@ import json
 import os
 import pathlib
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -171,6 +172,7 @@ def main() -> None:
     finally:
         for proc, _ in procs.values():
             stop(proc)
+        shutil.rmtree(trace_path.parent, ignore_errors=True)  # read per request above; nothing left in /tmp
     rows: dict[str, dict] = {}
     print(f"transport={args.transport} repeats={args.repeats} mode={args.mode} serve_args={args.serve_args!r} "
           f"load average {os.getloadavg()[0]:.1f} (medians; aggregated and disaggregated requests interleaved)")
